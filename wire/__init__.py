@@ -1,0 +1,34 @@
+"""triode.wire: the protocol between triode's actors and processes.
+
+Message types, the codec (out-of-band array frames), framing for the engine's sockets, control
+(handshake) messages, and the trio adapter for pyzmq sockets. Nothing here imports torch.
+"""
+
+from .codec import DEFAULT_AUX_THRESHOLD as DEFAULT_AUX_THRESHOLD
+from .codec import Decoder as Decoder
+from .codec import Encoder as Encoder
+from .errors import ProtocolError as ProtocolError
+from .framing import InputDecoder as InputDecoder
+from .framing import InputPayload as InputPayload
+from .framing import OutputDecoder as OutputDecoder
+from .framing import encode_input as encode_input
+from .framing import encode_output as encode_output
+from .framing import topic_for as topic_for
+from .handshake import PROTOCOL_VERSION as PROTOCOL_VERSION
+from .handshake import Config as Config
+from .handshake import ControlMessage as ControlMessage
+from .handshake import Error as Error
+from .handshake import Hello as Hello
+from .handshake import Ready as Ready
+from .handshake import Shutdown as Shutdown
+from .messages import EngineCoreOutput as EngineCoreOutput
+from .messages import EngineCoreOutputs as EngineCoreOutputs
+from .messages import EngineCoreRequest as EngineCoreRequest
+from .messages import EngineCoreRequestType as EngineCoreRequestType
+from .messages import FinishReason as FinishReason
+from .messages import Logprobs as Logprobs
+from .messages import SamplingParams as SamplingParams
+from .messages import SchedulerStats as SchedulerStats
+from .messages import UtilityCall as UtilityCall
+from .messages import UtilityOutput as UtilityOutput
+from .zsocket import Socket as Socket

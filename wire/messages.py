@@ -1,0 +1,229 @@
+"""Engine protocol messages: what travels edge -> engine core and engine core -> edges.
+
+Hot messages are `array_like`, `omit_defaults`, `gc=False` msgspec Structs. Fields evolve by
+appending with defaults; never reorder or remove one.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any
+
+import msgspec
+import numpy as np
+
+_HOT = {"array_like": True, "omit_defaults": True, "gc": False}
+
+# Largest seed accepted; matches the int64 range torch generators take.
+_MAX_SEED = 2**63 - 1
+
+
+class EngineCoreRequestType(enum.Enum):
+    """The one-byte first frame of every message on the input socket."""
+
+    ADD_REQUEST = b"\x00"
+    ABORT_REQUEST = b"\x01"
+    UTILITY = b"\x02"
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended; an int on the wire for compactness."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class SamplingParams(msgspec.Struct, **_HOT):
+    """How to pick tokens for one request. Validated on construction and on decode."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16  # None: up to the model's length
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.n <= 128, "n", "must be between 1 and 128")
+        _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _check(self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)")
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        _check(self.seed is None or -_MAX_SEED <= self.seed <= _MAX_SEED, "seed", "out of range")
+        _check(
+            _finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            "must be in [-2, 2]",
+        )
+        _check(
+            _finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            "must be in [-2, 2]",
+        )
+        _check(
+            _finite(self.repetition_penalty) and self.repetition_penalty > 0,
+            "repetition_penalty",
+            "must be > 0",
+        )
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            "must be <= max_tokens",
+        )
+        _check(all(s for s in self.stop), "stop", "must not contain empty strings")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            "prompt_logprobs",
+            "must be in [0, 20]",
+        )
+        if self.logit_bias is not None:
+            _check(
+                all(t >= 0 and _finite(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()),
+                "logit_bias",
+                "token ids must be >= 0 and biases in [-100, 100]",
+            )
+        if self.allowed_token_ids is not None:
+            _check(
+                bool(self.allowed_token_ids) and all(t >= 0 for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                "must be a non-empty list of token ids",
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class EngineCoreRequest(msgspec.Struct, **_HOT):
+    """A tokenized request, ready for the scheduler."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    client_index: int = 0
+    priority: int = 0
+    kv_transfer_params: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        _check(bool(self.request_id), "request_id", "must not be empty")
+        _check(bool(self.prompt_token_ids), "prompt_token_ids", "must not be empty")
+        _check(all(t >= 0 for t in self.prompt_token_ids), "prompt_token_ids", "must be >= 0")
+        _check(0 <= self.client_index < 2**16, "client_index", "must fit in 16 bits")
+
+
+class Logprobs(msgspec.Struct, **_HOT):
+    """Log-probabilities for a run of positions.
+
+    Row i describes position i: column 0 is the chosen (or prompt) token, columns 1.. the top-k
+    alternatives in descending order. `ranks[i]` is the chosen token's rank in the full vocabulary
+    (1 = most likely).
+    """
+
+    token_ids: np.ndarray  # int32 [positions, 1 + k]
+    logprobs: np.ndarray  # float32 [positions, 1 + k]
+    ranks: np.ndarray  # int32 [positions]
+
+    def __post_init__(self) -> None:
+        _check(
+            self.token_ids.ndim == 2
+            and self.logprobs.shape == self.token_ids.shape
+            and self.ranks.shape == self.token_ids.shape[:1],
+            "logprobs",
+            "token_ids, logprobs and ranks disagree in shape",
+        )
+
+
+class EngineCoreOutput(msgspec.Struct, **_HOT):
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int] = []
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: Logprobs | None = None
+    new_prompt_logprobs: Logprobs | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, **_HOT):
+    """A snapshot of the scheduler after a step."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # 0-1; cached-but-free blocks count as free
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+
+
+class UtilityCall(msgspec.Struct, **_HOT):
+    """An RPC to the engine core; its result rides the output socket as a `UtilityOutput`."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+    client_index: int = 0
+
+
+class UtilityOutput(msgspec.Struct, **_HOT):
+    call_id: int
+    failure_message: str | None = None
+    result: Any = None
+
+
+class EngineCoreOutputs(msgspec.Struct, **_HOT):
+    """Everything one engine step sends to one client (one PUB topic).
+
+    `seq` counts messages per topic from 0, so a subscriber detects a gap.
+    """
+
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    utility_output: UtilityOutput | None = None
+    finished_requests: list[str] | None = None
+    seq: int = 0
+    timestamp: float = 0.0
+
+
+def _finite(x: float) -> bool:
+    return math.isfinite(x)
+
+
+def _check(ok: bool, field: str, why: str) -> None:
+    if not ok:
+        raise ValueError(f"{field}: {why}")
