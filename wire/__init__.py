@@ -5,6 +5,7 @@ Message types, the codec (out-of-band array frames), framing for the engine's so
 """
 
 from .codec import DEFAULT_AUX_THRESHOLD as DEFAULT_AUX_THRESHOLD
+from .codec import Buffer as Buffer
 from .codec import Decoder as Decoder
 from .codec import Encoder as Encoder
 from .errors import ProtocolError as ProtocolError

@@ -1,0 +1,162 @@
+"""The child side of an actor process: `python -m triode.actors.child UP DOWN TARGET NAME PPID`.
+
+It connects the two control sockets, says HELLO, takes CONFIG, and runs TARGET
+(`"module:function"`, an `async def f(ctx: ChildContext)`). SHUTDOWN from the parent cancels the
+target; an exception from the target goes back to the parent as a wire `Error` with its traceback,
+and the process exits 1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+import zmq
+
+from triode.wire import (
+    PROTOCOL_VERSION,
+    Config,
+    ControlMessage,
+    Decoder,
+    Encoder,
+    Error,
+    Hello,
+    ProtocolError,
+    Ready,
+    Shutdown,
+    Socket,
+)
+
+log = logging.getLogger(__name__)
+
+CONFIG_TIMEOUT = 30.0
+# Long enough for a final ERROR to leave before the process exits.
+CONTROL_LINGER_MS = 2000
+_PR_SET_PDEATHSIG = 1
+
+
+class ChildContext:
+    """What a child actor's target receives: its configuration and its line to the parent."""
+
+    def __init__(
+        self, name: str, config: Config, zmq_context: zmq.Context, up: Socket, encoder: Encoder
+    ) -> None:
+        self.name = name
+        self.addresses: dict[str, str] = config.addresses
+        self.options: dict[str, Any] = config.options
+        self.zmq_context = zmq_context
+        self.shutdown_requested = trio.Event()
+        self._up = up
+        self._encoder = encoder
+
+    async def ready(self, ready: Ready | None = None) -> None:
+        """Tell the parent this actor is serving. Call once, after binding/connecting sockets."""
+        await self._up.send_multipart(self._encoder.encode(ready or Ready()))
+
+
+def resolve(target: str) -> Callable[[ChildContext], Awaitable[None]]:
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"target must look like 'package.module:function', got {target!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+async def serve_child(up_address: str, down_address: str, target: str, name: str) -> int:
+    """Run one child actor to completion; return the process exit code."""
+    zctx = zmq.Context()
+    encoder = Encoder()
+    up = Socket.open(zctx, zmq.PUSH, connect=up_address, linger=CONTROL_LINGER_MS)
+    down = Socket.open(zctx, zmq.PULL, connect=down_address)
+    try:
+        await up.send_multipart(encoder.encode(Hello(PROTOCOL_VERSION, os.getpid(), name)))
+        decoder: Decoder[ControlMessage] = Decoder(ControlMessage)  # type: ignore[arg-type]
+        with trio.fail_after(CONFIG_TIMEOUT):
+            config = decoder.decode(await down.recv_multipart())
+        if not isinstance(config, Config):
+            raise ProtocolError(f"expected CONFIG from the parent, got {type(config).__name__}")
+        ctx = ChildContext(name, config, zctx, up, encoder)
+        main = resolve(target)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_parent, down, decoder, ctx, nursery.cancel_scope)
+            await main(ctx)
+            nursery.cancel_scope.cancel()
+        return 0
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        with trio.CancelScope(shield=True), trio.move_on_after(1):
+            await up.send_multipart(encoder.encode(_box(exc)))
+        log.exception("actor %r failed", name)
+        return 1
+    finally:
+        down.close()
+        up.zmq_socket.close(linger=CONTROL_LINGER_MS)
+        zctx.term()
+
+
+async def _watch_parent(
+    down: Socket, decoder: Decoder[Any], ctx: ChildContext, scope: trio.CancelScope
+) -> None:
+    while True:
+        try:
+            msg = decoder.decode(await down.recv_multipart())
+        except ProtocolError as e:
+            log.warning("ignored an undecodable control message: %s", e)
+            continue
+        if isinstance(msg, Shutdown):
+            ctx.shutdown_requested.set()
+            scope.cancel()
+            return
+
+
+def _box(exc: BaseException) -> Error:
+    error = Error.from_exception(exc)
+    if isinstance(exc, BaseExceptionGroup):
+        leaves = _leaves(exc)
+        if len(leaves) == 1:
+            error.type_name, error.message = type(leaves[0]).__qualname__, str(leaves[0])
+        else:
+            error.message = "; ".join(f"{type(e).__qualname__}: {e}" for e in leaves)
+    return error
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGTERM us when the parent dies, and exit if it already has."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:
+        sys.exit(1)
+
+
+def main(argv: list[str]) -> int:
+    up_address, down_address, target, name, parent_pid = argv
+    _die_with_parent(int(parent_pid))
+    logging.basicConfig(
+        level=os.environ.get("TRIODE_LOG_LEVEL", "WARNING").upper(),
+        format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s",
+    )
+    return trio.run(serve_child, up_address, down_address, target, name)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

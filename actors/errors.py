@@ -1,0 +1,43 @@
+"""Errors the actor runtime raises in a parent about its children."""
+
+from __future__ import annotations
+
+from triode.wire import Error
+
+
+class ActorError(Exception):
+    """Base of the runtime's errors about a child actor process."""
+
+
+class HandshakeError(ActorError):
+    """The child did not complete HELLO -> CONFIG -> READY (version mismatch, bad message,
+    timeout)."""
+
+
+class ActorDied(ActorError):
+    """A child process exited while the parent still needed it."""
+
+    def __init__(self, name: str, returncode: int | None) -> None:
+        super().__init__(f"actor {name!r} exited unexpectedly with code {returncode}")
+        self.name = name
+        self.returncode = returncode
+
+
+class RemoteError(ActorDied):
+    """A child process failed with an exception; it arrives here as data.
+
+    `type_name`, `remote_message` and `remote_traceback` are the child's; `str()` includes the
+    remote traceback so a log line tells the whole story.
+    """
+
+    def __init__(self, name: str, returncode: int | None, error: Error) -> None:
+        ActorError.__init__(
+            self,
+            f"actor {name!r} failed with {error.type_name}: {error.message}\n"
+            f"--- remote traceback ---\n{error.traceback}",
+        )
+        self.name = name
+        self.returncode = returncode
+        self.type_name = error.type_name
+        self.remote_message = error.message
+        self.remote_traceback = error.traceback
