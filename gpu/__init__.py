@@ -1,1 +1,1 @@
-"""placeholder"""
+"""triode.gpu: everything that runs torch — model runner, layers, sampler, worker processes."""

