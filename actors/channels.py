@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import trio
-
 from triode.wire import Buffer, ProtocolError, Socket
 
 T = TypeVar("T")

@@ -19,7 +19,6 @@ from typing import Any
 
 import trio
 import zmq
-
 from triode.wire import (
     PROTOCOL_VERSION,
     Config,

@@ -21,7 +21,6 @@ from typing import Any
 
 import trio
 import zmq
-
 from triode.wire import (
     PROTOCOL_VERSION,
     Config,

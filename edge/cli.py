@@ -19,8 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "serve":
-        print("triode serve is not available yet: the engine core and HTTP edge are still to come.",
-              file=sys.stderr)
+        print(
+            "triode serve is not available yet: the engine core and HTTP edge are still to come.",
+            file=sys.stderr,
+        )
         return 1
     if args.command == "bench":
         sys.argv = [f"triode bench {args.which}", *args.args]

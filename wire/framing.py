@@ -23,7 +23,9 @@ def topic_for(client_index: int) -> bytes:
     return client_index.to_bytes(2, "big")
 
 
-def encode_input(encoder: Encoder, kind: EngineCoreRequestType, payload: InputPayload) -> list[Buffer]:
+def encode_input(
+    encoder: Encoder, kind: EngineCoreRequestType, payload: InputPayload
+) -> list[Buffer]:
     return [kind.value, *encoder.encode(payload)]
 
 

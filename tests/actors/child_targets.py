@@ -8,7 +8,6 @@ import msgspec
 import numpy as np
 import trio
 import zmq
-
 from triode.actors import ChildContext, ZmqReceiveChannel, ZmqSendChannel
 from triode.wire import Decoder, Encoder, Ready, Socket
 
@@ -22,9 +21,7 @@ def probe_edges(ctx: zmq.Context, inbox: str, outbox: str, *, bind: bool):
     """The two edges of an echo exchange; the parent binds, the child connects."""
     where = "bind" if bind else "connect"
     encoder = Encoder()
-    recv = ZmqReceiveChannel(
-        Socket.open(ctx, zmq.PULL, **{where: inbox}), Decoder(Probe).decode
-    )
+    recv = ZmqReceiveChannel(Socket.open(ctx, zmq.PULL, **{where: inbox}), Decoder(Probe).decode)
     send = ZmqSendChannel(Socket.open(ctx, zmq.PUSH, **{where: outbox}), encoder.encode)
     return send, recv
 

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import trio
 import zmq
-
 from triode.actors import ActorDied, HandshakeError, RemoteError, open_child
 
 HERE = Path(__file__).parent
