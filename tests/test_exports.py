@@ -11,7 +11,8 @@ WIRE = {
     "Error", "FinishReason", "Hello", "InputDecoder", "InputPayload", "Logprobs",
     "OutputDecoder", "PROTOCOL_VERSION", "ProtocolError", "Ready", "SamplingParams",
     "SchedulerStats", "Shutdown", "Socket", "UtilityCall", "UtilityOutput", "encode_input",
-    "encode_output", "topic_for",
+    "encode_output", "topic_for", "ModelRunnerOutput", "NewRequestData", "RequestStepResult",
+    "ScheduledRequest", "SchedulerOutput",
 }  # fmt: skip
 ACTORS = {
     "ActorDied", "ActorError", "Child", "ChildContext", "HandshakeError", "RemoteError",

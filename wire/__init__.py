@@ -32,4 +32,9 @@ from .messages import SamplingParams as SamplingParams
 from .messages import SchedulerStats as SchedulerStats
 from .messages import UtilityCall as UtilityCall
 from .messages import UtilityOutput as UtilityOutput
+from .step import ModelRunnerOutput as ModelRunnerOutput
+from .step import NewRequestData as NewRequestData
+from .step import RequestStepResult as RequestStepResult
+from .step import ScheduledRequest as ScheduledRequest
+from .step import SchedulerOutput as SchedulerOutput
 from .zsocket import Socket as Socket

@@ -1,0 +1,73 @@
+"""What the scheduler hands the model runner each step, and what comes back.
+
+The runner keeps per-request state (sampling parameters, seeded generator, output history for
+penalties) from the first time it sees a request until the request id appears in
+`finished_request_ids`. These messages cross a process boundary when the model runs in worker
+processes (tensor/pipeline parallelism), so they are wire messages like the rest.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .messages import Logprobs, SamplingParams
+
+_HOT = {"array_like": True, "omit_defaults": True, "gc": False}
+
+
+class NewRequestData(msgspec.Struct, **_HOT):
+    """Sent with a request the first time the runner sees it."""
+
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+
+
+class ScheduledRequest(msgspec.Struct, **_HOT):
+    """One request's share of a step.
+
+    The runner computes `token_ids` at positions `num_computed_tokens ..
+    num_computed_tokens + len(token_ids) - 1`, writing their K/V into the blocks of `block_ids`
+    (the request's whole block table: position p lives in block `block_ids[p // block_size]`,
+    slot `p % block_size`). When `sample` is set, the chunk ends at the last known token and the
+    runner samples the next one from the logits of the last position.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    sample: bool = True
+    new: NewRequestData | None = None
+
+
+class SchedulerOutput(msgspec.Struct, **_HOT):
+    step: int
+    requests: list[ScheduledRequest] = []
+    finished_request_ids: list[str] = []  # the runner forgets their state
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.requests)
+
+
+class RequestStepResult(msgspec.Struct, **_HOT):
+    """What one step produced for one request.
+
+    `token_id` is None when the request did not sample this step (a prefill chunk that does not
+    reach the end of the prompt). `logprobs` has one row, for the sampled token, when the
+    request asked for logprobs. `prompt_logprobs` has a row per prompt position whose logprob
+    this step computed: the row for prompt token i (i >= 1) is conditioned on tokens < i.
+    """
+
+    request_id: str
+    token_id: int | None = None
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+
+
+class ModelRunnerOutput(msgspec.Struct, **_HOT):
+    """Results in the order of `SchedulerOutput.requests`, only for requests that sampled or
+    computed prompt logprobs."""
+
+    step: int
+    results: list[RequestStepResult] = []
