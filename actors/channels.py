@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import trio
+
 from triode.wire import Buffer, ProtocolError, Socket
 
 T = TypeVar("T")

@@ -19,6 +19,7 @@ from typing import Any
 
 import trio
 import zmq
+
 from triode.wire import (
     PROTOCOL_VERSION,
     Config,

@@ -21,6 +21,7 @@ from typing import Any
 
 import trio
 import zmq
+
 from triode.wire import (
     PROTOCOL_VERSION,
     Config,

@@ -1,0 +1,48 @@
+"""Engine arguments: the CLI flags' names, as one validated struct that crosses to the engine."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string like "512MiB", "2G", "1.5GB" (binary units)."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", value.lower())
+    if match is None:
+        raise ValueError(f"not a size: {value!r} (try 512MiB or 2GiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What an engine is started with; names follow the `triode serve` flags."""
+
+    model: str | None = None  # a Hugging Face directory, a .gguf file, or None: the default model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int | str = "512MiB"
+    enable_prefix_caching: bool = True
+    tensor_parallel_size: int = 1
+    block_size: int = 16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}"
+            )
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet")

@@ -1,0 +1,283 @@
+"""The embedding API: `open_engine` and `Engine.generate`.
+
+```python
+async with open_engine(model=None, max_num_seqs=64) as engine:
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=32, temperature=0)):
+        print(out.outputs[0].text)
+```
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+import zmq
+from tokenizers import Tokenizer
+
+from triode.wire import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    Ready,
+    SamplingParams,
+    Socket,
+    topic_for,
+)
+
+from .config import EngineArgs
+from .core_client import EngineCoreClient, EngineDeadError, RequestStream
+from .detokenizer import IncrementalDetokenizer
+from .outputs import CompletionOutput, RequestOutput, token_logprobs
+from .process import open_child
+
+ENGINE_CORE = "triode.actors.engine_core:serve_engine_core"
+
+
+class RequestError(ValueError):
+    """The engine refused a request (for example, a prompt longer than the model can take)."""
+
+
+class Engine:
+    """A running engine. Use it from the trio run that opened it."""
+
+    def __init__(self, client: EngineCoreClient, tokenizer: Tokenizer, ready: Ready) -> None:
+        self._client = client
+        self.tokenizer = tokenizer
+        self.model_dir = Path(ready.info["model_dir"])
+        self.eos_token_id: int | None = ready.info.get("eos_token_id")
+        self.dtype: str = ready.info.get("dtype", "")
+        self.max_model_len = ready.max_model_len
+        self.num_kv_blocks = ready.num_kv_blocks
+        self.block_size = ready.block_size
+
+    @property
+    def stats(self) -> Any:
+        """The scheduler's stats as of the last output received."""
+        return self._client.stats
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Generate for one prompt, yielding cumulative `RequestOutput`s until it finishes.
+
+        Each yield is a checkpoint. Cancelling the consumer, or closing the generator early,
+        aborts the request in the engine and frees its KV blocks. Raises `RequestError` if the
+        engine refuses the request and `EngineDeadError` if the engine dies.
+        """
+        params = params or SamplingParams()
+        prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode(prompt)
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens; this model takes at most "
+                f"{self.max_model_len - 1} so that one can be generated"
+            )
+        request_id = request_id or uuid.uuid4().hex
+        run = _Run(self, request_id, prompt, prompt_ids, params)
+        try:
+            await run.start()
+            while not run.finished:
+                for output in await run.stream.get():
+                    run.take(output)
+                for child_id in run.stopped_by_string():
+                    await self._client.abort_requests([child_id])
+                yield run.snapshot()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._client.abort_requests(run.unfinished_ids())
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self._client.abort_requests(request_ids)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._client.call_utility("reset_prefix_cache")
+
+    async def get_stats(self) -> dict[str, Any]:
+        return await self._client.call_utility("get_stats")
+
+    async def sleep(self) -> None:
+        await self._client.call_utility("sleep")
+
+    async def wake_up(self) -> None:
+        await self._client.call_utility("wake_up")
+
+    async def is_sleeping(self) -> bool:
+        return await self._client.call_utility("is_sleeping")
+
+
+class _Run:
+    """One `generate` call: its child requests (n of them), their detokenizers and results."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        request_id: str,
+        prompt: str | list[int],
+        prompt_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
+        self.engine = engine
+        self.stream = RequestStream()
+        self.params = params
+        self.prompt_ids = prompt_ids
+        self.output = RequestOutput(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            prompt_ids,
+            [
+                CompletionOutput(i, logprobs=[] if params.logprobs is not None else None)
+                for i in range(params.n)
+            ],
+        )
+        if params.prompt_logprobs is not None:
+            self.output.prompt_logprobs = []
+        child_params = [
+            msgspec.structs.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + i
+            )
+            for i in range(params.n)
+        ]
+        self.child_ids = (
+            [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
+        )
+        self.index = {cid: i for i, cid in enumerate(self.child_ids)}
+        self.child_params = child_params
+        self.detokenizers = [
+            IncrementalDetokenizer(engine.tokenizer, prompt_ids, p) for p in child_params
+        ]
+        self._stopped: list[str] = []
+
+    async def start(self) -> None:
+        now = time.time()
+        for cid, p in zip(self.child_ids, self.child_params, strict=True):
+            request = EngineCoreRequest(
+                cid, self.prompt_ids, p, self.engine.eos_token_id, arrival_time=now
+            )
+            await self.engine._client.add_request(request, self.stream)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.output.outputs)
+
+    def take(self, out: EngineCoreOutput) -> None:
+        i = self.index.get(out.request_id)
+        if i is None:
+            return
+        completion = self.output.outputs[i]
+        if completion.finished:
+            return  # e.g. a token that was in flight when a stop string ended it
+        if out.finish_reason is FinishReason.ERROR:
+            raise RequestError(str(out.stop_reason or "the engine failed the request"))
+        if out.num_cached_tokens:
+            self.output.num_cached_tokens = out.num_cached_tokens
+        if out.new_prompt_logprobs is not None and self.output.prompt_logprobs is not None:
+            self.output.prompt_logprobs.extend(token_logprobs(out.new_prompt_logprobs))
+        completion.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None and completion.logprobs is not None:
+            completion.logprobs.extend(token_logprobs(out.new_logprobs))
+        on_stop_token = out.finish_reason is FinishReason.STOP and not isinstance(
+            out.stop_reason, str
+        )
+        detok = self.detokenizers[i]
+        stop_string = detok.update(out.new_token_ids, stop_terminated=on_stop_token)
+        if stop_string is not None:
+            completion.finish_reason, completion.stop_reason = "stop", stop_string
+            self._stopped.append(out.request_id)
+        elif out.finish_reason is not None:
+            completion.finish_reason = str(out.finish_reason)
+            completion.stop_reason = out.stop_reason
+        completion.text += detok.delta(completion.finished)
+
+    def stopped_by_string(self) -> list[str]:
+        stopped, self._stopped = self._stopped, []
+        return stopped
+
+    def snapshot(self) -> RequestOutput:
+        out = self.output
+        out.finished = self.finished
+        return RequestOutput(
+            out.request_id,
+            out.prompt,
+            out.prompt_token_ids,
+            [
+                CompletionOutput(
+                    c.index,
+                    c.text,
+                    list(c.token_ids),
+                    c.finish_reason,
+                    c.stop_reason,
+                    None if c.logprobs is None else list(c.logprobs),
+                )
+                for c in out.outputs
+            ],
+            out.finished,
+            out.num_cached_tokens,
+            None if out.prompt_logprobs is None else list(out.prompt_logprobs),
+        )
+
+    def unfinished_ids(self) -> list[str]:
+        return [
+            cid
+            for cid, c in zip(self.child_ids, self.output.outputs, strict=True)
+            if not c.finished
+        ]
+
+
+@asynccontextmanager
+async def open_engine(model: str | None = None, **engine_args: Any) -> AsyncIterator[Engine]:
+    """Start an engine core process for `model` and yield an `Engine` once it is ready.
+
+    `model` is a Hugging Face directory, a `.gguf` file, or None for the default model;
+    `engine_args` are `EngineArgs` fields (the CLI flags' names). Leaving the block stops the
+    engine process (graceful message, then signals). Raises `TypeError`/`ValueError` for bad
+    arguments and `RemoteError` (in an exception group) if the engine fails to start.
+    """
+    args = EngineArgs(model=model, **engine_args)
+    tmpdir = tempfile.mkdtemp(prefix="triode-engine-")
+    addresses = {"input": f"ipc://{tmpdir}/input", "output": f"ipc://{tmpdir}/output"}
+    zctx = zmq.Context()
+    input_socket = Socket.open(zctx, zmq.PUSH, connect=addresses["input"])
+    output_socket = Socket.open(zctx, zmq.SUB, connect=addresses["output"], subscribe=topic_for(0))
+    try:
+        async with open_child(
+            ENGINE_CORE,
+            name="engine-core",
+            addresses=addresses,
+            options={"engine_args": msgspec.to_builtins(args), "num_clients": 1},
+            raise_on_death=False,
+            ready_timeout=float(os.environ.get("TRIODE_ENGINE_READY_TIMEOUT", 900)),
+        ) as child:
+            assert child.ready is not None
+            tokenizer = await trio.to_thread.run_sync(
+                Tokenizer.from_file, str(Path(child.ready.info["model_dir"]) / "tokenizer.json")
+            )
+            client = EngineCoreClient(input_socket, output_socket, child)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.run)
+                yield Engine(client, tokenizer, child.ready)
+                nursery.cancel_scope.cancel()
+    finally:
+        input_socket.close()
+        output_socket.close()
+        zctx.term()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+__all__ = ["Engine", "EngineDeadError", "RequestError", "open_engine"]

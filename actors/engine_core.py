@@ -1,0 +1,220 @@
+"""The engine-core process: scheduler actor, input and output edges, the step loop.
+
+Input arrives on a PULL socket (`[type, msgpack, *aux]`), outputs leave on an XPUB socket
+(`[topic, msgpack, *aux]` per client). XPUB rather than PUB because it reports subscriptions:
+the core says READY only once every expected client's SUB is connected, so no output is ever
+published into the void (ZMQ's slow-joiner problem). The forward pass runs in one worker thread,
+so requests and aborts are taken in while the model computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import msgspec
+import trio
+import zmq
+
+from triode.wire import (
+    Encoder,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    InputDecoder,
+    ModelRunnerOutput,
+    ProtocolError,
+    Ready,
+    Socket,
+    UtilityCall,
+    UtilityOutput,
+    encode_output,
+    topic_for,
+)
+
+from .child import ChildContext
+from .config import EngineArgs
+from .executor import Executor, create_executor
+from .scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+# PUB drops at its high-water mark; this is far above what a healthy client lags behind by,
+# and sequence numbers catch the rest.
+OUTPUT_HWM = 100_000
+SUBSCRIBE_TIMEOUT = 30.0
+
+
+class EngineCore:
+    """Owns the scheduler and the executor; the step loop and the input actor share them, both
+    on the trio thread, so the scheduler needs no locks."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.protocol_errors = 0
+        self.steps = 0
+        self.sleeping = False
+        self._work = trio.Event()
+        self._runner_thread = trio.CapacityLimiter(1)
+        self._outbox, self._publisher_inbox = trio.open_memory_channel[
+            tuple[int, EngineCoreOutputs]
+        ](64)
+
+    async def run(self, input_socket: Socket, output_socket: Socket) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._publish, output_socket)
+            nursery.start_soon(self._receive, input_socket)
+            await self._step_loop()
+
+    async def _step_loop(self) -> None:
+        while True:
+            while self.sleeping or not self.scheduler.has_unfinished_requests():
+                await self._work.wait()
+                self._work = trio.Event()
+            scheduler_output = self.scheduler.schedule()
+            if not scheduler_output.requests:
+                # Nothing could be scheduled (e.g. all waiting requests are blocked); wait for
+                # an input to change that rather than spin.
+                await self._work.wait()
+                self._work = trio.Event()
+                continue
+            runner_output: ModelRunnerOutput = await trio.to_thread.run_sync(
+                self.executor.execute, scheduler_output, limiter=self._runner_thread
+            )
+            self.steps += 1
+            per_client = self.scheduler.update_from_output(scheduler_output, runner_output)
+            stats = self.scheduler.get_stats()
+            for client, outputs in per_client.items():
+                outputs.scheduler_stats = stats
+                await self._outbox.send((client, outputs))
+
+    async def _receive(self, socket: Socket) -> None:
+        decoder = InputDecoder()
+        while True:
+            frames = await socket.recv_multipart()
+            try:
+                kind, payload = decoder.decode([f.buffer for f in frames])
+            except ProtocolError as e:
+                self.protocol_errors += 1
+                log.warning("dropped an undecodable input message: %s", e)
+                continue
+            if kind is EngineCoreRequestType.ADD_REQUEST:
+                assert isinstance(payload, EngineCoreRequest)
+                await self._add(payload)
+            elif kind is EngineCoreRequestType.ABORT_REQUEST:
+                assert isinstance(payload, list)
+                self.scheduler.abort_requests(payload)
+            else:
+                assert isinstance(payload, UtilityCall)
+                await self._call_utility(payload)
+            self._work.set()
+
+    async def _add(self, request: EngineCoreRequest) -> None:
+        if not request.arrival_time:
+            request.arrival_time = time.time()
+        rejected = self.scheduler.add_request(request)
+        if rejected is not None:
+            outputs = EngineCoreOutputs(
+                outputs=[rejected],
+                finished_requests=[request.request_id],
+                scheduler_stats=self.scheduler.get_stats(),
+            )
+            await self._outbox.send((request.client_index, outputs))
+
+    async def _call_utility(self, call: UtilityCall) -> None:
+        result = UtilityOutput(call.call_id)
+        method = _UTILITIES.get(call.method)
+        if method is None:
+            result.failure_message = f"unknown utility method {call.method!r}"
+        else:
+            try:
+                result.result = method(self, *call.args)
+            except Exception as e:
+                result.failure_message = f"{call.method} failed: {type(e).__name__}: {e}"
+        await self._outbox.send((call.client_index, EngineCoreOutputs(utility_output=result)))
+
+    async def _publish(self, socket: Socket) -> None:
+        encoder = Encoder()
+        seqs: dict[int, int] = {}
+        async for client, outputs in self._publisher_inbox:
+            outputs.seq = seqs.get(client, 0)
+            seqs[client] = outputs.seq + 1
+            outputs.timestamp = time.time()
+            await socket.send_multipart(encode_output(encoder, client, outputs))
+
+    # Utility methods: called by name through UTILITY messages; results must be msgpack-able.
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def get_stats(self) -> dict[str, Any]:
+        stats = self.scheduler.get_stats()
+        named = {name: getattr(stats, name) for name in stats.__struct_fields__}
+        return {**named, "protocol_errors": self.protocol_errors, "steps": self.steps}
+
+    def sleep(self, level: int = 1) -> None:
+        """Stop taking steps; requests wait (and keep their KV blocks) until `wake_up`."""
+        self.sleeping = True
+
+    def wake_up(self) -> None:
+        self.sleeping = False
+
+    def is_sleeping(self) -> bool:
+        return self.sleeping
+
+
+_UTILITIES = {
+    name: getattr(EngineCore, name)
+    for name in ("reset_prefix_cache", "get_stats", "sleep", "wake_up", "is_sleeping")
+}
+
+
+async def _await_subscribers(socket: Socket, clients: int) -> None:
+    """Wait until `clients` distinct topics are subscribed on the XPUB socket."""
+    expected = {topic_for(i) for i in range(clients)}
+    seen: set[bytes] = set()
+    with trio.fail_after(SUBSCRIBE_TIMEOUT):
+        while not expected <= seen:
+            [frame] = await socket.recv_multipart(copy=True)
+            if frame[:1] == b"\x01":
+                seen.add(frame[1:])
+
+
+async def serve_engine_core(ctx: ChildContext) -> None:
+    """The engine-core actor's entry (`triode.actors.engine_core:serve_engine_core`)."""
+    args = msgspec.convert(ctx.options["engine_args"], EngineArgs)
+    input_socket = Socket.open(ctx.zmq_context, zmq.PULL, bind=ctx.addresses["input"])
+    output_socket = Socket.open(
+        ctx.zmq_context, zmq.XPUB, bind=ctx.addresses["output"], hwm=OUTPUT_HWM
+    )
+    async with input_socket, output_socket:
+        executor = await trio.to_thread.run_sync(create_executor, args, abandon_on_cancel=True)
+        scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=executor.num_kv_blocks,
+                block_size=executor.block_size,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=executor.max_model_len,
+                enable_prefix_caching=args.enable_prefix_caching,
+            )
+        )
+        await _await_subscribers(output_socket, ctx.options.get("num_clients", 1))
+        await ctx.ready(
+            Ready(
+                num_kv_blocks=executor.num_kv_blocks,
+                block_size=executor.block_size,
+                max_model_len=executor.max_model_len,
+                info={
+                    "model_dir": str(executor.model_dir),
+                    "eos_token_id": executor.eos_token_id,
+                    "dtype": getattr(executor, "dtype", ""),
+                },
+            )
+        )
+        try:
+            await EngineCore(scheduler, executor).run(input_socket, output_socket)
+        finally:
+            executor.shutdown()

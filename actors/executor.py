@@ -1,0 +1,62 @@
+"""The one door from the actors into `triode.gpu`: where the model runs.
+
+The scheduler hands each step's `SchedulerOutput` to an executor and gets a `ModelRunnerOutput`
+back. With tensor/pipeline parallelism of 1 the model runs in this process (the engine core calls
+`execute` from one dedicated thread); worker processes will implement the same interface.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from triode.wire import ModelRunnerOutput, SchedulerOutput
+
+from .config import EngineArgs
+
+
+class Executor(Protocol):
+    model_dir: Path
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_id: int | None
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+class InProcessExecutor:
+    """Runs the model in this process. `execute` blocks; call it from a worker thread."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        from triode.gpu.loader import resolve_model
+        from triode.gpu.model_runner import ModelRunner
+
+        self.model_dir = resolve_model(args.model)
+        self._runner = ModelRunner(
+            self.model_dir,
+            dtype=args.dtype,
+            kv_cache_memory=int(args.kv_cache_memory),
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            seed=args.seed,
+        )
+        self.num_kv_blocks = self._runner.num_kv_blocks
+        self.block_size = self._runner.block_size
+        self.max_model_len = self._runner.max_model_len
+        self.eos_token_id = self._runner.eos_token_id
+        self.dtype = str(self._runner.dtype).removeprefix("torch.")
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._runner.execute(scheduler_output)
+
+    def shutdown(self) -> None:
+        self._runner = None  # type: ignore[assignment]
+
+
+def create_executor(args: EngineArgs) -> Executor:
+    return InProcessExecutor(args)

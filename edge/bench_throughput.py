@@ -1,0 +1,174 @@
+"""`triode bench throughput`: offline generation throughput, triode's engine against Hugging
+Face `generate` on the same prompts, side by side in one run.
+
+Measures output tokens/s for 1 sequence and for N concurrent sequences (each exactly
+`--new-tokens` tokens, ignore_eos), time to first token, peak RSS of each side, and whether
+bfloat16 and float32 greedy text agree on the test prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import trio
+
+from triode.actors import SamplingParams, open_engine
+
+TOPICS = [
+    "the sea", "a lighthouse", "autumn", "a robot", "trains", "the moon", "a garden", "chess",
+    "winter", "a city at night", "bees", "mountains", "a library", "rain", "coffee", "a comet",
+]  # fmt: skip
+
+
+def _prompt_texts(n: int) -> list[str]:
+    return [f"Write a short story about {TOPICS[i % len(TOPICS)]} (number {i})." for i in range(n)]
+
+
+def _peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def _timed(engine, prompt: list[int], params: SamplingParams) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+    """Returns (time to first token, tokens generated)."""
+    start = time.perf_counter()
+    ttft, tokens = float("nan"), 0
+    async for out in engine.generate(prompt, params):
+        if tokens == 0 and out.outputs[0].token_ids:
+            ttft = time.perf_counter() - start
+        tokens = len(out.outputs[0].token_ids)
+    return ttft, tokens
+
+
+async def bench_triode(
+    model: str | None, dtype: str, prompts: list[list[int]], new_tokens: int
+) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    async with open_engine(model, dtype=dtype, max_num_seqs=max(64, len(prompts))) as engine:
+        await _timed(engine, prompts[0], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+        start = time.perf_counter()
+        ttft, tokens = await _timed(engine, prompts[0], params)
+        single = tokens / (time.perf_counter() - start)
+
+        results: list[tuple[float, int]] = []
+
+        async def one(prompt: list[int]) -> None:
+            results.append(await _timed(engine, prompt, params))
+
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for prompt in prompts:
+                nursery.start_soon(one, prompt)
+        elapsed = time.perf_counter() - start
+        engine_pid = engine._client._child.pid
+        rss = _peak_rss_mb(engine_pid) + resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return {
+            "dtype": engine.dtype,
+            "model_dir": str(engine.model_dir),
+            "single_tok_s": single,
+            "concurrent": len(prompts),
+            "concurrent_tok_s": sum(t for _, t in results) / elapsed,
+            "ttft_s": ttft,
+            "concurrent_mean_ttft_s": sum(t for t, _ in results) / len(results),
+            "peak_rss_mb": rss,
+        }
+
+
+async def greedy_tokens(
+    model: str | None, dtype: str, prompts: list[str], tokens: int
+) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    async with open_engine(model, dtype=dtype) as engine:
+        texts = []
+        for prompt in prompts:
+            final = None
+            async for final in engine.generate(prompt, params):  # noqa: B007 - keep the last
+                pass
+            assert final is not None
+            texts.append(final.outputs[0].token_ids)
+        return texts
+
+
+def bench_hf(
+    model_dir: str, dtype: str, prompts: list[list[int]], new_tokens: int, batch: int
+) -> dict:
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "triode.gpu.hf_baseline", model_dir, "--dtype", dtype,
+            "--prompts", json.dumps(prompts), "--new-tokens", str(new_tokens),
+            "--batch", str(batch),
+        ],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _table(ours: dict, hf: dict, agree: tuple[int, int]) -> str:
+    rows = [
+        ("output tok/s, 1 sequence", ours["single_tok_s"], hf["single_tok_s"], ">= 2x"),
+        (
+            f"output tok/s, {ours['concurrent']} concurrent (HF: batches of {hf['batch']})",
+            ours["concurrent_tok_s"],
+            hf["batch_tok_s"],
+            ">= 2x",
+        ),
+        ("time to first token, 1 sequence (ms)", ours["ttft_s"] * 1e3, hf["ttft_s"] * 1e3, ""),
+        ("peak RSS (MB)", ours["peak_rss_mb"], hf["peak_rss_mb"], "triode <= 2048"),
+    ]
+    verdicts = [
+        ours["single_tok_s"] >= 2 * hf["single_tok_s"],
+        ours["concurrent_tok_s"] >= 2 * hf["batch_tok_s"],
+        None,
+        ours["peak_rss_mb"] <= 2048,
+    ]
+    lines = [f"{'':58} {'triode':>10} {'HF generate':>12} {'ratio':>7}  target"]
+    for (name, a, b, target), ok in zip(rows, verdicts, strict=True):
+        verdict = "" if ok is None else ("MET" if ok else "NOT MET")
+        lines.append(f"{name:58} {a:10.1f} {b:12.1f} {a / b:6.2f}x  {target} {verdict}")
+    lines.append(
+        f"{'bfloat16 vs float32 greedy, first 16 tokens agree':58} {agree[0]:>6}/{agree[1]} prompts"
+        f"  {'MET' if agree[0] == agree[1] else 'NOT MET'}"
+    )
+    lines.append(f"(triode dtype: {ours['dtype']}; model: {ours['model_dir']})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="triode bench throughput", description=__doc__)
+    parser.add_argument("--model", default=None, help="HF directory or .gguf (default model)")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--hf-batch", type=int, default=16)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+
+    async def ours_and_agreement() -> tuple[dict, tuple[int, int], list[list[int]]]:
+        texts = _prompt_texts(args.concurrency)
+        async with open_engine(args.model, dtype="float32", max_num_seqs=8) as engine:
+            prompts = [engine.encode(t) for t in texts]
+        ours = await bench_triode(args.model, args.dtype, prompts, args.new_tokens)
+        checks = texts[:4]
+        bf16 = await greedy_tokens(args.model, "bfloat16", checks, 16)
+        f32 = await greedy_tokens(args.model, "float32", checks, 16)
+        agree = sum(a == b for a, b in zip(bf16, f32, strict=True))
+        return ours, (agree, len(checks)), prompts
+
+    ours, agree, prompts = trio.run(ours_and_agreement)
+    hf_dtype = "bfloat16" if ours["dtype"] == "bfloat16" else "float32"
+    hf = bench_hf(ours["model_dir"], hf_dtype, prompts, args.new_tokens, args.hf_batch)
+    print(_table(ours, hf, agree))
+    if args.json:
+        args.json.write_text(json.dumps({"triode": ours, "hf": hf, "agree": agree}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

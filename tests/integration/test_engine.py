@@ -1,0 +1,197 @@
+"""The embedding API end to end: a real engine-core process on the real default model,
+checked token for token against Hugging Face transformers."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import trio
+
+from triode.actors import SamplingParams, open_engine
+from triode.actors.core_client import EngineDeadError
+from triode.actors.engine import RequestError
+
+from .conftest import Reference
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.\n",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a land far away, there lived a dragon who",
+]
+NEW_TOKENS = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+F32 = {"dtype": "float32"}
+
+
+async def _generate(engine, prompt, params=GREEDY):  # type: ignore[no-untyped-def]
+    final = None
+    async for out in engine.generate(prompt, params):
+        final = out
+    assert final is not None and final.finished
+    return final
+
+
+async def _all(engine, prompts, params=GREEDY):  # type: ignore[no-untyped-def]
+    results: dict[int, object] = {}
+
+    async def one(i: int, prompt: list[int]) -> None:
+        results[i] = await _generate(engine, prompt, params)
+
+    async with trio.open_nursery() as nursery:
+        for i, prompt in enumerate(prompts):
+            nursery.start_soon(one, i, prompt)
+    return [results[i] for i in range(len(prompts))]
+
+
+def _prompts(reference: Reference) -> list[list[int]]:
+    return [reference.encode(p) for p in PROMPTS[:3]] + [reference.chat(PROMPTS[3])]
+
+
+async def _wait_idle(engine) -> dict:  # type: ignore[no-untyped-def]
+    with trio.fail_after(10):
+        while True:
+            stats = await engine.get_stats()
+            if stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0:
+                return stats
+            await trio.sleep(0.05)
+
+
+async def test_greedy_matches_transformers_alone_and_batched(
+    model_dir: Path, reference: Reference
+) -> None:
+    prompts = _prompts(reference)
+    expected = [reference.greedy(tuple(p), NEW_TOKENS) for p in prompts]
+    async with open_engine(str(model_dir), **F32) as engine:
+        alone = [await _generate(engine, p) for p in prompts]
+        batched = await _all(engine, prompts)
+        stats = await _wait_idle(engine)
+    assert [o.outputs[0].token_ids for o in alone] == expected
+    assert [o.outputs[0].token_ids for o in batched] == expected
+    assert alone[0].outputs[0].text == reference.tokenizer.decode(expected[0])
+    assert alone[0].outputs[0].finish_reason == "length"
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+async def test_greedy_matches_with_chunked_prefill(model_dir: Path, reference: Reference) -> None:
+    prompts = _prompts(reference)
+    expected = [reference.greedy(tuple(p), NEW_TOKENS) for p in prompts]
+    async with open_engine(str(model_dir), max_num_batched_tokens=8, **F32) as engine:
+        batched = await _all(engine, prompts)
+    assert [o.outputs[0].token_ids for o in batched] == expected
+
+
+async def test_greedy_matches_under_preemption(model_dir: Path, reference: Reference) -> None:
+    prompts = _prompts(reference)
+    expected = [reference.greedy(tuple(p), NEW_TOKENS) for p in prompts]
+    # Room for ~7 blocks of 16 tokens: each request alone fits, all four together do not.
+    async with open_engine(str(model_dir), kv_cache_memory=5_200_000, **F32) as engine:
+        assert engine.num_kv_blocks * engine.block_size < sum(len(p) + NEW_TOKENS for p in prompts)
+        batched = await _all(engine, prompts)
+        stats = await _wait_idle(engine)
+    assert [o.outputs[0].token_ids for o in batched] == expected
+    assert stats["num_preemptions"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+async def test_shared_prefix_hits_the_prefix_cache(model_dir: Path, reference: Reference) -> None:
+    system = "You are a helpful assistant who answers questions about geography briefly. " * 3
+    first, second = (
+        reference.encode(system + "Where is Peru?"),
+        reference.encode(system + "Where is Chad?"),
+    )
+    async with open_engine(str(model_dir), **F32) as engine:
+        one = await _generate(engine, first)
+        two = await _generate(engine, second)
+    assert one.num_cached_tokens == 0
+    shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    assert two.num_cached_tokens == shared // 16 * 16 > 0
+    assert two.outputs[0].token_ids == reference.greedy(tuple(second), NEW_TOKENS)
+
+
+async def test_sampling_seeds_top_k_and_logprobs(model_dir: Path, reference: Reference) -> None:
+    prompt = reference.encode(PROMPTS[0])
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    async with open_engine(str(model_dir), **F32) as engine:
+        a = await _generate(engine, prompt, seeded)
+        b = await _generate(engine, prompt, seeded)
+        top1 = await _generate(
+            engine,
+            prompt,
+            SamplingParams(temperature=1.0, top_k=1, max_tokens=NEW_TOKENS, ignore_eos=True),
+        )
+        lp = await _generate(
+            engine, prompt, SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
+        )
+        two = await _generate(
+            engine,
+            prompt,
+            SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True),
+        )
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert top1.outputs[0].token_ids == reference.greedy(tuple(prompt), NEW_TOKENS)
+    generated = lp.outputs[0].token_ids
+    ref = reference.log_softmax(prompt + generated)
+    for i, entry in enumerate(lp.outputs[0].logprobs):
+        row = ref[len(prompt) - 1 + i]
+        assert entry.token_id == generated[i]
+        assert math.isclose(entry.logprob, row[generated[i]].item(), abs_tol=1e-3)
+        assert entry.rank == 1  # greedy picks the most likely token
+        assert [t for t, _ in entry.top] == row.topk(5).indices.tolist()
+    assert len(two.outputs) == 2 and all(len(o.token_ids) == 8 for o in two.outputs)
+
+
+async def test_stop_strings_and_too_long_prompts(model_dir: Path, reference: Reference) -> None:
+    prompt = reference.encode(PROMPTS[0])
+    full = reference.tokenizer.decode(reference.greedy(tuple(prompt), NEW_TOKENS))
+    stop = full.strip().split()[1]  # the second word of the greedy continuation
+    async with open_engine(str(model_dir), max_model_len=64, **F32) as engine:
+        out = await _generate(
+            engine, prompt, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, stop=[stop])
+        )
+        with pytest.raises(RequestError, match="at most 63"):
+            await _generate(engine, list(range(100, 200)))
+        stats = await _wait_idle(engine)
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].stop_reason == stop
+    assert out.outputs[0].text == full[: full.index(stop)]
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+async def test_cancel_mid_stream_frees_every_block(model_dir: Path, reference: Reference) -> None:
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    async with open_engine(str(model_dir), **F32) as engine:
+        seen = 0
+        with trio.move_on_after(30) as scope:
+            async for out in engine.generate(reference.encode(PROMPTS[1]), long):
+                seen = len(out.outputs[0].token_ids)
+                if seen >= 5:
+                    scope.cancel()
+        assert scope.cancelled_caught and 5 <= seen < 400
+        stats = await _wait_idle(engine)
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+        # A generator closed early (break) aborts too.
+        async for _ in engine.generate(reference.encode(PROMPTS[2]), long):
+            break
+        await trio.sleep(0.2)
+        stats = await _wait_idle(engine)
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+async def test_engine_death_fails_requests_at_once(model_dir: Path, reference: Reference) -> None:
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    async with open_engine(str(model_dir), **F32) as engine:
+        pid = engine._client._child.pid
+        with pytest.raises(EngineDeadError):
+            with trio.fail_after(5):
+                async for out in engine.generate(reference.encode(PROMPTS[1]), long):
+                    if len(out.outputs[0].token_ids) == 2:
+                        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            await _generate(engine, reference.encode(PROMPTS[0]))
