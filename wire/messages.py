@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -17,6 +17,9 @@ _HOT = {"array_like": True, "omit_defaults": True, "gc": False}
 
 # Largest seed accepted; matches the int64 range torch generators take.
 _MAX_SEED = 2**63 - 1
+_INF = math.inf
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
 
 class EngineCoreRequestType(enum.Enum):
@@ -65,27 +68,43 @@ class SamplingParams(msgspec.Struct, **_HOT):
     spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        # One chained test on the hot path (NaN fails every comparison); the field-by-field
+        # checks only run to name what is wrong.
+        if not (
+            1 <= self.n <= 128
+            and 0.0 <= self.temperature < _INF
+            and 0.0 < self.top_p <= 1.0
+            and self.top_k >= 0
+            and 0.0 <= self.min_p <= 1.0
+            and (self.seed is None or -_MAX_SEED <= self.seed <= _MAX_SEED)
+            and -2.0 <= self.presence_penalty <= 2.0
+            and -2.0 <= self.frequency_penalty <= 2.0
+            and 0.0 < self.repetition_penalty < _INF
+            and (self.max_tokens is None or self.max_tokens >= 1)
+            and 0 <= self.min_tokens
+            and (self.max_tokens is None or self.min_tokens <= self.max_tokens)
+            and (self.logprobs is None or 0 <= self.logprobs <= 20)
+            and (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20)
+            and (not self.stop or all(self.stop))
+            and (not self.stop_token_ids or min(self.stop_token_ids) >= 0)
+            and (self.logit_bias is None or _valid_bias(self.logit_bias))
+            and (
+                self.allowed_token_ids is None
+                or (bool(self.allowed_token_ids) and min(self.allowed_token_ids) >= 0)
+            )
+        ):
+            self._explain()
+
+    def _explain(self) -> None:
         _check(1 <= self.n <= 128, "n", "must be between 1 and 128")
-        _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
-        _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _check(0 <= self.temperature < _INF, "temperature", "must be >= 0")
+        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         _check(self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)")
-        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         _check(self.seed is None or -_MAX_SEED <= self.seed <= _MAX_SEED, "seed", "out of range")
-        _check(
-            _finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-            "presence_penalty",
-            "must be in [-2, 2]",
-        )
-        _check(
-            _finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-            "frequency_penalty",
-            "must be in [-2, 2]",
-        )
-        _check(
-            _finite(self.repetition_penalty) and self.repetition_penalty > 0,
-            "repetition_penalty",
-            "must be > 0",
-        )
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
+        _check(0 < self.repetition_penalty < _INF, "repetition_penalty", "must be > 0")
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
         _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
         _check(
@@ -93,26 +112,25 @@ class SamplingParams(msgspec.Struct, **_HOT):
             "min_tokens",
             "must be <= max_tokens",
         )
-        _check(all(s for s in self.stop), "stop", "must not contain empty strings")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
         _check(
             self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
             "prompt_logprobs",
             "must be in [0, 20]",
         )
-        if self.logit_bias is not None:
-            _check(
-                all(t >= 0 and _finite(b) and -100 <= b <= 100 for t, b in self.logit_bias.items()),
-                "logit_bias",
-                "token ids must be >= 0 and biases in [-100, 100]",
-            )
-        if self.allowed_token_ids is not None:
-            _check(
-                bool(self.allowed_token_ids) and all(t >= 0 for t in self.allowed_token_ids),
-                "allowed_token_ids",
-                "must be a non-empty list of token ids",
-            )
+        _check(all(self.stop), "stop", "must not contain empty strings")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
+        _check(
+            self.logit_bias is None or _valid_bias(self.logit_bias),
+            "logit_bias",
+            "token ids must be >= 0 and biases in [-100, 100]",
+        )
+        _check(
+            self.allowed_token_ids is None
+            or (bool(self.allowed_token_ids) and min(self.allowed_token_ids) >= 0),
+            "allowed_token_ids",
+            "must be a non-empty list of token ids",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -123,7 +141,9 @@ class EngineCoreRequest(msgspec.Struct, **_HOT):
     """A tokenized request, ready for the scheduler."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    # Checked element-wise by the decoder, in C; a sender that builds requests in Python
+    # validates token ids where they enter (the intake).
+    prompt_token_ids: list[TokenId]
     sampling_params: SamplingParams
     eos_token_id: int | None = None
     arrival_time: float = 0.0
@@ -134,7 +154,6 @@ class EngineCoreRequest(msgspec.Struct, **_HOT):
     def __post_init__(self) -> None:
         _check(bool(self.request_id), "request_id", "must not be empty")
         _check(bool(self.prompt_token_ids), "prompt_token_ids", "must not be empty")
-        _check(all(t >= 0 for t in self.prompt_token_ids), "prompt_token_ids", "must be >= 0")
         _check(0 <= self.client_index < 2**16, "client_index", "must fit in 16 bits")
 
 
@@ -220,8 +239,8 @@ class EngineCoreOutputs(msgspec.Struct, **_HOT):
     timestamp: float = 0.0
 
 
-def _finite(x: float) -> bool:
-    return math.isfinite(x)
+def _valid_bias(bias: dict[int, float]) -> bool:
+    return all(t >= 0 and -100.0 <= b <= 100.0 for t, b in bias.items())
 
 
 def _check(ok: bool, field: str, why: str) -> None:
