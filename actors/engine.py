@@ -262,6 +262,8 @@ async def open_engine(model: str | None = None, **engine_args: Any) -> AsyncIter
             addresses=addresses,
             options={"engine_args": msgspec.to_builtins(args), "num_clients": 1},
             raise_on_death=False,
+            # Idle OpenMP threads that spin steal the cores the other processes need.
+            env={"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")},
             ready_timeout=float(os.environ.get("TRIODE_ENGINE_READY_TIMEOUT", 900)),
         ) as child:
             assert child.ready is not None

@@ -19,9 +19,11 @@ import zmq
 
 from triode.wire import (
     Encoder,
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    FinishReason,
     InputDecoder,
     ModelRunnerOutput,
     ProtocolError,
@@ -114,7 +116,14 @@ class EngineCore:
     async def _add(self, request: EngineCoreRequest) -> None:
         if not request.arrival_time:
             request.arrival_time = time.time()
-        rejected = self.scheduler.add_request(request)
+        problem = _out_of_vocabulary(request, self.executor.vocab_size)
+        rejected = (
+            EngineCoreOutput(
+                request.request_id, finish_reason=FinishReason.ERROR, stop_reason=problem
+            )
+            if problem
+            else self.scheduler.add_request(request)
+        )
         if rejected is not None:
             outputs = EngineCoreOutputs(
                 outputs=[rejected],
@@ -171,6 +180,20 @@ _UTILITIES = {
 }
 
 
+def _out_of_vocabulary(request: EngineCoreRequest, vocab_size: int) -> str | None:
+    """Token ids the model has no row for would fail the whole step; refuse them here."""
+    params = request.sampling_params
+    for field, ids in (
+        ("prompt_token_ids", request.prompt_token_ids),
+        ("stop_token_ids", params.stop_token_ids),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+        ("logit_bias", params.logit_bias or ()),
+    ):
+        if ids and max(ids) >= vocab_size:
+            return f"{field}: token ids must be < {vocab_size}, the model's vocabulary size"
+    return None
+
+
 async def _await_subscribers(socket: Socket, clients: int) -> None:
     """Wait until `clients` distinct topics are subscribed on the XPUB socket."""
     expected = {topic_for(i) for i in range(clients)}
@@ -206,7 +229,8 @@ async def serve_engine_core(ctx: ChildContext) -> None:
             Ready(
                 num_kv_blocks=executor.num_kv_blocks,
                 block_size=executor.block_size,
-                max_model_len=executor.max_model_len,
+                # A request can never outgrow the whole cache, whatever the model allows.
+                max_model_len=scheduler.max_len,
                 info={
                     "model_dir": str(executor.model_dir),
                     "eos_token_id": executor.eos_token_id,

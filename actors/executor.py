@@ -21,6 +21,7 @@ class Executor(Protocol):
     block_size: int
     max_model_len: int
     eos_token_id: int | None
+    vocab_size: int
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
@@ -49,6 +50,7 @@ class InProcessExecutor:
         self.block_size = self._runner.block_size
         self.max_model_len = self._runner.max_model_len
         self.eos_token_id = self._runner.eos_token_id
+        self.vocab_size = self._runner.vocab_size
         self.dtype = str(self._runner.dtype).removeprefix("torch.")
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -1,0 +1,148 @@
+"""The scheduler's view of one request: its tokens, where its computation stands, and its fate.
+
+Pure data with a few derived properties; the scheduler and the KV cache manager change it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from triode.wire.messages import EngineCoreRequest, FinishReason, SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life. Every status from FINISHED_STOPPED on is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # waiting again, its KV cache dropped; it recomputes from position 0
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+class Request:
+    """One sequence being generated.
+
+    `num_computed_tokens` counts the tokens whose K/V the runner has been told to compute; the
+    scheduler advances it when it schedules them, so a chunked prefill continues next step.
+    `block_hashes` holds the chained hashes of the full blocks of `all_token_ids`; the KV cache
+    manager extends it lazily, so it is never computed when prefix caching is off.
+    """
+
+    __slots__ = (
+        "all_token_ids",
+        "arrival_time",
+        "block_hashes",
+        "client_index",
+        "eos_token_id",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_logprobs_sent",
+        "num_prompt_tokens",
+        "output_token_ids",
+        "priority",
+        "prompt_token_ids",
+        "request_id",
+        "runner_knows",
+        "sampling_params",
+        "seq",
+        "status",
+        "stop_reason",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        eos_token_id: int | None = None,
+        arrival_time: float = 0.0,
+        priority: int = 0,
+        client_index: int = 0,
+        seq: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.client_index = client_index
+        # Order of arrival at this scheduler: the FCFS tie-breaker. Wall-clock arrival times
+        # come from several edge processes and may tie or be skewed; this counter cannot.
+        self.seq = seq
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1: not yet
+        self.block_hashes: list[bytes] = []
+        self.num_preemptions = 0
+        # Set once the runner got the NewRequestData; it stays set across preemptions, since
+        # the runner keeps a request's state until the id is in `finished_request_ids`.
+        self.runner_knows = False
+        # Prompt positions 1..k whose logprobs went out already, so a recompute after
+        # preemption does not send them twice.
+        self.num_prompt_logprobs_sent = 0
+
+    @classmethod
+    def from_engine_core_request(cls, request: EngineCoreRequest, seq: int) -> Request:
+        return cls(
+            request.request_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            eos_token_id=request.eos_token_id,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+            client_index=request.client_index,
+            seq=seq,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Lower is served first and preempted last: priority, then arrival."""
+        return (self.priority, self.seq)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,337 @@
+"""The engine core's scheduling policy: which tokens of which requests the next step computes.
+
+vLLM V1's rule: there is no prefill or decode phase, only requests whose computed tokens lag
+behind their known tokens. Each step spends a token budget catching them up: running requests
+first (preempting the lowest-priority, newest one by recompute when blocks run out), then
+waiting ones, whose prompts are cut into budget-sized chunks. Pure Python; the runner and the
+engine loop live elsewhere.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections import defaultdict
+from collections.abc import Iterable
+
+from triode.wire.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    Logprobs,
+    SchedulerStats,
+)
+from triode.wire.step import (
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestStepResult,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+
+from .kv_cache import KVCacheManager
+from .request import Request, RequestStatus
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+
+
+class Scheduler:
+    """Owns the requests and the KV block accounting of one engine core. Not thread-safe: the
+    engine calls it from one thread, and the runner works only on the `SchedulerOutput`."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv_cache = KVCacheManager(
+            config.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        # A sequence can never outgrow the whole cache: past that, the oldest request would
+        # preempt itself forever. So the cache size caps the length like max_model_len does.
+        self.max_len = min(config.max_model_len, config.num_blocks * config.block_size)
+        self.requests: dict[str, Request] = {}  # live: waiting or running
+        # Both queues are sorted by `Request.sort_key`: the head is served first, the tail of
+        # `running` is the preemption victim. With equal priorities that is FCFS and
+        # "preempt the newest", and a preempted request goes back to the front of `waiting`.
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._step = 0
+        self._seq = 0
+        self._runner_forget: list[str] = []  # for the next SchedulerOutput that has work
+        self._aborted: defaultdict[int, list[str]] = defaultdict(list)  # for the next update
+        self._in_flight: dict[int, dict[str, tuple[Request, ScheduledRequest]]] = {}
+
+    # Intake
+
+    def add_request(self, request: EngineCoreRequest) -> EngineCoreOutput | None:
+        """Queue a request, or return the error output that finishes it at once when it could
+        never run: a queued request that can never be scheduled would wait forever."""
+        error = self._admission_error(request)
+        if error is not None:
+            return EngineCoreOutput(
+                request.request_id, finish_reason=FinishReason.ERROR, stop_reason=error
+            )
+        req = Request.from_engine_core_request(request, self._seq)
+        self._seq += 1
+        self.requests[req.request_id] = req
+        bisect.insort(self.waiting, req, key=_sort_key)
+        return None
+
+    def _admission_error(self, request: EngineCoreRequest) -> str | None:
+        if request.request_id in self.requests:
+            return f"request id {request.request_id!r} is already in use by a live request"
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt >= self.config.max_model_len:
+            return (
+                f"the prompt has {num_prompt} tokens, but the model's context length is "
+                f"{self.config.max_model_len} and at least one token must be generated"
+            )
+        if num_prompt >= self.max_len:
+            blocks = -(-(num_prompt + 1) // self.config.block_size)
+            return (
+                f"the prompt has {num_prompt} tokens and needs {blocks} KV cache blocks to "
+                f"generate one token, but the whole cache has {self.config.num_blocks}"
+            )
+        return None
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Finish requests at once and free all their blocks. Idempotent; unknown ids are
+        ignored (the request may have finished on its own meanwhile)."""
+        for request_id in request_ids:
+            req = self.requests.get(request_id)
+            if req is None:
+                continue
+            queue = self.running if req.status is RequestStatus.RUNNING else self.waiting
+            queue.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            self._aborted[req.client_index].append(request_id)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        del self.requests[req.request_id]
+        self.kv_cache.free(req)
+        if req.runner_knows:
+            self._runner_forget.append(req.request_id)
+
+    # The step
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens under the token budget and `max_num_seqs`, allocating their
+        blocks; each picked request's `num_computed_tokens` already counts them on return."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(
+                req.num_tokens - req.num_computed_tokens,
+                budget,
+                self.max_len - req.num_computed_tokens,
+            )
+            if num_new <= 0:  # still waiting for the token it sampled last step
+                i += 1
+                continue
+            while self.kv_cache.allocate_slots(req, num_new) is None:
+                victim = self.running.pop()  # never scheduled yet: it comes after `req`
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, num_new))
+                budget -= num_new
+                i += 1
+
+        # New admissions would only take blocks that the preempted requests need back.
+        while (
+            not preempted
+            and self.waiting
+            and len(self.running) < self.config.max_num_seqs
+            and budget > 0
+        ):
+            req = self.waiting[0]
+            hit_blocks = self.kv_cache.get_computed_blocks(req)
+            num_hit = len(hit_blocks) * self.config.block_size
+            num_new = min(req.num_tokens - num_hit, budget)
+            if self.kv_cache.allocate_slots(req, num_new, hit_blocks) is None:
+                break  # head-of-line blocking keeps the order fair
+            self.waiting.pop(0)
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = num_hit
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            bisect.insort(self.running, req, key=_sort_key)
+            scheduled.append((req, num_new))
+            budget -= num_new
+
+        return self._build_output(scheduled)
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute-only preemption: drop the request's KV cache and queue it again."""
+        self.kv_cache.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, req, key=_sort_key)
+
+    def _build_output(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
+        self._step += 1
+        out = SchedulerOutput(step=self._step)
+        if scheduled:
+            # An engine may skip the runner for an empty step; the ids must not get lost there.
+            out.finished_request_ids, self._runner_forget = self._runner_forget, []
+        in_flight = {}
+        for req, num_new in scheduled:
+            start = req.num_computed_tokens
+            entry = ScheduledRequest(
+                request_id=req.request_id,
+                token_ids=req.all_token_ids[start : start + num_new],
+                num_computed_tokens=start,
+                block_ids=self.kv_cache.block_ids(req.request_id),
+                sample=start + num_new == req.num_tokens,
+            )
+            if not req.runner_knows:
+                entry.new = NewRequestData(req.prompt_token_ids, req.sampling_params)
+                req.runner_knows = True
+            # Advance now, so a chunked prefill goes on next step without waiting for results.
+            req.num_computed_tokens = start + num_new
+            out.requests.append(entry)
+            in_flight[req.request_id] = (req, entry)
+        if in_flight:
+            self._in_flight[out.step] = in_flight
+        return out
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        """Take one step's results: append sampled tokens, apply stop conditions, finish and
+        free what stopped. Returns what to publish, per client index."""
+        in_flight = self._in_flight.pop(scheduler_output.step, {})
+        outputs: defaultdict[int, list[EngineCoreOutput]] = defaultdict(list)
+        finished: defaultdict[int, list[str]] = self._aborted
+        self._aborted = defaultdict(list)
+        for result in runner_output.results:
+            req, entry = in_flight.get(result.request_id, (None, None))
+            # Identity, not id: an id aborted during the step may already name a new request.
+            if req is None or entry is None or req.is_finished:
+                continue
+            output = self._apply_result(req, entry, result)
+            if output is None:
+                continue
+            outputs[req.client_index].append(output)
+            if output.finish_reason is not None:
+                finished[req.client_index].append(req.request_id)
+        return {
+            client: EngineCoreOutputs(
+                outputs=outputs.get(client, []), finished_requests=finished.get(client) or None
+            )
+            for client in outputs.keys() | finished.keys()
+        }
+
+    def _apply_result(
+        self, req: Request, entry: ScheduledRequest, result: RequestStepResult
+    ) -> EngineCoreOutput | None:
+        prompt_logprobs = _unsent_prompt_logprobs(req, entry, result.prompt_logprobs)
+        new_token_ids: list[int] = []
+        if result.token_id is not None and entry.sample:
+            req.append_output_token(result.token_id)
+            new_token_ids.append(result.token_id)
+            stop = self._check_stop(req)
+            if stop is not None:
+                self.running.remove(req)
+                self._finish(req, stop)
+        if not new_token_ids and prompt_logprobs is None:
+            return None
+        return EngineCoreOutput(
+            req.request_id,
+            new_token_ids=new_token_ids,
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+            new_logprobs=result.logprobs if new_token_ids else None,
+            new_prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=max(0, req.num_cached_tokens),
+        )
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        """The stop conditions, in order, for the token just appended."""
+        params = req.sampling_params
+        token = req.output_token_ids[-1]
+        if req.num_output_tokens >= params.min_tokens:
+            if token == req.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # Queries
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes; False while any request holds blocks."""
+        return self.kv_cache.reset_prefix_cache()
+
+    def get_stats(self) -> SchedulerStats:
+        """A snapshot; the prefix-cache counters (tokens) and preemptions are cumulative."""
+        kv = self.kv_cache
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.num_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+
+def _sort_key(req: Request) -> tuple[int, int]:
+    return req.sort_key
+
+
+def _unsent_prompt_logprobs(
+    req: Request, entry: ScheduledRequest, logprobs: Logprobs | None
+) -> Logprobs | None:
+    """Drop the rows a recompute after preemption produced again.
+
+    A chunk starting at position c yields rows for prompt tokens c+1, c+2, ...; rows for tokens
+    up to `num_prompt_logprobs_sent` went out before the preemption.
+    """
+    if logprobs is None:
+        return None
+    start = entry.num_computed_tokens
+    skip = max(0, req.num_prompt_logprobs_sent - start)
+    rows = len(logprobs.ranks)
+    req.num_prompt_logprobs_sent = max(req.num_prompt_logprobs_sent, start + rows)
+    if skip == 0:
+        return logprobs
+    if skip >= rows:
+        return None
+    return Logprobs(logprobs.token_ids[skip:], logprobs.logprobs[skip:], logprobs.ranks[skip:])
