@@ -100,7 +100,7 @@ async def serve_child(up_address: str, down_address: str, target: str, name: str
         return 1
     finally:
         down.close()
-        up.zmq_socket.close(linger=CONTROL_LINGER_MS)
+        up.close()  # lingers, so a final ERROR still leaves
         zctx.term()
 
 

@@ -85,8 +85,8 @@ class Encoder:
         if _DTYPES.get(name, None) is None or arr.dtype.hasobject:
             raise NotImplementedError(f"cannot encode arrays of dtype {arr.dtype}")
         if arr.dtype.byteorder == ">" or not arr.flags.c_contiguous:
-            arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))
-        return [name, list(arr.shape), self._data(memoryview(arr).cast("B"))]
+            arr = arr.astype(arr.dtype.newbyteorder("<"), order="C")
+        return [name, list(arr.shape), self._data(memoryview(arr.reshape(-1).view(np.uint8)))]
 
     def _encode_tensor(self, torch: Any, t: Any) -> list[Any]:
         name = str(t.dtype).removeprefix("torch.")
@@ -163,7 +163,7 @@ class Decoder(Generic[T]):
             if not 0 <= data < len(self._aux) or data in self._used:
                 raise ValueError(f"bad aux frame index {data}")
             self._used.add(data)
-            raw = memoryview(self._aux[data]).cast("B")
+            raw = memoryview(self._aux[data]).cast("B").toreadonly()
         elif isinstance(data, bytes):
             raw = memoryview(data)
         else:

@@ -171,6 +171,13 @@ class Logprobs(msgspec.Struct, **_HOT):
 
     def __post_init__(self) -> None:
         _check(
+            self.token_ids.dtype == np.int32
+            and self.ranks.dtype == np.int32
+            and self.logprobs.dtype == np.float32,
+            "logprobs",
+            "token_ids and ranks must be int32, logprobs float32",
+        )
+        _check(
             self.token_ids.ndim == 2
             and self.logprobs.shape == self.token_ids.shape
             and self.ranks.shape == self.token_ids.shape[:1],

@@ -15,6 +15,14 @@ from typing import Any
 import trio
 import zmq
 
+# Plain ints: pyzmq's flag enums cost an enum construction on every `|` and `&`.
+_NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK_SNDMORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_EVENTS = int(zmq.EVENTS)
+_RCVMORE = int(zmq.RCVMORE)
+_POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
+
 
 class Socket:
     """A trio view of a sync `zmq.Socket`. Owns the socket: closing this closes it."""
@@ -24,6 +32,7 @@ class Socket:
         self._fd: int = sock.getsockopt(zmq.FD)
         self._closed = False
         self._busy = False
+        self._linger = sock.getsockopt(zmq.LINGER)
 
     @classmethod
     def open(
@@ -74,32 +83,67 @@ class Socket:
         Cancelled means the message was not sent. With `track=True` the returned tracker says
         when ZMQ no longer needs the frames' memory.
         """
-        with self._owner():
+        self._acquire()
+        try:
             while True:
                 try:
-                    tracker = self._sock.send_multipart(
-                        frames, flags=zmq.NOBLOCK, copy=copy, track=track
-                    )
+                    tracker = self._send(frames, copy, track)
                 except zmq.Again:
-                    await self._wait(zmq.POLLOUT)
+                    await self._wait(_POLLOUT)
                 else:
                     await trio.lowlevel.cancel_shielded_checkpoint()
                     return tracker
+        finally:
+            self._busy = False
+
+    def _send(self, frames: Sequence[Any], copy: bool, track: bool) -> zmq.MessageTracker | None:
+        # Only the first part can raise zmq.Again: ZMQ queues a multipart message whole.
+        send = self._sock.send
+        last = len(frames) - 1
+        if last < 0:
+            raise ValueError("cannot send an empty multipart message")
+        for frame in frames[:last]:
+            send(frame, _NOBLOCK_SNDMORE, copy=copy, track=track)
+        return send(frames[last], _NOBLOCK, copy=copy, track=track)
 
     async def recv_multipart(self, *, copy: bool = False) -> list[Any]:
         """Receive one multipart message (`zmq.Frame`s unless `copy=True`). A checkpoint.
 
         Cancelled means no message was taken; the next call receives it.
         """
-        with self._owner():
+        self._acquire()
+        try:
             while True:
                 try:
-                    frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=copy)
+                    frames = self._recv(copy)
                 except zmq.Again:
-                    await self._wait(zmq.POLLIN)
+                    await self._wait(_POLLIN)
                 else:
                     await trio.lowlevel.cancel_shielded_checkpoint()
                     return frames
+        finally:
+            self._busy = False
+
+    def _recv(self, copy: bool) -> list[Any]:
+        recv = self._sock.recv
+        frame = recv(_NOBLOCK, copy=copy)
+        frames = [frame]
+        if copy:
+            get = self._sock.get
+            while get(_RCVMORE):
+                frames.append(recv(_NOBLOCK, copy=True))
+        else:
+            while frame.more:
+                frame = recv(_NOBLOCK, copy=False)
+                frames.append(frame)
+        return frames
+
+    def _acquire(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("socket was closed")
+        if self._busy:
+            raise trio.BusyResourceError("another task is using this socket")
+        self._busy = True
 
     def close(self) -> None:
         """Close at once, dropping unsent messages (linger 0). Idempotent; not a checkpoint."""
@@ -107,7 +151,7 @@ class Socket:
             return
         self._closed = True
         trio.lowlevel.notify_closing(self._fd)
-        self._sock.close(linger=0)
+        self._sock.close(linger=self._linger)
 
     async def aclose(self) -> None:
         self.close()
@@ -125,28 +169,6 @@ class Socket:
         while True:
             if self._closed:
                 raise trio.ClosedResourceError("socket was closed")
-            if self._sock.getsockopt(zmq.EVENTS) & event:
+            if self._sock.get(_EVENTS) & event:
                 return
             await trio.lowlevel.wait_readable(self._fd)
-
-    def _owner(self) -> _Owner:
-        if self._closed:
-            raise trio.ClosedResourceError("socket was closed")
-        return _Owner(self)
-
-
-class _Owner:
-    """Raises `trio.BusyResourceError` when a second task uses a socket mid-operation."""
-
-    __slots__ = ("_socket",)
-
-    def __init__(self, socket: Socket) -> None:
-        self._socket = socket
-
-    def __enter__(self) -> None:
-        if self._socket._busy:
-            raise trio.BusyResourceError("another task is using this socket")
-        self._socket._busy = True
-
-    def __exit__(self, *exc: object) -> None:
-        self._socket._busy = False

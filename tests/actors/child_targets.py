@@ -8,6 +8,7 @@ import msgspec
 import numpy as np
 import trio
 import zmq
+
 from triode.actors import ChildContext, ZmqReceiveChannel, ZmqSendChannel
 from triode.wire import Decoder, Encoder, Ready, Socket
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import trio
 import zmq
+
 from triode.actors import ActorDied, HandshakeError, RemoteError, open_child
 
 HERE = Path(__file__).parent
