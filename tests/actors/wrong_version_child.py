@@ -5,6 +5,7 @@ import sys
 import time
 
 import zmq
+
 from triode.wire import PROTOCOL_VERSION, Encoder, Hello
 
 up_address = sys.argv[1]
