@@ -1,4 +1,4 @@
-"""The child side of an actor process: `python -m triode.actors.child UP DOWN TARGET NAME PPID`.
+"""The child side of an actor process: `python -m triode.actors UP DOWN TARGET NAME PPID`.
 
 It connects the two control sockets, says HELLO, takes CONFIG, and runs TARGET
 (`"module:function"`, an `async def f(ctx: ChildContext)`). SHUTDOWN from the parent cancels the
@@ -8,12 +8,9 @@ and the process exits 1.
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import logging
 import os
-import signal
-import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -39,7 +36,7 @@ log = logging.getLogger(__name__)
 CONFIG_TIMEOUT = 30.0
 # Long enough for a final ERROR to leave before the process exits.
 CONTROL_LINGER_MS = 2000
-_PR_SET_PDEATHSIG = 1
+_PARENT_POLL = 0.5
 
 
 class ChildContext:
@@ -71,7 +68,9 @@ def resolve(target: str) -> Callable[[ChildContext], Awaitable[None]]:
     return obj
 
 
-async def serve_child(up_address: str, down_address: str, target: str, name: str) -> int:
+async def serve_child(
+    up_address: str, down_address: str, target: str, name: str, parent_pid: int
+) -> int:
     """Run one child actor to completion; return the process exit code."""
     zctx = zmq.Context()
     encoder = Encoder()
@@ -88,6 +87,7 @@ async def serve_child(up_address: str, down_address: str, target: str, name: str
         main = resolve(target)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_parent, down, decoder, ctx, nursery.cancel_scope)
+            nursery.start_soon(_exit_with_parent, parent_pid, name)
             await main(ctx)
             nursery.cancel_scope.cancel()
         return 0
@@ -137,26 +137,28 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     return out
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGTERM us when the parent dies, and exit if it already has."""
+async def _exit_with_parent(parent_pid: int, name: str) -> None:
+    """An orphaned actor has no one to serve: leave when the parent process is gone."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:
-        sys.exit(1)
+        fd = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):
+        while os.getppid() == parent_pid:  # noqa: ASYNC110 - nothing to wait on but time
+            await trio.sleep(_PARENT_POLL)
+    else:
+        try:
+            await trio.lowlevel.wait_readable(fd)
+        finally:
+            os.close(fd)
+    log.error("actor %r: parent %d is gone; exiting", name, parent_pid)
+    os._exit(1)
 
 
 def main(argv: list[str]) -> int:
     up_address, down_address, target, name, parent_pid = argv
-    _die_with_parent(int(parent_pid))
+    if os.getppid() != int(parent_pid):
+        return 1  # the parent died before we started
     logging.basicConfig(
         level=os.environ.get("TRIODE_LOG_LEVEL", "WARNING").upper(),
         format=f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s",
     )
-    return trio.run(serve_child, up_address, down_address, target, name)
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    return trio.run(serve_child, up_address, down_address, target, name, int(parent_pid))

@@ -1,6 +1,6 @@
 """Spawning and supervising actors in child processes.
 
-`open_child` starts `python -m triode.actors.child`, runs the handshake (HELLO -> CONFIG ->
+`open_child` starts `python -m triode.actors`, runs the handshake (HELLO -> CONFIG ->
 READY), watches the process through its pidfd so a death is noticed at once, and on leaving the
 block stops the child with an escalation: SHUTDOWN message -> deadline -> SIGTERM -> SIGKILL.
 """
@@ -40,7 +40,7 @@ from .errors import ActorDied, HandshakeError, RemoteError
 
 log = logging.getLogger(__name__)
 
-CHILD_COMMAND = (sys.executable, "-m", "triode.actors.child")
+CHILD_COMMAND = (sys.executable, "-m", "triode.actors")
 # How long to wait for an ERROR that was sent just before the process exited.
 _ERROR_GRACE = 0.25
 

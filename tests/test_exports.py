@@ -16,7 +16,9 @@ WIRE = {
 }  # fmt: skip
 ACTORS = {
     "ActorDied", "ActorError", "Child", "ChildContext", "HandshakeError", "RemoteError",
-    "SamplingParams", "ZmqReceiveChannel", "ZmqSendChannel", "open_child",
+    "SamplingParams", "ZmqReceiveChannel", "ZmqSendChannel", "open_child", "CompletionOutput",
+    "Engine", "EngineArgs", "EngineDeadError", "RequestError", "RequestOutput", "TokenLogprob",
+    "open_engine",
 }  # fmt: skip
 
 

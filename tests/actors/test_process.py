@@ -184,3 +184,41 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     for e in group.exceptions:
         out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
     return out
+
+
+async def test_child_exits_when_its_parent_is_killed(tmp_path: Path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import trio\n"
+        "from triode.actors import open_child\n"
+        "async def main():\n"
+        "    async with open_child('child_targets:sleep_forever') as child:\n"
+        "        print(child.pid, flush=True)\n"
+        "        await trio.sleep_forever()\n"
+        "trio.run(main)\n"
+    )
+    parent = await trio.lowlevel.open_process(
+        [sys.executable, str(script)], stdout=-1, env={**os.environ, **ENV}
+    )
+    try:
+        with trio.fail_after(30):
+            line = await parent.stdout.receive_some()
+        child_pid = int(line.split()[0])
+        parent.kill()
+        await parent.wait()
+        with trio.fail_after(2):
+            while _alive(child_pid):  # noqa: ASYNC110 - another process; we can only poll
+                await trio.sleep(0.05)
+    finally:
+        parent.kill()
+        await parent.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie whose parent is gone is reaped by init; anything else is still running.
+    state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1]
+    return state != "Z"

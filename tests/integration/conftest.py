@@ -6,6 +6,7 @@ import functools
 from pathlib import Path
 
 import pytest
+from reference import Reference
 
 
 @functools.cache
@@ -21,52 +22,6 @@ def model_dir() -> Path:
         return _model_dir()
     except FileNotFoundError as e:
         pytest.skip(f"the default model is not fetched ({e}); run `make model`")
-
-
-@functools.cache
-def _hf(model_dir: Path):  # type: ignore[no-untyped-def]
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(model_dir)
-
-
-class Reference:
-    """Hugging Face transformers on the same weights: the ground truth for greedy decoding."""
-
-    def __init__(self, model_dir: Path) -> None:
-        self.model, self.tokenizer = _hf(model_dir)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text)["input_ids"]
-
-    def chat(self, content: str) -> list[int]:
-        return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True
-        )
-
-    @functools.cache  # noqa: B019 - the reference lives for the session
-    def greedy(self, prompt_ids: tuple[int, ...], max_new_tokens: int) -> list[int]:
-        import torch
-
-        with torch.inference_mode():
-            out = self.model.generate(
-                torch.tensor([prompt_ids]),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=self.tokenizer.eos_token_id,
-            )
-        return out[0, len(prompt_ids) :].tolist()
-
-    def log_softmax(self, token_ids: list[int]):  # type: ignore[no-untyped-def]
-        """Log-probabilities the model gives each next token along `token_ids`."""
-        import torch
-
-        with torch.inference_mode():
-            logits = self.model(torch.tensor([token_ids])).logits[0].float()
-        return torch.log_softmax(logits, dim=-1)
 
 
 @pytest.fixture(scope="session")

@@ -10,12 +10,9 @@ from pathlib import Path
 
 import pytest
 import trio
+from reference import Reference
 
-from triode.actors import SamplingParams, open_engine
-from triode.actors.core_client import EngineDeadError
-from triode.actors.engine import RequestError
-
-from .conftest import Reference
+from triode.actors import EngineDeadError, RequestError, SamplingParams, open_engine
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +88,9 @@ async def test_greedy_matches_under_preemption(model_dir: Path, reference: Refer
     prompts = _prompts(reference)
     expected = [reference.greedy(tuple(p), NEW_TOKENS) for p in prompts]
     # Room for ~7 blocks of 16 tokens: each request alone fits, all four together do not.
-    async with open_engine(str(model_dir), kv_cache_memory=5_200_000, **F32) as engine:
+    async with open_engine(
+        str(model_dir), kv_cache_memory=5_200_000, max_model_len=112, **F32
+    ) as engine:
         assert engine.num_kv_blocks * engine.block_size < sum(len(p) + NEW_TOKENS for p in prompts)
         batched = await _all(engine, prompts)
         stats = await _wait_idle(engine)
