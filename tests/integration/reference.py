@@ -33,16 +33,15 @@ class Reference:
 
     @functools.cache  # noqa: B019 - the reference lives for the session
     def greedy(self, prompt_ids: tuple[int, ...], max_new_tokens: int) -> list[int]:
+        """Argmax decoding of exactly `max_new_tokens` (EOS does not stop it: the engine tests
+        run with ignore_eos), recomputing the whole sequence each step."""
         import torch
 
+        ids = list(prompt_ids)
         with torch.inference_mode():
-            out = self.model.generate(
-                torch.tensor([prompt_ids]),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=self.tokenizer.eos_token_id,
-            )
-        return out[0, len(prompt_ids) :].tolist()
+            for _ in range(max_new_tokens):
+                ids.append(int(self.model(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt_ids) :]
 
     def log_softmax(self, token_ids: list[int]):  # type: ignore[no-untyped-def]
         """Log-probabilities the model gives each next token along `token_ids`."""

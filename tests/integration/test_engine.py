@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+from contextlib import aclosing
 from pathlib import Path
 
 import pytest
@@ -175,10 +176,10 @@ async def test_cancel_mid_stream_frees_every_block(model_dir: Path, reference: R
         assert scope.cancelled_caught and 5 <= seen < 400
         stats = await _wait_idle(engine)
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
-        # A generator closed early (break) aborts too.
-        async for _ in engine.generate(reference.encode(PROMPTS[2]), long):
-            break
-        await trio.sleep(0.2)
+        # Leaving an aclosing() block early (break) aborts too.
+        async with aclosing(engine.generate(reference.encode(PROMPTS[2]), long)) as outs:
+            async for _ in outs:
+                break
         stats = await _wait_idle(engine)
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
