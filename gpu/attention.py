@@ -1,0 +1,131 @@
+"""Paged attention in plain torch, so the same code runs on CPU and CUDA.
+
+Each layer owns a K cache and a V cache of shape [num_blocks, block_size, num_kv_heads, head_dim].
+A token at position p of a request lives in block `block_table[p // block_size]`, slot
+`p % block_size`; the runner turns that into a flat slot index per scheduled token.
+
+The flattened batch holds the decodes (one query token each) first, then the prefill chunks.
+All decodes attend in one `scaled_dot_product_attention` call over their block tables gathered
+and padded to the longest context; each prefill chunk is one call with a causal mask shifted by
+the tokens its request had already computed. Grouped-query attention needs no repeated K/V: the
+query heads that share a KV head are folded into the query-length dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillChunk:
+    """One request's multi-token chunk in the flattened batch.
+
+    `mask` is None for a chunk that starts the request (plain causal attention over its own
+    K/V); after cached tokens it is [num_tokens, num_computed + num_tokens], True: attend.
+    """
+
+    start: int  # first row in the flattened batch
+    num_tokens: int
+    num_computed: int  # tokens of this request already in the cache before the chunk
+    block_table: torch.Tensor  # [ceil((num_computed + num_tokens) / block_size)] block ids
+    mask: torch.Tensor | None
+
+    @classmethod
+    def build(
+        cls, start: int, num_tokens: int, num_computed: int, block_table: torch.Tensor
+    ) -> PrefillChunk:
+        mask = None
+        if num_computed:
+            # query i sits at position num_computed + i and sees keys at positions <= its own
+            device = block_table.device
+            rows = torch.arange(num_tokens, device=device)[:, None] + num_computed
+            mask = torch.arange(num_computed + num_tokens, device=device)[None, :] <= rows
+        return cls(start, num_tokens, num_computed, block_table, mask)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Where this step's tokens go in the cache and what each one attends to.
+
+    Built once per step by the model runner and shared by every layer.
+    """
+
+    slot_mapping: torch.Tensor  # [T] flat cache slot of every scheduled token
+    num_decodes: int  # rows 0 .. num_decodes - 1 are single-token decodes
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size], True: attend
+    prefills: tuple[PrefillChunk, ...]
+
+
+class Attention(nn.Module):
+    """Attention over this layer's paged KV cache; the runner assigns `k_cache`/`v_cache`."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = scale
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]. Returns [T, heads * head_dim]."""
+        flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+        parts = []  # in row order: the decodes, then each prefill chunk
+        if meta.num_decodes:
+            parts.append(self._decode(q[: meta.num_decodes], meta))
+        for chunk in meta.prefills:
+            rows = slice(chunk.start, chunk.start + chunk.num_tokens)
+            parts.append(self._prefill(q[rows], k[rows], v[rows], chunk))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One query token per request; K/V gathered once per layer for the whole batch."""
+        batch = q.shape[0]
+        keys = self._gather(self.k_cache, meta.decode_block_tables)
+        values = self._gather(self.v_cache, meta.decode_block_tables)
+        # [B, kv_heads, group, head_dim]: the group's query heads act as query positions
+        q = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=meta.decode_mask, scale=self.scale
+        )
+        return out.view(batch, self.num_heads, self.head_dim)
+
+    def _prefill(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk
+    ) -> torch.Tensor:
+        n = chunk.num_tokens
+        # [kv_heads, group, n, head_dim] against K/V broadcast (stride 0) over the group: GQA
+        # without copies, and one [n, context] mask for all heads
+        q = q.view(n, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)
+        if chunk.mask is None:
+            # nothing cached before the chunk: attend to its own K/V, no gather needed
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)
+        else:
+            table = chunk.block_table[None]
+            context = chunk.num_computed + n
+            keys = self._gather(self.k_cache, table)[0, :, :context]
+            values = self._gather(self.v_cache, table)[0, :, :context]
+        shape = (self.num_kv_heads, self.group, keys.shape[1], self.head_dim)
+        keys, values = keys[:, None].expand(shape), values[:, None].expand(shape)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=self.scale
+        )
+        return out.permute(2, 0, 1, 3).reshape(n, self.num_heads, self.head_dim)
+
+    def _gather(self, cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """[B, max_blocks] block ids -> [B, kv_heads, max_blocks * block_size, head_dim]."""
+        # index_select over [num_blocks, block_elems] copies whole blocks; advanced indexing of
+        # the 4-d cache goes element by element and is ~5x slower on CPU
+        rows = cache.view(cache.shape[0], -1).index_select(0, block_tables.view(-1))
+        rows = rows.view(block_tables.shape[0], -1, self.num_kv_heads, self.head_dim)
+        return rows.transpose(1, 2)

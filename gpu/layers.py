@@ -1,0 +1,301 @@
+"""Tensor-parallel building blocks for decoder-only transformers.
+
+Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies this
+rank's shard out of a full checkpoint tensor, so a model loads the same Hugging Face files at any
+tensor-parallel size. The rank and size come from the default torch.distributed group when one is
+initialised (workers run one rank per process), else rank 0 of 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+WeightLoader = Callable[..., None]
+
+
+def tp_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def tp_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{numerator} is not divisible by the tensor-parallel size {denominator}")
+    return numerator // denominator
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    """A replicated parameter: the checkpoint tensor is the whole parameter."""
+    if param.shape != loaded_weight.shape:
+        raise ValueError(f"shape mismatch: {tuple(param.shape)} vs {tuple(loaded_weight.shape)}")
+    param.data.copy_(loaded_weight)
+
+
+def _parameter(shape: tuple[int, ...], loader: WeightLoader, **attrs: Any) -> nn.Parameter:
+    """An uninitialised parameter (the checkpoint fills it) carrying its loader."""
+    param = nn.Parameter(torch.empty(shape), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    for key, value in attrs.items():
+        setattr(param, key, value)
+    return param
+
+
+class _Linear(nn.Module):
+    """y = x W^T + b with W of shape [out, in], sharded along `tp_dim` (0: out, 1: in)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.tp_dim = tp_dim
+        self.input_size, self.output_size = input_size, output_size
+        self.weight = _parameter((output_size, input_size), self.weight_loader)
+        self.bias = _parameter((output_size,), self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        if self.tp_dim is not None and self.tp_dim < loaded_weight.dim():
+            loaded_weight = loaded_weight.chunk(self.tp_size, self.tp_dim)[self.tp_rank]
+        default_weight_loader(param, loaded_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(_Linear):
+    """Output features split across ranks; each rank returns its slice, no communication."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, divide(output_size, tp_size()), bias, tp_dim=0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate_up).
+
+    Shard `i` of the checkpoint lands at this rank's slice of output block `i`, so the rank's
+    output is [its gate slice, its up slice] and an elementwise op can pair them.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | None = None
+    ) -> None:
+        if shard_id is None:
+            raise ValueError("a merged projection loads one shard at a time")
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        shard = loaded_weight.chunk(self.tp_size, 0)[self.tp_rank]
+        default_weight_loader(param.data.narrow(0, offset, size), shard)  # type: ignore[arg-type]
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one matmul, split by attention heads.
+
+    When there are fewer KV heads than ranks, each KV head is replicated on
+    `tp_size // num_kv_heads` ranks, as every rank needs the KV heads its query heads read.
+    """
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
+    ) -> None:
+        size = tp_size()
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, size)
+        if num_kv_heads >= size:
+            self.num_kv_heads, self.kv_replicas = divide(num_kv_heads, size), 1
+        else:
+            self.num_kv_heads, self.kv_replicas = 1, divide(size, num_kv_heads)
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * size
+        super().__init__(hidden_size, output_size, bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None
+    ) -> None:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, rank = 0, q_size, self.tp_rank
+        elif shard_id in ("k", "v"):
+            offset = q_size if shard_id == "k" else q_size + kv_size
+            size, rank = kv_size, self.tp_rank // self.kv_replicas
+        else:
+            raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', not {shard_id!r}")
+        shard = loaded_weight.narrow(0, rank * size, size)
+        default_weight_loader(param.data.narrow(0, offset, size), shard)  # type: ignore[arg-type]
+
+
+class RowParallelLinear(_Linear):
+    """Input features split across ranks; partial sums are all-reduced.
+
+    The bias is added on rank 0 only, so the all-reduce adds it exactly once.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(divide(input_size, tp_size()), output_size, bias, tp_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across ranks by contiguous vocabulary ranges.
+
+    Each rank looks up the ids in its range, zeroes the rest, and an all-reduce assembles the rows.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.num_embeddings = num_embeddings
+        self.shard_size = math.ceil(num_embeddings / self.tp_size)
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
+        self.weight = _parameter((self.shard_size, embedding_dim), self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        shard = loaded_weight[self.vocab_start : self.vocab_end]
+        param.data.zero_()  # rows past the vocabulary on the last rank stay zero
+        default_weight_loader(param.data[: len(shard)], shard)  # type: ignore[arg-type]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        y = F.embedding((input_ids - self.vocab_start) * mine, self.weight) * mine.unsqueeze(-1)
+        dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection; with tied embeddings its weight is the embedding's parameter."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            dist.all_gather(parts, logits)
+            logits = torch.cat(parts, dim=-1)
+        return logits[..., : self.num_embeddings]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise TypeError("ParallelLMHead projects hidden states: call compute_logits")
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation computed in float32, optionally fused with the residual add.
+
+    `forward(x, residual)` returns (norm(x + residual), x + residual): one pass that keeps the
+    residual stream in the model dtype like Hugging Face's decoder layers do.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _parameter((hidden_size,), default_weight_loader)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused kernel, same arithmetic as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up over the two halves of the last dimension (the merged gate_up output)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half layout), cos/sin cached for every position.
+
+    `scaling` is the Hugging Face `rope_scaling` / `rope_parameters` dict: rope types default,
+    linear and llama3 are supported; anything else is refused rather than silently wrong.
+    The model looks cos/sin up once per step (`lookup`) and every layer applies them to its
+    queries and keys together (`apply`), so a step pays for one gather, not one per layer.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        inv_freq = _scale_inv_freq(inv_freq, scaling or {})
+        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+        # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: fold the sign into the table
+        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), -1), persistent=False)
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), -1), persistent=False)
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos and signed sin for `positions` [T], shaped [T, 1, head_dim] to broadcast over
+        heads, in the activations' dtype as Hugging Face applies them."""
+        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin
+
+    @staticmethod
+    def apply(x: torch.Tensor, rope: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim] (queries and keys stacked on the heads axis)."""
+        cos, sin = rope
+        return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; positions: [T]."""
+        rope = self.lookup(positions, q.dtype)
+        return self.apply(q, rope), self.apply(k, rope)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise NotImplementedError(f"rope scaling type {rope_type!r} is not supported")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling: long wavelengths divided by `factor`, short ones
+    kept, the band between interpolated smoothly."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)

@@ -1,0 +1,233 @@
+"""The Llama family: Llama, SmolLM2, Mistral and Qwen2 share one decoder.
+
+They differ only in configuration: grouped-query attention, tied embeddings, RoPE scaling, and
+Qwen2's bias on the Q/K/V projections. `forward` runs over the flattened batch of every token
+scheduled this step ([T] ids and positions in, [T, hidden] out); `compute_logits` projects only the
+rows the runner needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .attention import Attention, AttentionMetadata
+from .layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+    default_weight_loader,
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.head_dim = head_dim(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=qkv_bias,
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias
+        )
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
+        )
+
+    def forward(
+        self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        qk_size = self.q_size + self.kv_size
+        # queries and keys rotate as one [T, heads + kv_heads, head_dim] tensor: half the ops
+        qk = RotaryEmbedding.apply(
+            qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), rope
+        )
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, bias: bool) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias)
+        if config.hidden_act != "silu":
+            raise NotImplementedError(f"activation {config.hidden_act!r} is not supported")
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias)
+        self.mlp = LlamaMLP(config, bias=getattr(config, "mlp_bias", False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, ...],
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, max_position: int, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        theta, scaling = rope_parameters(config)
+        self.rotary_emb = RotaryEmbedding(head_dim(config), max_position, theta, scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, qkv_bias, o_bias) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary_emb.lookup(positions, hidden.dtype)  # once per step, for all layers
+        for layer in self.layers:
+            hidden, residual = layer(rope, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama, SmolLM2 and Mistral (Mistral's sliding window is handled by capping the context)."""
+
+    # Hugging Face projection name -> (our merged parameter, its shard)
+    packed_modules: dict[str, tuple[str, str | int]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Any, max_position: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        bias = self._attention_bias(config)
+        max_position = max_position or config.max_position_embeddings
+        self.model = LlamaModel(config, max_position, qkv_bias=bias[0], o_bias=bias[1])
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def _attention_bias(config: Any) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o): Llama's `attention_bias` covers all four projections."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face checkpoint tensors into our (merged, sharded) parameters.
+
+        Raises if a tensor has no home or a parameter stays unloaded, so a wrong mapping fails
+        at start-up instead of generating garbage.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            parts = name.split(".")
+            if len(parts) > 1 and parts[-2] in self.packed_modules:
+                parts[-2], shard_id = self.packed_modules[parts[-2]]
+                name = ".".join(parts)
+                param = self._param(params, name)
+                param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+            else:
+                param = self._param(params, name)
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(name)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
+
+    @staticmethod
+    def _param(params: dict[str, nn.Parameter], name: str) -> nn.Parameter:
+        try:
+            return params[name]
+        except KeyError:
+            raise ValueError(f"checkpoint tensor {name!r} matches no model parameter") from None
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: always a bias on Q/K/V, never on the output projection."""
+
+    @staticmethod
+    def _attention_bias(config: Any) -> tuple[bool, bool]:
+        return True, False
+
+
+MODELS: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+
+def model_class(config: Any) -> type[LlamaForCausalLM]:
+    """The implementation for the first architecture in config.json we know."""
+    architectures = getattr(config, "architectures", None) or []
+    for name in architectures:
+        if name in MODELS:
+            return MODELS[name]
+    raise ValueError(
+        f"unsupported architecture {architectures}; supported: {', '.join(sorted(MODELS))}"
+    )
+
+
+def head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either config layout: transformers >= 5 folds both into
+    `rope_parameters`; older configs have `rope_theta` and `rope_scaling`."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"]), params
+    return float(getattr(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None)

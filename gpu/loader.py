@@ -1,0 +1,99 @@
+"""Where a model's weights come from: a Hugging Face directory, or a GGUF file converted once.
+
+The model runner reads only Hugging Face directories (config.json, *.safetensors, tokenizer
+files). A GGUF file is dequantized through transformers into such a directory under
+`$TRIODE_CACHE/converted/`, keyed by the file's path, size and mtime, so a replaced file converts
+again and an unchanged one resolves in milliseconds. The conversion writes into a temporary
+directory renamed into place at the end: concurrent starts never see half a model, and the loser
+of a race throws its copy away.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TRIODE_CACHE") or Path.home() / ".cache" / "triode")
+
+
+def default_gguf() -> Path:
+    return cache_dir() / "models" / DEFAULT_GGUF
+
+
+def resolve_model(model: str | os.PathLike[str] | None) -> Path:
+    """The Hugging Face directory to load for `model`.
+
+    None means the default model; a `.gguf` path is converted on first use (~30 s); a directory
+    is used as it is. Raises FileNotFoundError with what to do when there is nothing to load.
+    """
+    if model is None:
+        path = default_gguf()
+        if not path.is_file():
+            raise FileNotFoundError(f"the default model {path} is missing: run `make model`")
+        return convert_gguf(path)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a model directory: it has no config.json")
+        return path
+    if path.suffix == ".gguf" and path.is_file():
+        return convert_gguf(path)
+    raise FileNotFoundError(f"{model}: not a model directory or a .gguf file")
+
+
+def converted_dir(gguf: Path) -> Path:
+    """Where `gguf` converts to; a new file at the same path gets a new directory."""
+    gguf = gguf.resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    return cache_dir() / "converted" / f"{gguf.stem}-{key[:12]}"
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Convert `gguf` to a Hugging Face directory unless that was done before; return it."""
+    out = converted_dir(gguf)
+    if out.is_dir():  # only ever created complete, by the rename below
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        _write_hf_dir(gguf.resolve(), tmp)
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the cache from other users
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not out.is_dir():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_hf_dir(gguf: Path, out: Path) -> None:
+    """Dequantize to float32 safetensors plus config and tokenizer.
+
+    transformers' own GGUF reader does the name mapping and dequantization; it is driven with a
+    meta-device skeleton of the model instead of `from_pretrained(gguf_file=...)`, which would
+    need `accelerate`, materialise the model twice and refuse to save it.
+    """
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(skeleton).__name__]
+    parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)
+    tensors = {name: t.contiguous() for name, t in parsed["tensors"].items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config.save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)

@@ -1,0 +1,305 @@
+"""The model runner: one `SchedulerOutput` in, one forward pass, one `ModelRunnerOutput` out.
+
+It owns the model, the paged KV cache and each request's sampling state. Every step runs ONE
+forward over the flattened batch of all scheduled tokens (prefill chunks and decodes together),
+projects to logits only the rows that sample or want prompt logprobs, and samples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from triode.wire import (
+    Logprobs,
+    ModelRunnerOutput,
+    RequestStepResult,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+
+from .attention import AttentionMetadata, PrefillChunk
+from .llama import head_dim, model_class
+from .sampler import Sampler, SamplingState, compute_logprobs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _Request:
+    prompt_token_ids: list[int]
+    sampling: SamplingState
+    next_prompt_logprob: int = 1  # prompt logprob rows before this one were already returned
+
+
+@dataclass
+class _Batch:
+    """One step's inputs, rows ordered decodes first (what the attention expects)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    start: dict[str, int]  # request id -> its first row
+
+
+class ModelRunner:
+    """Runs a Llama-family model from a Hugging Face directory over a paged KV cache.
+
+    What the scheduler sizes itself by: `num_kv_blocks` blocks of `block_size` tokens (as many
+    as `kv_cache_memory` bytes hold over all layers), `max_model_len`, `eos_token_id`,
+    `vocab_size`; and `dtype`, `device` as resolved. `device` None means CUDA when present;
+    `num_threads` None means every CPU this process may run on (CPU only).
+
+    `execute` is not thread-safe; the engine calls it from one thread.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        dtype: str = "auto",
+        kv_cache_memory: int,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        seed: int = 0,
+        device: str | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cpu":
+            torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
+        torch.manual_seed(seed)
+        self.model_dir = Path(model_dir)
+        self.config = AutoConfig.from_pretrained(self.model_dir)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.block_size = block_size
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.max_model_len = _max_model_len(self.config, max_model_len)
+        self.vocab_size: int = self.config.vocab_size
+        self.eos_token_id = _eos_token_id(self.model_dir, self.config)
+
+        with _defaults(self.dtype, self.device), torch.no_grad():
+            self.model = model_class(self.config)(self.config, max_position=self.max_model_len)
+            self.model.load_weights(_safetensors(self.model_dir))
+        self.model.eval()
+        self.num_kv_blocks = self._allocate_kv_cache(kv_cache_memory)
+        self.sampler = Sampler()
+        self._requests: dict[str, _Request] = {}
+
+    def _allocate_kv_cache(self, memory: int) -> int:
+        layers = [layer.self_attn.attn for layer in self.model.model.layers]
+        kv_heads, dim = layers[0].num_kv_heads, head_dim(self.config)
+        per_block = 2 * len(layers) * self.block_size * kv_heads * dim * self.dtype.itemsize
+        num_blocks = memory // per_block
+        if num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"kv_cache_memory of {memory} bytes holds {num_blocks * self.block_size} tokens, "
+                f"less than max_model_len {self.max_model_len}: give it at least "
+                f"{-(-self.max_model_len // self.block_size) * per_block} bytes "
+                "or lower max_model_len"
+            )
+        # zeros, not empty: padded reads must see finite values, or 0 * NaN poisons attention
+        shape = (len(layers), 2, num_blocks, self.block_size, kv_heads, dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        return num_blocks
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. Raises KeyError for a request scheduled without ever being announced."""
+        for request_id in sched.finished_request_ids:
+            self._requests.pop(request_id, None)
+        for r in sched.requests:
+            if r.new is not None:
+                prompt = r.new.prompt_token_ids
+                state = SamplingState(
+                    r.new.sampling_params, prompt, self.eos_token_id, self.vocab_size
+                )
+                self._requests[r.request_id] = _Request(prompt, state)
+        if sched.num_scheduled_tokens > self.max_num_batched_tokens:
+            raise ValueError(f"{sched.num_scheduled_tokens} tokens exceed max_num_batched_tokens")
+        if len(sched.requests) > self.max_num_seqs:
+            raise ValueError(f"{len(sched.requests)} requests exceed max_num_seqs")
+        if not sched.requests:
+            return ModelRunnerOutput(step=sched.step)
+
+        batch = self._prepare(sched.requests)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+
+        rows: list[int] = []  # rows of `hidden` that need logits, in logits order
+        spans: dict[str, tuple[int, list[int]]] = {}  # id -> (first logits row, prompt targets)
+        sample_at: dict[str, int] = {}  # id -> its logits row to sample from
+        for r in sched.requests:
+            start = batch.start[r.request_id]
+            span = self._prompt_logprob_span(r)
+            if span is not None:
+                first_position, targets = span
+                first = start + first_position - r.num_computed_tokens
+                spans[r.request_id] = (len(rows), targets)
+                rows.extend(range(first, first + len(targets)))
+            if r.sample:
+                sample_at[r.request_id] = len(rows)
+                rows.append(start + len(r.token_ids) - 1)
+        if not rows:
+            return ModelRunnerOutput(step=sched.step)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = logits.float().cpu()  # the sampler works on CPU tensors
+
+        tokens: dict[str, tuple[int, Logprobs | None]] = {}
+        if sample_at:
+            states = [self._requests[rid].sampling for rid in sample_at]
+            sampled = self.sampler(logits[list(sample_at.values())], states)
+            picks = zip(sampled.token_ids, sampled.logprobs, strict=True)
+            tokens = dict(zip(sample_at, picks, strict=True))
+        results = []
+        for r in sched.requests:
+            result = RequestStepResult(r.request_id)
+            if r.request_id in tokens:
+                result.token_id, result.logprobs = tokens[r.request_id]
+                self._requests[r.request_id].sampling.append(result.token_id)
+            if r.request_id in spans:
+                first, targets = spans[r.request_id]
+                num_top = self._requests[r.request_id].sampling.params.prompt_logprobs or 0
+                result.prompt_logprobs = compute_logprobs(
+                    logits[first : first + len(targets)], torch.tensor(targets), num_top
+                )
+            if result.token_id is not None or result.prompt_logprobs is not None:
+                results.append(result)
+        return ModelRunnerOutput(step=sched.step, results=results)
+
+    def _prompt_logprob_span(self, r: ScheduledRequest) -> tuple[int, list[int]] | None:
+        """(first position, target tokens) of the prompt logprobs this chunk computes.
+
+        Position p's logits predict prompt token p + 1. Each prompt token gets its row once: a
+        request recomputing its prompt after preemption does not return them again.
+        """
+        request = self._requests[r.request_id]
+        if request.sampling.params.prompt_logprobs is None:
+            return None
+        prompt = request.prompt_token_ids
+        end = r.num_computed_tokens + len(r.token_ids)
+        lo = max(r.num_computed_tokens + 1, request.next_prompt_logprob)
+        hi = min(end, len(prompt) - 1)
+        if lo > hi:
+            return None
+        request.next_prompt_logprob = hi + 1
+        return lo - 1, prompt[lo : hi + 1]
+
+    def _prepare(self, requests: list[ScheduledRequest]) -> _Batch:
+        """Flatten the step: token ids, positions, cache slots and block tables, decodes first."""
+        unknown = [r.request_id for r in requests if r.request_id not in self._requests]
+        if unknown:
+            raise KeyError(f"requests scheduled without their NewRequestData: {unknown}")
+        bs = self.block_size
+        decodes = [r for r in requests if len(r.token_ids) == 1]
+        ordered = decodes + [r for r in requests if len(r.token_ids) != 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts: dict[str, int] = {}
+        tables: list[list[int]] = []
+        prefills: list[PrefillChunk] = []
+        for r in ordered:
+            begin, end = r.num_computed_tokens, r.num_computed_tokens + len(r.token_ids)
+            table = r.block_ids[: -(-end // bs)]
+            if len(table) * bs < end:
+                raise ValueError(f"{r.request_id}: {len(r.block_ids)} blocks for {end} tokens")
+            starts[r.request_id] = len(ids)
+            ids += r.token_ids
+            positions += range(begin, end)
+            slots += [table[p // bs] * bs + p % bs for p in range(begin, end)]
+            tables.append(table)
+            if len(r.token_ids) > 1:
+                block_table = torch.tensor(table, device=self.device)
+                prefills.append(
+                    PrefillChunk.build(starts[r.request_id], end - begin, begin, block_table)
+                )
+        width = max((len(t) for t in tables[: len(decodes)]), default=0)
+        padded = [t + [0] * (width - len(t)) for t in tables[: len(decodes)]]
+        context = torch.tensor([r.num_computed_tokens + 1 for r in decodes], device=self.device)
+        mask = torch.arange(width * bs, device=self.device)[None, :] < context[:, None]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_decodes=len(decodes),
+            decode_block_tables=self._tensor(padded).view(len(decodes), width),
+            decode_mask=mask.view(len(decodes), 1, 1, width * bs),
+            prefills=tuple(prefills),
+        )
+        return _Batch(self._tensor(ids), self._tensor(positions), meta, starts)
+
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 where the hardware computes in it natively, else float32 (on CPUs
+    without bf16 instructions bfloat16 matmuls run several times slower than float32)."""
+    if dtype != "auto":
+        return DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX on x86, the BF16 extension on Arm, as /proc/cpuinfo reports them."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def _max_model_len(config: object, requested: int | None) -> int:
+    """The context limit: the model's, capped by the request and by a sliding window (which
+    this attention does not implement, so contexts stay within it and stay exact)."""
+    limit = config.max_position_embeddings  # type: ignore[attr-defined]
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        limit = min(limit, window)
+    return min(limit, requested) if requested else limit
+
+
+def _eos_token_id(model_dir: Path, config: object) -> int | None:
+    """generation_config.json's EOS (what `generate` stops on) if present, else config.json's;
+    the first one when there are several."""
+    eos = getattr(config, "eos_token_id", None)
+    path = model_dir / "generation_config.json"
+    if path.is_file():
+        eos = json.loads(path.read_text()).get("eos_token_id", eos)
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    return eos
+
+
+def _safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _defaults(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Create parameters directly in the target dtype and device (no float32 detour)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            yield
+    finally:
+        torch.set_default_dtype(previous)

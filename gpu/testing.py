@@ -1,0 +1,116 @@
+"""Tiny random-weight models for tests (and a `--model tiny-random` someday).
+
+A tiny model is a real Hugging Face directory written by transformers itself, so the same files
+load into transformers (the reference) and into our runner (the thing under test).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from .loader import converted_dir, default_gguf
+
+_CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_tiny_model(
+    path: str | Path,
+    *,
+    architecture: Literal["llama", "qwen2"] = "llama",
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    max_position_embeddings: int = 1024,
+    rope_scaling: dict[str, Any] | None = None,
+    tie_word_embeddings: bool = True,
+    initializer_range: float = 0.05,
+    tokenizer_from: Path | None = None,
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight model directory at `path` and return it.
+
+    The tokenizer (and so the vocabulary) is `tokenizer_from`'s, else the default model's when it
+    was converted already, else a 259-token byte-level one, so a tiny model needs no download.
+    """
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if tokenizer_from is None and default_gguf().is_file():
+        default = converted_dir(default_gguf())
+        tokenizer_from = default if default.is_dir() else None
+    if tokenizer_from is not None:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    else:
+        tokenizer = _byte_tokenizer()
+    tokenizer.save_pretrained(path)
+
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[architecture]
+    extra = {"rope_scaling": rope_scaling} if rope_scaling else {}
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        architectures=[model_cls.__name__],
+        initializer_range=initializer_range,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    with torch.no_grad():
+        # transformers initialises biases to 0 and norms to 1; random ones make a test notice
+        # a bias or norm weight that loads into the wrong place
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(std=0.1)
+            elif "norm" in name:
+                param.normal_(mean=1.0, std=0.1)
+    model.save_pretrained(path)
+    return path
+
+
+def _byte_tokenizer() -> Any:
+    """Byte-level BPE with no merges: every byte a token, plus ChatML's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(specials)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|im_end|>",
+    )
+    tokenizer.chat_template = _CHATML
+    return tokenizer
