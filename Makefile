@@ -51,7 +51,7 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 serve: setup
-	@echo "triode serve is not available yet: the engine core and the HTTP edge are still to come." >&2
+	@echo "triode serve is not available yet: the HTTP edge is still to come." >&2
 	@exit 1
 
 lint: $(INSTALLED)

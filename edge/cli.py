@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "serve":
         print(
-            "triode serve is not available yet: the engine core and HTTP edge are still to come.",
+            "triode serve is not available yet: the HTTP edge is still to come.",
             file=sys.stderr,
         )
         return 1
