@@ -137,31 +137,29 @@ class ModelRunner:
         batch = self._prepare(sched.requests)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
 
-        rows: list[int] = []  # rows of `hidden` that need logits, in logits order
+        # rows of `hidden` that need logits: first the sampling rows (so the sampler gets a view,
+        # not a copy), then each prompt-logprob span
+        sampling = [r for r in sched.requests if r.sample]
+        rows = [batch.start[r.request_id] + len(r.token_ids) - 1 for r in sampling]
         spans: dict[str, tuple[int, list[int]]] = {}  # id -> (first logits row, prompt targets)
-        sample_at: dict[str, int] = {}  # id -> its logits row to sample from
         for r in sched.requests:
-            start = batch.start[r.request_id]
             span = self._prompt_logprob_span(r)
             if span is not None:
                 first_position, targets = span
-                first = start + first_position - r.num_computed_tokens
+                first = batch.start[r.request_id] + first_position - r.num_computed_tokens
                 spans[r.request_id] = (len(rows), targets)
                 rows.extend(range(first, first + len(targets)))
-            if r.sample:
-                sample_at[r.request_id] = len(rows)
-                rows.append(start + len(r.token_ids) - 1)
         if not rows:
             return ModelRunnerOutput(step=sched.step)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         logits = logits.float().cpu()  # the sampler works on CPU tensors
 
         tokens: dict[str, tuple[int, Logprobs | None]] = {}
-        if sample_at:
-            states = [self._requests[rid].sampling for rid in sample_at]
-            sampled = self.sampler(logits[list(sample_at.values())], states)
+        if sampling:
+            states = [self._requests[r.request_id].sampling for r in sampling]
+            sampled = self.sampler(logits[: len(sampling)], states)
             picks = zip(sampled.token_ids, sampled.logprobs, strict=True)
-            tokens = dict(zip(sample_at, picks, strict=True))
+            tokens = dict(zip((r.request_id for r in sampling), picks, strict=True))
         results = []
         for r in sched.requests:
             result = RequestStepResult(r.request_id)

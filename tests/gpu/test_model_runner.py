@@ -321,7 +321,7 @@ def smollm2() -> Path:
     try:
         return resolve_model(None)
     except FileNotFoundError as e:
-        pytest.skip(f"the default model is not fetched ({e}); run `make model`")
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")
