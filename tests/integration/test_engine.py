@@ -195,3 +195,32 @@ async def test_engine_death_fails_requests_at_once(model_dir: Path, reference: R
                         os.kill(pid, signal.SIGKILL)
         with pytest.raises(EngineDeadError):
             await _generate(engine, reference.encode(PROMPTS[0]))
+
+
+async def test_utility_calls_sleep_wake_and_reset_prefix_cache(
+    model_dir: Path, reference: Reference
+) -> None:
+    prompt = reference.encode("You are a helpful assistant who answers briefly. " * 4 + "Hi!")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    async with open_engine(str(model_dir), **F32) as engine:
+        await _generate(engine, prompt, params)
+        assert (await _generate(engine, prompt, params)).num_cached_tokens > 0
+        assert await engine.reset_prefix_cache() is True
+        assert (await _generate(engine, prompt, params)).num_cached_tokens == 0
+
+        await engine.sleep()
+        assert await engine.is_sleeping() is True
+        results = []
+
+        async def run() -> None:
+            results.append(await _generate(engine, prompt, params))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            await trio.sleep(0.5)
+            assert not results  # asleep: no steps are taken
+            stats = await engine.get_stats()
+            assert stats["num_waiting_reqs"] == 1
+            await engine.wake_up()
+        assert results[0].outputs[0].token_ids == reference.greedy(tuple(prompt), 4)
+        assert await engine.is_sleeping() is False
