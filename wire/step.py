@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from .messages import Logprobs, SamplingParams
-
-_HOT = {"array_like": True, "omit_defaults": True, "gc": False}
+from .messages import _HOT, Logprobs, SamplingParams
 
 
 class NewRequestData(msgspec.Struct, **_HOT):
