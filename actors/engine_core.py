@@ -73,14 +73,12 @@ class EngineCore:
     async def _step_loop(self) -> None:
         while True:
             while self.sleeping or not self.scheduler.has_unfinished_requests():
-                await self._work.wait()
-                self._work = trio.Event()
+                await self._wait_for_input()
             scheduler_output = self.scheduler.schedule()
             if not scheduler_output.requests:
                 # Nothing could be scheduled (e.g. all waiting requests are blocked); wait for
                 # an input to change that rather than spin.
-                await self._work.wait()
-                self._work = trio.Event()
+                await self._wait_for_input()
                 continue
             runner_output: ModelRunnerOutput = await trio.to_thread.run_sync(
                 self.executor.execute, scheduler_output, limiter=self._runner_thread
@@ -91,6 +89,10 @@ class EngineCore:
             for client, outputs in per_client.items():
                 outputs.scheduler_stats = stats
                 await self._outbox.send((client, outputs))
+
+    async def _wait_for_input(self) -> None:
+        await self._work.wait()
+        self._work = trio.Event()
 
     async def _receive(self, socket: Socket) -> None:
         decoder = InputDecoder()

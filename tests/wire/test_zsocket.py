@@ -103,9 +103,8 @@ async def test_burst_arriving_while_receiver_is_parked_is_received_in_full(
     assert received == [[b"burst", b"%d" % i] for i in range(N)]
 
 
-async def test_burst_queued_before_the_first_recv_is_received_in_full(
-    ctx: zmq.Context, addr: str
-) -> None:
+async def _burst_is_received_in_full(ctx: zmq.Context, addr: str) -> None:
+    """N messages sent before the first receive, and nothing after, all arrive."""
     async with Socket.open(ctx, zmq.PULL, bind=addr) as pull:
         push = sync_socket(ctx, zmq.PUSH, connect=addr)
         for i in range(N):
@@ -115,21 +114,18 @@ async def test_burst_queued_before_the_first_recv_is_received_in_full(
         push.close()
 
     assert received == [[b"%d" % i] for i in range(N)]
+
+
+async def test_burst_queued_before_the_first_recv_is_received_in_full(
+    ctx: zmq.Context, addr: str
+) -> None:
+    await _burst_is_received_in_full(ctx, addr)
 
 
 async def test_burst_over_ipc_through_the_io_thread_is_received_in_full(
     ctx: zmq.Context, tmp_path: Path
 ) -> None:
-    addr = f"ipc://{tmp_path}/burst"
-    async with Socket.open(ctx, zmq.PULL, bind=addr) as pull:
-        push = sync_socket(ctx, zmq.PUSH, connect=addr)
-        for i in range(N):
-            push.send(b"%d" % i)
-        with trio.fail_after(GUARD):
-            received = [await recv_bytes(pull) for _ in range(N)]
-        push.close()
-
-    assert received == [[b"%d" % i] for i in range(N)]
+    await _burst_is_received_in_full(ctx, f"ipc://{tmp_path}/burst")
 
 
 async def test_burst_between_two_adapters_is_received_in_full(
