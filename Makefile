@@ -51,8 +51,7 @@ test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 serve: setup
-	@echo "triode serve is not available yet: the HTTP edge is still to come." >&2
-	@exit 1
+	$(VENV)/bin/triode serve --host 127.0.0.1 --port 8000
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .

@@ -83,6 +83,10 @@ class EngineCoreClient:
         self.sequence_gaps = 0
         self.stats = SchedulerStats()
 
+    @property
+    def pid(self) -> int:
+        return self._child.pid
+
     async def run(self) -> None:
         """Run the intake, fan-out and death watch until cancelled."""
         async with trio.open_nursery() as nursery:

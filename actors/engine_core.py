@@ -236,6 +236,7 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                 info={
                     "model_dir": str(executor.model_dir),
                     "eos_token_id": executor.eos_token_id,
+                    "vocab_size": executor.vocab_size,
                     "dtype": getattr(executor, "dtype", ""),
                 },
             )

@@ -68,7 +68,7 @@ async def bench_triode(
             for prompt in prompts:
                 nursery.start_soon(one, prompt)
         elapsed = time.perf_counter() - start
-        engine_pid = engine._client._child.pid
+        engine_pid = engine.pid
         rss = _peak_rss_mb(engine_pid) + resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return {
             "dtype": engine.dtype,

@@ -3,32 +3,150 @@
 from __future__ import annotations
 
 import argparse
-import runpy
+import importlib
+import logging
+import os
 import sys
 from importlib.metadata import version
 
-BENCHMARKS = {"wire": "triode.wire.bench", "throughput": "triode.edge.bench_throughput"}
+BENCHMARKS = {
+    "wire": "triode.wire.bench",
+    "throughput": "triode.edge.bench_throughput",
+    "serve": "triode.edge.bench_serve",
+}
+
+
+def _serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    serve = commands.add_parser(
+        "serve",
+        help="serve the OpenAI API",
+        description="Serve the OpenAI API (chat, completions, models) over HTTP.",
+    )
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="a Hugging Face directory, a .gguf file, or tiny-random (default: the default model)",
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key",
+        action="extend",
+        nargs="+",
+        default=None,
+        help="accept this key (repeatable; also TRIODE_API_KEY, comma-separated)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the model names the API answers to (default: the model's)",
+    )
+    serve.add_argument("--root-path", default="", help="the path prefix behind a proxy")
+    serve.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=[],
+        help="CORS origins to allow ('*' for any); none by default",
+    )
+    serve.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
+    )
+    serve.add_argument("--max-body-size", default="16MiB", help="request body limit (413 above)")
+    serve.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish on shutdown",
+    )
+    engine = serve.add_argument_group("engine")
+    engine.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=None)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None)
+    engine.add_argument("--kv-cache-memory", default=None, help="e.g. 512MiB, 2GiB")
+    engine.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None
+    )
+    engine.add_argument("--tensor-parallel-size", type=int, default=None)
+    engine.add_argument("--seed", type=int, default=None)
+
+
+ENGINE_FLAGS = (
+    "dtype",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "kv_cache_memory",
+    "enable_prefix_caching",
+    "tensor_parallel_size",
+    "seed",
+)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from triode.actors.config import parse_size
+
+    from .app import Settings
+    from .auth import ApiKeys, keys_from
+    from .server import ServeOptions, serve
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    keys = keys_from(args.api_key, os.environ)
+    engine_args = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    max_body = parse_size(args.max_body_size)
+
+    def settings(engine: object) -> Settings:
+        names = args.served_model_names or [_default_name(args.model, engine)]
+        return Settings(
+            served_model_names=names,
+            api_keys=ApiKeys(keys),
+            max_body_size=max_body,
+            allowed_origins=args.allowed_origins,
+        )
+
+    if keys:
+        logging.getLogger("triode.serve").info("API keys required: %d configured", len(keys))
+    options = ServeOptions(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        root_path=args.root_path,
+        graceful_timeout=args.graceful_timeout,
+    )
+    trio.run(serve, options, settings, engine_args)
+    return 0
+
+
+def _default_name(model: str | None, engine: object) -> str:
+    """The name the API answers to: what was given on the command line, else the model's."""
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    return os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="triode", description="LLM inference on trio actors")
     parser.add_argument("--version", action="version", version=f"triode {version('triode')}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser("serve", help="serve the OpenAI API (not available yet)")
+    _serve_parser(commands)
     bench = commands.add_parser("bench", help="run a benchmark and print its table")
     bench.add_argument("which", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     args = parser.parse_args(argv)
 
     if args.command == "serve":
-        print(
-            "triode serve is not available yet: the HTTP edge is still to come.",
-            file=sys.stderr,
-        )
-        return 1
+        args.served_model_names = args.served_model_name
+        return _run_serve(args)
     if args.command == "bench":
-        sys.argv = [f"triode bench {args.which}", *args.args]
-        runpy.run_module(BENCHMARKS[args.which], run_name="__main__")
+        importlib.import_module(BENCHMARKS[args.which]).main(args.args)
     return 0
 
 

@@ -1,9 +1,12 @@
-"""Where a model's weights come from: a Hugging Face directory, or a GGUF file converted once.
+"""Where a model's weights come from: a Hugging Face directory, a GGUF file converted once, or
+the random-weight `tiny-random` model built once.
 
 The model runner reads only Hugging Face directories (config.json, *.safetensors, tokenizer
 files). A GGUF file is dequantized through transformers into such a directory under
 `$TRIODE_CACHE/converted/`, keyed by the file's path, size and mtime, so a replaced file converts
-again and an unchanged one resolves in milliseconds. The conversion writes into a temporary
+again and an unchanged one resolves in milliseconds. The name `tiny-random` is a two-layer Llama
+with random weights under `$TRIODE_CACHE/tiny-random/`: the model costs next to nothing, so a
+benchmark of it measures everything around the model. Both are written into a temporary
 directory renamed into place at the end: concurrent starts never see half a model, and the loser
 of a race throws its copy away.
 """
@@ -14,9 +17,11 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_RANDOM = "tiny-random"
 
 
 def cache_dir() -> Path:
@@ -30,14 +35,18 @@ def default_gguf() -> Path:
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     """The Hugging Face directory to load for `model`.
 
-    None means the default model; a `.gguf` path is converted on first use (~30 s); a directory
-    is used as it is. Raises FileNotFoundError with what to do when there is nothing to load.
+    None means the default model; `"tiny-random"` is the random-weight tiny model, built on
+    first use (a few seconds; a directory of that name is reached as `./tiny-random`); a `.gguf`
+    path is converted on first use (~30 s); a directory is used as it is. Raises
+    FileNotFoundError with what to do when there is nothing to load.
     """
     if model is None:
         path = default_gguf()
         if not path.is_file():
             raise FileNotFoundError(f"the default model {path} is missing: run `make model`")
         return convert_gguf(path)
+    if model == TINY_RANDOM:
+        return tiny_random()
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -58,13 +67,32 @@ def converted_dir(gguf: Path) -> Path:
 
 def convert_gguf(gguf: Path) -> Path:
     """Convert `gguf` to a Hugging Face directory unless that was done before; return it."""
-    out = converted_dir(gguf)
+    gguf = gguf.resolve()
+    return _build_once(converted_dir(gguf), lambda tmp: _write_hf_dir(gguf, tmp))
+
+
+def tiny_random() -> Path:
+    """Build the `tiny-random` model unless that was done before; return its directory.
+
+    Its vocabulary is the default model's when that was converted before the first build (a
+    realistic tokenizer for benchmarks), else a byte-level one; delete the directory to rebuild.
+    """
+    from .testing import build_tiny_model
+
+    def build(tmp: Path) -> None:
+        build_tiny_model(tmp, hidden_size=64, num_layers=2, max_position_embeddings=2048)
+
+    return _build_once(cache_dir() / TINY_RANDOM, build)
+
+
+def _build_once(out: Path, write: Callable[[Path], None]) -> Path:
+    """`out`, written by `write` into a temporary sibling renamed into place unless it exists."""
     if out.is_dir():  # only ever created complete, by the rename below
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        _write_hf_dir(gguf.resolve(), tmp)
+        write(tmp)
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the cache from other users
         try:
             tmp.rename(out)

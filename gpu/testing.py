@@ -1,4 +1,4 @@
-"""Tiny random-weight models for tests (and a `--model tiny-random` someday).
+"""Tiny random-weight models for tests, and for the `tiny-random` model name (see `loader`).
 
 A tiny model is a real Hugging Face directory written by transformers itself, so the same files
 load into transformers (the reference) and into our runner (the thing under test).

@@ -1,4 +1,5 @@
-"""Model resolution, GGUF conversion caching, tiny models, and the automatic dtype."""
+"""Model resolution, GGUF conversion caching, tiny models (and the `tiny-random` name), and the
+automatic dtype."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from triode.actors import SamplingParams, open_engine
 from triode.gpu import loader, model_runner
-from triode.gpu.loader import DEFAULT_GGUF, converted_dir, resolve_model
+from triode.gpu.loader import DEFAULT_GGUF, TINY_RANDOM, converted_dir, resolve_model
 from triode.gpu.model_runner import ModelRunner, cpu_has_native_bf16, resolve_dtype
 from triode.gpu.testing import build_tiny_model
 
@@ -109,6 +111,29 @@ def test_tiny_model_builds_with_a_byte_tokenizer_and_loads(cache: Path, tmp_path
     runner = ModelRunner(model_dir, dtype="float32", kv_cache_memory=1 << 20, max_model_len=128)
     assert (runner.vocab_size, runner.eos_token_id, runner.max_model_len) == (259, 2, 128)
     assert runner.num_kv_blocks == (1 << 20) // (2 * 2 * 16 * 2 * 16 * 4)
+
+
+def test_tiny_random_is_built_once_into_the_cache(cache: Path) -> None:
+    first = resolve_model(TINY_RANDOM)
+    assert first == cache / "tiny-random" and first.is_dir()
+    assert (first / "tokenizer.json").is_file() and list(first.glob("*.safetensors"))
+    config = json.loads((first / "config.json").read_text())
+    sizes = (config["hidden_size"], config["num_hidden_layers"], config["max_position_embeddings"])
+    assert sizes == (64, 2, 2048)
+    assert [p.name for p in cache.iterdir()] == ["tiny-random"]  # no temporary directory left
+    start = time.perf_counter()
+    assert resolve_model(TINY_RANDOM) == first
+    assert time.perf_counter() - start < 0.1
+
+
+@pytest.mark.slow
+async def test_an_engine_on_tiny_random_generates(cache: Path) -> None:
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    async with open_engine(TINY_RANDOM, max_num_seqs=4) as engine:
+        assert engine.model_dir == cache / "tiny-random"
+        outputs = [out async for out in engine.generate("Hello there", params)]
+    assert outputs[-1].finished
+    assert len(outputs[-1].outputs[0].token_ids) == 8
 
 
 def test_dtype_auto_follows_the_cpus_bf16_support(monkeypatch: pytest.MonkeyPatch) -> None:

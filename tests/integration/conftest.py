@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from reference import Reference
+from server import Server, running_server
 
 
 @functools.cache
@@ -27,3 +29,21 @@ def model_dir() -> Path:
 @pytest.fixture(scope="session")
 def reference(model_dir: Path) -> Reference:
     return Reference(model_dir)
+
+
+API_KEYS = ("test-key", "second-key")
+SERVED_NAME = "smol"
+ROOT_PATH = "/api"
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One `triode serve` on the default model for a test module: two API keys, a root path,
+    a served model name and a 1 MiB body limit."""
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    args = [
+        "--api-key", *API_KEYS, "--root-path", ROOT_PATH, "--served-model-name", SERVED_NAME,
+        "--max-num-seqs", "16", "--max-body-size", "1MiB", "--max-model-len", "2048",
+    ]  # fmt: skip
+    with running_server(args, log) as s:
+        yield s

@@ -187,7 +187,7 @@ async def test_cancel_mid_stream_frees_every_block(model_dir: Path, reference: R
 async def test_engine_death_fails_requests_at_once(model_dir: Path, reference: Reference) -> None:
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     async with open_engine(str(model_dir), **F32) as engine:
-        pid = engine._client._child.pid
+        pid = engine.pid
         with pytest.raises(EngineDeadError):
             with trio.fail_after(5):
                 async for out in engine.generate(reference.encode(PROMPTS[1]), long):

@@ -1,0 +1,283 @@
+"""The ASGI application: routing, authentication, CORS and the small endpoints.
+
+No framework: `App.__call__` takes raw ASGI messages. The path a request is routed on is the
+scope's path with the root path removed, and the authentication decision is taken on that same
+string, so no handler under `/v1` is reachable through a path the key check did not see.
+Generation endpoints live in `serving.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from importlib.metadata import version
+
+import msgspec
+import trio
+
+from triode.actors import Engine
+
+from .auth import UNAUTHORIZED_HEADERS, ApiKeys, requires_auth
+from .errors import APIError, validation_error
+from .http import (
+    ClientDisconnected,
+    Message,
+    Receive,
+    Request,
+    Scope,
+    Send,
+    respond,
+    respond_error,
+    respond_json,
+)
+from .metrics import Metrics
+from .protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    decode_request,
+)
+from .serving import Serving
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[["App", Request], Awaitable[None]]
+
+STATS_TIMEOUT = 1.0
+
+
+@dataclass
+class Settings:
+    """How the app serves: the names it answers to, its keys, limits and CORS origins."""
+
+    served_model_names: list[str]
+    api_keys: ApiKeys = field(default_factory=lambda: ApiKeys(()))
+    max_body_size: int = 16 << 20
+    allowed_origins: list[str] = field(default_factory=list)
+    keepalive_interval: float = 15.0
+
+
+class App:
+    """The OpenAI-compatible HTTP API over one running `Engine`."""
+
+    def __init__(self, engine: Engine, settings: Settings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.model_name = settings.served_model_names[0]
+        self.metrics = Metrics(self.model_name)
+        self.serving = Serving(engine, settings, self.metrics)
+        self.draining = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self._http(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+        # websocket: not served; returning without accepting makes the server refuse it
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = routed_path(scope)
+        request = Request(scope, path, receive, send)
+        cors = self._cors_headers(request)
+        send = request.send = _tracking(request, send, cors)
+        try:
+            if request.method == "OPTIONS":
+                await self._options(request, cors)
+                return
+            if (
+                self.settings.api_keys.enabled
+                and requires_auth(request.method, path)
+                and not self.settings.api_keys.check(request.headers.get(b"authorization"))
+            ):
+                raise APIError(401, "invalid or missing API key")
+            methods = ROUTES.get(path)
+            if methods is None:
+                raise APIError(404, f"no route for {path}")
+            handler = methods.get(request.method)
+            if handler is None:
+                raise _method_not_allowed(request.method, methods)
+            await handler(self, request)
+        except APIError as e:
+            headers = UNAUTHORIZED_HEADERS if e.status == 401 else None
+            if e.status == 405:
+                headers = [(b"allow", _allow(ROUTES[path]))]
+            if e.status == 413:  # hypercorn closes a connection whose body was left unread
+                headers = [(b"connection", b"close")]
+            if request.started:  # mid-response: nothing better to do than to end it
+                raise
+            await respond_error(send, e, headers)
+        except ClientDisconnected:
+            pass
+        except Exception:
+            log.exception("%s %s failed", request.method, path)
+            if not request.started:
+                await respond_error(send, APIError(500, "internal server error"))
+
+    async def _options(self, request: Request, cors: list[tuple[bytes, bytes]]) -> None:
+        methods = ROUTES.get(request.path)
+        if methods is None:
+            raise APIError(404, f"no route for {request.path}")
+        allow = _allow(methods)
+        headers = [(b"allow", allow)]
+        if cors and b"access-control-request-method" in request.headers:
+            headers += [
+                (b"access-control-allow-methods", allow),
+                (
+                    b"access-control-allow-headers",
+                    request.headers.get(b"access-control-request-headers", b"*"),
+                ),
+                (b"access-control-max-age", b"600"),
+            ]
+        await respond(request.send, 204, b"", headers=headers)
+
+    def _cors_headers(self, request: Request) -> list[tuple[bytes, bytes]]:
+        origins = self.settings.allowed_origins
+        origin = request.headers.get(b"origin")
+        if not origins or origin is None:
+            return []
+        if "*" in origins:
+            return [(b"access-control-allow-origin", b"*")]
+        if origin.decode("latin-1") in origins:
+            return [(b"access-control-allow-origin", origin), (b"vary", b"Origin")]
+        return []
+
+    # Small endpoints
+
+    async def health(self, request: Request) -> None:
+        if self.engine.dead is not None:
+            raise APIError(503, str(self.engine.dead))
+        await respond(request.send, 200, b"", content_type=b"text/plain; charset=utf-8")
+
+    async def version(self, request: Request) -> None:
+        await respond_json(request.send, {"version": version("triode")})
+
+    async def models(self, request: Request) -> None:
+        root = str(self.engine.model_dir)
+        cards = [
+            ModelCard(id=name, root=root, max_model_len=self.engine.max_model_len)
+            for name in self.settings.served_model_names
+        ]
+        await respond_json(request.send, ModelList(data=cards))
+
+    async def metrics_endpoint(self, request: Request) -> None:
+        stats = self.engine.stats
+        if self.engine.dead is None:
+            with trio.move_on_after(STATS_TIMEOUT):
+                fresh = await self.engine.get_stats()
+                self.metrics.update_scheduler(
+                    fresh["num_running_reqs"], fresh["num_waiting_reqs"], fresh["kv_cache_usage"]
+                )
+                stats = None
+        if stats is not None:
+            self.metrics.update_scheduler(
+                stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage
+            )
+        body, content_type = self.metrics.render()
+        await respond(request.send, 200, body, content_type=content_type)
+
+    async def tokenize(self, request: Request) -> None:
+        req = decode_request(await request.read_body(self.settings.max_body_size), TokenizeRequest)
+        self.serving.check_model(req.model)
+        intake = self.engine.intake
+        try:
+            if req.messages is not None:
+                _, tokens = await intake.encode_chat(
+                    msgspec.to_builtins(req.messages),
+                    add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
+                    add_special_tokens=bool(req.add_special_tokens),
+                    template_kwargs=req.chat_template_kwargs,
+                )
+            else:
+                assert req.prompt is not None
+                tokens = await intake.encode(
+                    req.prompt, add_special_tokens=bool(req.add_special_tokens)
+                )
+        except ValueError as e:
+            raise validation_error(e) from e
+        strs = [intake.token_text(t) for t in tokens] if req.return_token_strs else None
+        await respond_json(
+            request.send,
+            TokenizeResponse(
+                count=len(tokens),
+                max_model_len=self.engine.max_model_len,
+                tokens=tokens,
+                token_strs=strs,
+            ),
+        )
+
+    async def detokenize(self, request: Request) -> None:
+        req = decode_request(
+            await request.read_body(self.settings.max_body_size), DetokenizeRequest
+        )
+        self.serving.check_model(req.model)
+        vocab = self.engine.vocab_size
+        bad = next((t for t in req.tokens if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: {bad} is not below the vocabulary size {vocab}",
+                           param="tokens")  # fmt: skip
+        text = await self.engine.intake.decode(req.tokens)
+        await respond_json(request.send, DetokenizeResponse(prompt=text))
+
+    async def chat(self, request: Request) -> None:
+        await self.serving.chat(request)
+
+    async def completions(self, request: Request) -> None:
+        await self.serving.completions(request)
+
+
+ROUTES: dict[str, dict[str, Handler]] = {
+    "/health": {"GET": App.health},
+    "/version": {"GET": App.version},
+    "/metrics": {"GET": App.metrics_endpoint},
+    "/v1/models": {"GET": App.models},
+    "/v1/chat/completions": {"POST": App.chat},
+    "/v1/completions": {"POST": App.completions},
+    "/tokenize": {"POST": App.tokenize},
+    "/detokenize": {"POST": App.detokenize},
+}
+
+
+def routed_path(scope: Scope) -> str:
+    """The scope's path without its root path: what both the router and the key check see."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "") or ""
+    if root and (path == root or path.startswith(root + "/")):
+        path = path[len(root) :] or "/"
+    return path
+
+
+def _allow(methods: dict[str, Handler]) -> bytes:
+    return ", ".join(sorted({*methods, "OPTIONS"})).encode()
+
+
+def _method_not_allowed(method: str, methods: dict[str, Handler]) -> APIError:
+    return APIError(405, f"method {method} is not allowed; use {', '.join(sorted(methods))}")
+
+
+def _tracking(request: Request, send: Send, extra: list[tuple[bytes, bytes]]) -> Send:
+    """`send` that notes when the response has started and adds `extra` headers to it."""
+
+    async def wrapped(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            request.started = True
+            if extra:
+                message = {**message, "headers": [*message.get("headers", ()), *extra]}
+        await send(message)
+
+    return wrapped
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    """The engine is opened by whoever built the app; lifespan only acknowledges."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

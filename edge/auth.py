@@ -1,0 +1,81 @@
+"""Bearer-token authentication against SHA-256 hashes of the configured API keys."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Iterable, Mapping
+from typing import Final
+
+ENV_VAR: Final = "TRIODE_API_KEY"
+
+# Sent with every 401 (RFC 6750).
+UNAUTHORIZED_HEADERS: Final[list[tuple[bytes, bytes]]] = [(b"www-authenticate", b"Bearer")]
+
+
+class ApiKeys:
+    """The accepted API keys, held only as SHA-256 digests."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._digests = tuple(_digest(key.encode()) for key in keys if key)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any key is configured; with none, the server is open."""
+        return bool(self._digests)
+
+    def check(self, authorization: bytes | None) -> bool:
+        """Whether an `Authorization` header value carries one of the keys. Never raises.
+
+        The token is compared with every stored digest, match or not, so the time taken does
+        not tell which key (or how many) came close.
+        """
+        token = _bearer_token(authorization)
+        if token is None:
+            return False
+        digest = _digest(token)
+        matched = False
+        for stored in self._digests:
+            matched |= secrets.compare_digest(digest, stored)
+        return matched
+
+
+def requires_auth(method: str, path: str) -> bool:
+    """Whether a request needs a key: everything under `/v1` except CORS preflight (OPTIONS).
+
+    `path` must be the very string the router matches (root_path already stripped). It is not
+    normalised here; the router must not normalise it either, or a path could reach a protected
+    handler without passing this check.
+    """
+    if method == "OPTIONS":
+        return False
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def keys_from(cli_keys: list[str] | None, env: Mapping[str, str]) -> list[str]:
+    """The keys from `--api-key` (one per flag) and `TRIODE_API_KEY` (comma-separated).
+
+    Keys are stripped; empty ones and repeats are dropped, first occurrence kept.
+    """
+    candidates = list(cli_keys or [])
+    candidates += env.get(ENV_VAR, "").split(",")
+    stripped = (key.strip() for key in candidates)
+    return list(dict.fromkeys(key for key in stripped if key))
+
+
+def _bearer_token(authorization: bytes | None) -> bytes | None:
+    if authorization is None:
+        return None
+    try:
+        value = authorization.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    scheme, sep, token = value.strip().partition(" ")
+    token = token.strip()
+    if not sep or scheme.lower() != "bearer" or not token:
+        return None
+    return token.encode("ascii")
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()

@@ -1,0 +1,110 @@
+"""The OpenAI error shape: `{"error": {"message", "type", "param", "code"}}`."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+# vLLM's type names for the statuses the edge returns.
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    413: "RequestTooLarge",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+# msgspec appends the location of a validation failure: "... - at `$.messages[0].role`".
+_AT = re.compile(r"(?s)(?P<detail>.*) - at `\$(?P<path>[^`]*)`")
+_FIELD_NAMED = re.compile(
+    r"Object (?P<what>missing required|contains unknown) field `(?P<name>[^`]*)`"
+)
+# `SamplingParams` and other `__post_init__` checks raise ValueError("field: why").
+_FIELD_WHY = re.compile(r"(?s)(?P<name>[A-Za-z_][A-Za-z0-9_]*): (?P<why>.*)")
+
+
+class APIError(Exception):
+    """An error to return to the client as an HTTP status and an OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type if type is not None else _default_type(status)
+        self.param = param
+        self.code = code if code is not None else status
+
+    def __repr__(self) -> str:
+        return (
+            f"APIError({self.status}, {self.message!r}, type={self.type!r}, param={self.param!r})"
+        )
+
+
+class _ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class _ErrorBody(msgspec.Struct):
+    error: _ErrorDetail
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def error_body(err: APIError) -> bytes:
+    """The JSON body for `err`; `param` and `code` are always present, null when unset."""
+    detail = _ErrorDetail(message=err.message, type=err.type, param=err.param, code=err.code)
+    return _encoder.encode(_ErrorBody(error=detail))
+
+
+def validation_error(exc: msgspec.ValidationError | msgspec.DecodeError | ValueError) -> APIError:
+    """A 400 for a request body that failed to decode or validate, naming the field in `param`.
+
+    Invalid JSON gives "invalid JSON: ..." with no `param`. Otherwise the message starts with the
+    field path (`messages[0].role: ...`) whenever one is known.
+    """
+    text = str(exc)
+    if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
+        return APIError(400, f"invalid JSON: {text}")
+    path: str | None = None
+    detail = text
+    if (at := _AT.fullmatch(text)) is not None:
+        detail = at["detail"]
+        path = at["path"].removeprefix(".") or None
+    if (named := _FIELD_NAMED.fullmatch(detail)) is not None:
+        path = _join(path, named["name"])
+        why = "missing required field" if named["what"] == "missing required" else "unknown field"
+        return APIError(400, f"{path}: {why}", param=path)
+    if (field := _FIELD_WHY.fullmatch(detail)) is not None:
+        path = _join(path, field["name"])
+        detail = field["why"]
+    if path is None:
+        return APIError(400, detail)
+    return APIError(400, f"{path}: {detail}", param=path)
+
+
+def _join(path: str | None, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _default_type(status: int) -> str:
+    if status in _TYPES:
+        return _TYPES[status]
+    return "InternalServerError" if status >= 500 else "BadRequestError"

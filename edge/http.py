@@ -1,0 +1,105 @@
+"""Raw ASGI plumbing: one request's scope and body in, whole responses out."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import msgspec
+
+from .errors import APIError, error_body
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
+
+JSON = b"application/json"
+
+_encoder = msgspec.json.Encoder()
+
+
+class Request:
+    """What a handler sees of an HTTP request: method, the routed path, headers, body."""
+
+    __slots__ = (
+        "body", "headers", "method", "path", "query", "receive", "scope", "send", "started",
+    )  # fmt: skip
+
+    def __init__(self, scope: Scope, path: str, receive: Receive, send: Send) -> None:
+        self.scope = scope
+        self.method: str = scope["method"]
+        self.path = path
+        self.query: bytes = scope.get("query_string", b"")
+        self.headers: dict[bytes, bytes] = {}
+        for name, value in scope["headers"]:
+            # a repeated header keeps its first value; nothing here needs the others
+            self.headers.setdefault(name.lower(), value)
+        self.receive = receive
+        self.send = send
+        self.body = b""
+        self.started = False  # a response has begun: errors can no longer change its status
+
+    async def read_body(self, limit: int) -> bytes:
+        """The whole body; a 413 `APIError` as soon as it is known to exceed `limit` bytes."""
+        declared = self.headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientDisconnected
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        self.body = b"".join(chunks)
+        return self.body
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its request was read."""
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body exceeds the limit of {limit} bytes")
+
+
+async def respond(
+    send: Send,
+    status: int,
+    body: bytes,
+    *,
+    content_type: bytes = JSON,
+    headers: Headers | None = None,
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", content_type),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or ()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def respond_json(send: Send, value: Any, status: int = 200, **kwargs: Any) -> None:
+    await respond(send, status, _encoder.encode(value), **kwargs)
+
+
+async def respond_error(send: Send, error: APIError, headers: Headers | None = None) -> None:
+    await respond(send, error.status, error_body(error), headers=headers)
+
+
+def encode_json(value: Any) -> bytes:
+    return _encoder.encode(value)

@@ -1,0 +1,109 @@
+"""Prometheus metrics under vLLM's names, prefixed `triode:`, each labelled with `model_name`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from triode.wire import FinishReason
+
+# Bucket boundaries as in vLLM's `vllm/v1/metrics/loggers.py`, so dashboards carry over.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+INTER_TOKEN_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+    0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+_LABELS = ("model_name",)
+
+
+class Metrics:
+    """The server's metrics, in a registry of their own unless one is given.
+
+    A private registry keeps several apps in one process from clashing over metric names.
+    """
+
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._model_name = model_name
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, _LABELS, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            # prometheus-client exposes a Counter as `<name>_total`.
+            return Counter(name, doc, _LABELS, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, _LABELS, registry=r, buckets=buckets).labels(model_name)
+
+        self._running = gauge("triode:num_requests_running", "Requests in model execution.")
+        self._waiting = gauge("triode:num_requests_waiting", "Requests waiting to be scheduled.")
+        self._kv_usage = gauge("triode:kv_cache_usage_perc", "KV-cache usage; 1 means full.")
+        self._prompt_tokens = counter("triode:prompt_tokens", "Prefill tokens processed.")
+        self._generation_tokens = counter("triode:generation_tokens", "Tokens generated.")
+        self._success = Counter(
+            "triode:request_success",
+            "Finished requests, by finish reason.",
+            (*_LABELS, "finished_reason"),
+            registry=r,
+        )
+        # Created up front so every reason is exposed, at zero, before its first request.
+        for reason in FinishReason:
+            self._success.labels(model_name, str(reason))
+        self._ttft = histogram(
+            "triode:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
+        )
+        self._itl = histogram(
+            "triode:inter_token_latency_seconds", "Time between output tokens.", INTER_TOKEN_BUCKETS
+        )
+        self._e2e = histogram(
+            "triode:e2e_request_latency_seconds",
+            "Request latency, arrival to finish.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+
+    def update_scheduler(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        """Set the scheduler gauges; `kv_cache_usage` is a fraction in [0, 1]."""
+        self._running.set(num_running)
+        self._waiting.set(num_waiting)
+        self._kv_usage.set(kv_cache_usage)
+
+    def observe_request(
+        self,
+        prompt_tokens: int,
+        generation_tokens: int,
+        ttft: float | None,
+        inter_token_latencies: Iterable[float],
+        e2e: float,
+        finished_reason: str,
+    ) -> None:
+        """Record one finished request. `ttft` is None when no token was produced."""
+        self._prompt_tokens.inc(prompt_tokens)
+        self._generation_tokens.inc(generation_tokens)
+        self._success.labels(self._model_name, finished_reason).inc()
+        if ttft is not None:
+            self._ttft.observe(ttft)
+        for latency in inter_token_latencies:
+            self._itl.observe(latency)
+        self._e2e.observe(e2e)
+
+    def render(self) -> tuple[bytes, bytes]:
+        """The exposition text and its content type, for `GET /metrics`."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST.encode()

@@ -1,0 +1,99 @@
+"""`triode serve`: the engine core as a supervised child, the app in hypercorn's trio worker.
+
+SIGINT and SIGTERM start a graceful shutdown: hypercorn stops accepting connections and gives
+in-flight requests `graceful_timeout` seconds to finish, then the engine core is stopped
+(graceful message, deadline, terminate, kill).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+
+from triode.actors import open_engine
+
+from .app import App, Settings
+
+log = logging.getLogger("triode.serve")
+
+
+@dataclass
+class ServeOptions:
+    model: str | None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    root_path: str = ""
+    graceful_timeout: float = 10.0
+
+
+async def serve(
+    options: ServeOptions,
+    settings: Callable[[Any], Settings],
+    engine_args: dict[str, Any],
+    *,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until SIGINT/SIGTERM (or cancellation). `settings(engine)` builds the app's
+    settings once the engine is up; `task_status` gets the bound URLs."""
+    started = time.perf_counter()
+    log.info("starting the engine core for %s", options.model or "the default model")
+    async with open_engine(options.model, **engine_args) as engine:
+        log.info(
+            "engine ready in %.1fs: %s, %s, max_model_len %d, %d KV blocks of %d tokens",
+            time.perf_counter() - started,
+            engine.model_dir,
+            engine.dtype,
+            engine.max_model_len,
+            engine.num_kv_blocks,
+            engine.block_size,
+        )
+        app = App(engine, settings(engine))
+        config = Config()
+        config.bind = [f"{_host(options.host)}:{options.port}"]
+        config.root_path = options.root_path
+        config.graceful_timeout = options.graceful_timeout
+        config.accesslog = None
+        config.errorlog = logging.getLogger("hypercorn.error")
+        shutdown = trio.Event()
+        async with trio.open_nursery() as nursery:
+
+            async def run_server(task_status: trio.TaskStatus[list[str]]) -> None:
+                await hypercorn_serve(
+                    app,  # type: ignore[arg-type]
+                    config,
+                    shutdown_trigger=shutdown.wait,  # type: ignore[arg-type]
+                    task_status=task_status,
+                )
+                nursery.cancel_scope.cancel()  # drained: stop watching for signals
+
+            nursery.start_soon(_on_signals, shutdown, nursery.cancel_scope)
+            binds = await nursery.start(run_server)
+            for url in binds:
+                log.info("serving the OpenAI API on %s%s/v1", url, options.root_path)
+            task_status.started(binds)
+        log.info("server stopped; stopping the engine core")
+
+
+async def _on_signals(shutdown: trio.Event, scope: trio.CancelScope) -> None:
+    """The first SIGINT/SIGTERM drains; a second one stops at once."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if shutdown.is_set():
+                log.warning("%s again: stopping without waiting for requests", name)
+                scope.cancel()
+                return
+            log.info("%s: finishing in-flight requests, then shutting down", name)
+            shutdown.set()
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

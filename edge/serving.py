@@ -1,0 +1,559 @@
+"""The generation endpoints: `/v1/chat/completions` and `/v1/completions`.
+
+A request is validated, templated and tokenized (the intake), then each of its prompts runs as
+one `Engine.generate` in delta mode, all in one nursery beside a task that watches for
+`http.disconnect`. A disconnect cancels the nursery; each generation's `finally` aborts its
+request in the engine from a shielded, time-bounded scope, so the KV blocks come back whether
+the client was streaming or waiting for a whole answer. Streams send each delta as an SSE chunk
+as soon as it exists; a slow reader only makes the next delta bigger (outputs coalesce in the
+request's stream, never in an unbounded queue here).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+
+from triode.actors import CompletionOutput, Engine, EngineDeadError, RequestError, RequestOutput
+from triode.actors.outputs import TokenLogprob
+from triode.wire import SamplingParams
+
+from .errors import APIError, error_body, validation_error
+from .http import ClientDisconnected, Request, encode_json, respond_json
+from .metrics import Metrics
+from .protocol import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessageOut,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    PromptTokenUsageInfo,
+    UsageInfo,
+    decode_request,
+    sampling_params,
+)
+from .sse import DONE, KEEPALIVE, SSE_HEADERS, event
+
+if TYPE_CHECKING:
+    from .app import Settings
+
+# Logprobs of -inf do not survive JSON; clamp them like vLLM does.
+_MIN_LOGPROB = -9999.0
+
+
+@dataclass
+class _Prompt:
+    """One prompt of a request and what its generation has produced so far."""
+
+    token_ids: list[int]
+    text: str | None
+    choices: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # timing, for the metrics
+    start: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    last_token: float | None = None
+    inter_token: list[float] = field(default_factory=list)
+
+    def take(self, out: RequestOutput) -> None:
+        """Fold a delta output into the cumulative state."""
+        if not self.choices:
+            self.choices = [
+                CompletionOutput(c.index, logprobs=None if c.logprobs is None else [])
+                for c in out.outputs
+            ]
+        self.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs:
+            self.prompt_logprobs += out.prompt_logprobs
+        new_tokens = 0
+        for mine, delta in zip(self.choices, out.outputs, strict=True):
+            mine.text += delta.text
+            mine.token_ids += delta.token_ids
+            new_tokens += len(delta.token_ids)
+            if delta.logprobs is not None and mine.logprobs is not None:
+                mine.logprobs += delta.logprobs
+            mine.finish_reason, mine.stop_reason = delta.finish_reason, delta.stop_reason
+        if new_tokens:
+            now = time.perf_counter()
+            if self.first_token is None:
+                self.first_token = now
+            elif self.last_token is not None:
+                self.inter_token.append((now - self.last_token) / new_tokens)
+            self.last_token = now
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+
+class Serving:
+    def __init__(self, engine: Engine, settings: Settings, metrics: Metrics) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.model_name = settings.served_model_names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.settings.served_model_names:
+            raise APIError(
+                404, f"the model {name!r} does not exist", param="model", code="model_not_found"
+            )
+
+    def _check_alive(self) -> None:
+        if self.engine.dead is not None:
+            raise APIError(503, f"the engine is not running: {self.engine.dead}")
+
+    # Chat
+
+    async def chat(self, request: Request) -> None:
+        body = await request.read_body(self.settings.max_body_size)
+        req = decode_request(body, ChatCompletionRequest)
+        self.check_model(req.model)
+        self._check_alive()
+        try:
+            _, token_ids = await self.engine.intake.encode_chat(
+                msgspec.to_builtins(req.messages),
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                add_special_tokens=req.add_special_tokens,
+                template_kwargs=req.chat_template_kwargs,
+            )
+        except ValueError as e:
+            raise validation_error(e) from e
+        params = sampling_params(
+            req, prompt_len=len(token_ids), max_model_len=self.engine.max_model_len
+        )
+        prompts = [_Prompt(token_ids, None)]
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            chat_stream = _ChatStream(self, req, request_id, prompts[0])
+            await self._stream(request, prompts, params, request_id, chat_stream)
+            return
+        await self._generate(request, prompts, params, request_id, None)
+        prompt = prompts[0]
+        choices = [
+            ChatCompletionResponseChoice(
+                index=c.index,
+                message=ChatMessageOut(content=c.text),
+                logprobs=self._chat_logprobs(c.logprobs, req.top_logprobs or 0),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in prompt.choices
+        ]
+        response = ChatCompletionResponse(
+            id=request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=_usage(prompts),
+        )
+        await respond_json(request.send, response)
+
+    def _chat_logprobs(
+        self, logprobs: list[TokenLogprob] | None, top: int
+    ) -> ChatCompletionLogProbs | None:
+        if logprobs is None:
+            return None
+        text = self.engine.intake.token_text
+        content = []
+        for lp in logprobs:
+            token = text(lp.token_id)
+            content.append(
+                ChatCompletionLogProbsContent(
+                    token=token,
+                    logprob=max(lp.logprob, _MIN_LOGPROB),
+                    bytes=list(token.encode()),
+                    top_logprobs=[
+                        ChatCompletionLogProb(
+                            token=text(t),
+                            logprob=max(v, _MIN_LOGPROB),
+                            bytes=list(text(t).encode()),
+                        )
+                        for t, v in lp.top[:top]
+                    ],
+                )
+            )
+        return ChatCompletionLogProbs(content=content)
+
+    # Completions
+
+    async def completions(self, request: Request) -> None:
+        body = await request.read_body(self.settings.max_body_size)
+        req = decode_request(body, CompletionRequest)
+        self.check_model(req.model)
+        self._check_alive()
+        intake = self.engine.intake
+        prompts = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                ids = await intake.encode(p, add_special_tokens=req.add_special_tokens)
+                prompts.append(_Prompt(ids, p))
+            else:
+                vocab = self.engine.vocab_size
+                if max(p) >= vocab:
+                    raise APIError(
+                        400, f"prompt: token ids must be < {vocab}, the vocabulary size",
+                        param="prompt",
+                    )  # fmt: skip
+                prompts.append(_Prompt(list(p), None))
+        if any(not p.token_ids for p in prompts):
+            raise APIError(400, "prompt: must not be empty", param="prompt")
+        longest = max(prompts, key=lambda p: len(p.token_ids))
+        params = sampling_params(
+            req, prompt_len=len(longest.token_ids), max_model_len=self.engine.max_model_len
+        )
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        if req.echo:
+            for p in prompts:
+                if p.text is None:
+                    p.text = await intake.decode(p.token_ids, skip_special_tokens=False)
+        if req.stream:
+            completion_stream = _CompletionStream(self, req, request_id, prompts)
+            await self._stream(request, prompts, params, request_id, completion_stream)
+            return
+        await self._generate(request, prompts, params, request_id, None)
+        choices = []
+        for i, prompt in enumerate(prompts):
+            for c in prompt.choices:
+                echo = prompt.text if req.echo and prompt.text else ""
+                choices.append(
+                    CompletionResponseChoice(
+                        index=i * params.n + c.index,
+                        text=echo + c.text,
+                        logprobs=self._completion_logprobs(prompt, c, req, echo=bool(echo)),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+        response = CompletionResponse(
+            id=request_id, model=self.model_name, choices=choices, usage=_usage(prompts)
+        )
+        await respond_json(request.send, response)
+
+    def _completion_logprobs(
+        self,
+        prompt: _Prompt,
+        choice: CompletionOutput,
+        req: CompletionRequest,
+        *,
+        echo: bool,
+        logprobs: list[TokenLogprob] | None = None,
+        offset: int = 0,
+    ) -> CompletionLogProbs | None:
+        if req.logprobs is None:
+            return None
+        entries: list[tuple[int, TokenLogprob | None]] = []
+        if echo:
+            first = prompt.token_ids[0]
+            entries.append((first, None))
+            entries += [(lp.token_id, lp) for lp in prompt.prompt_logprobs]
+        source = choice.logprobs if logprobs is None else logprobs
+        entries += [(lp.token_id, lp) for lp in source or ()]
+        text = self.engine.intake.token_text
+        out = CompletionLogProbs()
+        for token_id, lp in entries:
+            token = text(token_id)
+            out.text_offset.append(offset)
+            offset += len(token)
+            out.tokens.append(token)
+            if lp is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(max(lp.logprob, _MIN_LOGPROB))
+            top = {text(t): max(v, _MIN_LOGPROB) for t, v in lp.top[: req.logprobs]}
+            top.setdefault(token, max(lp.logprob, _MIN_LOGPROB))
+            out.top_logprobs.append(top)
+        return out
+
+    # Driving the engine
+
+    async def _generate(
+        self,
+        request: Request,
+        prompts: list[_Prompt],
+        params: SamplingParams,
+        request_id: str,
+        on_output: Callable[[int, RequestOutput], Awaitable[None]] | None,
+    ) -> None:
+        """Run every prompt's generation to its end (or the client's disconnect), folding each
+        delta into its `_Prompt` and then calling `on_output(prompt index, delta)`.
+
+        Raises `ClientDisconnected`, or an `APIError` for a refused request (400) or a dead
+        engine (503).
+        """
+        send_channel, receive_channel = trio.open_memory_channel[
+            tuple[int, RequestOutput] | BaseException
+        ](0)
+        failure: BaseException | None = None
+        disconnected = False
+
+        async def produce(index: int, prompt: _Prompt, channel: trio.MemorySendChannel) -> None:  # type: ignore[type-arg]
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{index}"
+            async with channel:
+                try:
+                    generation = self.engine.generate(prompt.token_ids, params, rid, delta=True)
+                    async with aclosing(generation) as outputs:
+                        async for out in outputs:
+                            await channel.send((index, out))
+                except (RequestError, EngineDeadError, RuntimeError) as e:
+                    await channel.send(e)
+
+        async def watch_disconnect(scope: trio.CancelScope) -> None:
+            nonlocal disconnected
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            disconnected = True
+            scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch_disconnect, nursery.cancel_scope)
+            async with send_channel:
+                for i, prompt in enumerate(prompts):
+                    nursery.start_soon(produce, i, prompt, send_channel.clone())
+            async with receive_channel:
+                while True:
+                    with trio.move_on_after(self.settings.keepalive_interval) as idle:
+                        try:
+                            item = await receive_channel.receive()
+                        except trio.EndOfChannel:
+                            break
+                    if idle.cancelled_caught:
+                        if on_output is not None:
+                            await request.send(
+                                {"type": "http.response.body", "body": KEEPALIVE, "more_body": True}
+                            )
+                        continue
+                    if isinstance(item, BaseException):
+                        failure = item
+                        break
+                    index, out = item
+                    prompts[index].take(out)
+                    if out.finished:
+                        self._observe(prompts[index])
+                    if on_output is not None:
+                        await on_output(index, out)
+            nursery.cancel_scope.cancel()
+        if disconnected:
+            raise ClientDisconnected
+        if failure is not None:
+            raise _api_error(failure)
+
+    def _observe(self, prompt: _Prompt) -> None:
+        now = time.perf_counter()
+        ttft = None if prompt.first_token is None else prompt.first_token - prompt.start
+        reasons = {c.finish_reason for c in prompt.choices}
+        self.metrics.observe_request(
+            prompt_tokens=len(prompt.token_ids),
+            generation_tokens=prompt.num_generated,
+            ttft=ttft,
+            inter_token_latencies=prompt.inter_token,
+            e2e=now - prompt.start,
+            finished_reason=next(iter(reasons)) if len(reasons) == 1 else "stop",
+        )
+
+    async def _stream(
+        self,
+        request: Request,
+        prompts: list[_Prompt],
+        params: SamplingParams,
+        request_id: str,
+        formatter: _StreamFormatter,
+    ) -> None:
+        send = request.send
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+
+        async def write(chunks: Sequence[bytes]) -> None:
+            if chunks:
+                await send(
+                    {"type": "http.response.body", "body": b"".join(chunks), "more_body": True}
+                )
+
+        async def on_output(index: int, out: RequestOutput) -> None:
+            await write(formatter.chunks(index, out))
+
+        await write(formatter.opening())
+        try:
+            await self._generate(request, prompts, params, request_id, on_output)
+        except APIError as e:
+            await write([event(error_body(e))])
+        else:
+            await write(formatter.closing())
+        await send({"type": "http.response.body", "body": DONE, "more_body": False})
+
+
+class _StreamFormatter:
+    def opening(self) -> list[bytes]:
+        return []
+
+    def chunks(self, index: int, out: RequestOutput) -> list[bytes]:
+        raise NotImplementedError
+
+    def closing(self) -> list[bytes]:
+        return []
+
+
+class _ChatStream(_StreamFormatter):
+    def __init__(
+        self, serving: Serving, req: ChatCompletionRequest, request_id: str, prompt: _Prompt
+    ) -> None:
+        self.serving = serving
+        self.req = req
+        self.id = request_id
+        self.created = int(time.time())
+        self.prompt = prompt
+        options = req.stream_options
+        self.include_usage = bool(options and options.include_usage)
+        self.continuous_usage = self.include_usage and bool(
+            options and options.continuous_usage_stats
+        )
+
+    def _chunk(self, choices: list[ChatCompletionResponseStreamChoice], usage: Any = None) -> bytes:
+        return event(
+            encode_json(
+                ChatCompletionStreamResponse(
+                    id=self.id,
+                    created=self.created,
+                    model=self.serving.model_name,
+                    choices=choices,
+                    usage=usage,
+                )
+            )
+        )
+
+    def opening(self) -> list[bytes]:
+        n = self.req.n or 1
+        first = [
+            ChatCompletionResponseStreamChoice(
+                index=i, delta=DeltaMessage(role="assistant", content="")
+            )
+            for i in range(n)
+        ]
+        return [self._chunk([choice]) for choice in first]
+
+    def chunks(self, index: int, out: RequestOutput) -> list[bytes]:
+        result = []
+        usage = _usage([self.prompt]) if self.continuous_usage else None
+        for c in out.outputs:
+            if not (c.text or c.token_ids or c.finish_reason):
+                continue
+            choice = ChatCompletionResponseStreamChoice(
+                index=c.index,
+                delta=DeltaMessage(content=c.text),
+                logprobs=self.serving._chat_logprobs(c.logprobs, self.req.top_logprobs or 0),
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            result.append(self._chunk([choice], usage))
+        return result
+
+    def closing(self) -> list[bytes]:
+        if not self.include_usage:
+            return []
+        return [self._chunk([], _usage([self.prompt]))]
+
+
+class _CompletionStream(_StreamFormatter):
+    def __init__(
+        self,
+        serving: Serving,
+        req: CompletionRequest,
+        request_id: str,
+        prompts: list[_Prompt],
+    ) -> None:
+        self.serving = serving
+        self.req = req
+        self.id = request_id
+        self.created = int(time.time())
+        self.prompts = prompts
+        self.n = req.n or 1
+        options = req.stream_options
+        self.include_usage = bool(options and options.include_usage)
+        self.continuous_usage = self.include_usage and bool(
+            options and options.continuous_usage_stats
+        )
+        # per (prompt, choice): the text offset so far, for logprobs' text_offset
+        self.offsets: dict[tuple[int, int], int] = {}
+
+    def _chunk(self, choices: list[CompletionResponseStreamChoice], usage: Any = None) -> bytes:
+        return event(
+            encode_json(
+                CompletionStreamResponse(
+                    id=self.id,
+                    created=self.created,
+                    model=self.serving.model_name,
+                    choices=choices,
+                    usage=usage,
+                )
+            )
+        )
+
+    def chunks(self, index: int, out: RequestOutput) -> list[bytes]:
+        prompt = self.prompts[index]
+        usage = _usage(self.prompts) if self.continuous_usage else None
+        result = []
+        for c in out.outputs:
+            key = (index, c.index)
+            first = key not in self.offsets
+            echo = bool(first and self.req.echo and prompt.text)
+            if not (c.text or c.token_ids or c.finish_reason or echo):
+                continue
+            offset = self.offsets.get(key, 0)
+            text = (prompt.text or "") + c.text if echo else c.text
+            logprobs = self.serving._completion_logprobs(
+                prompt, c, self.req, echo=echo, logprobs=c.logprobs, offset=offset
+            )
+            self.offsets[key] = offset + len(text)
+            choice = CompletionResponseStreamChoice(
+                index=index * self.n + c.index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            result.append(self._chunk([choice], usage))
+        return result
+
+    def closing(self) -> list[bytes]:
+        if not self.include_usage:
+            return []
+        return [self._chunk([], _usage(self.prompts))]
+
+
+def _usage(prompts: list[_Prompt]) -> UsageInfo:
+    prompt_tokens = sum(len(p.token_ids) for p in prompts)
+    completion_tokens = sum(p.num_generated for p in prompts)
+    cached = sum(p.num_cached_tokens for p in prompts)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached) if cached else None,
+    )
+
+
+def _api_error(error: BaseException) -> APIError:
+    if isinstance(error, EngineDeadError):
+        return APIError(503, f"the engine is not running: {error}")
+    if isinstance(error, RequestError):
+        return validation_error(error)
+    return APIError(500, f"generation failed: {error}")

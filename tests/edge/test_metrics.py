@@ -1,0 +1,131 @@
+"""Prometheus exposition: names, labels, values and bucket boundaries as scraped."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from triode.edge.metrics import (
+    INTER_TOKEN_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    Metrics,
+)
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def _scrape(metrics: Metrics) -> tuple[dict[str, str], Samples]:
+    body, content_type = metrics.render()
+    assert content_type.startswith(b"text/plain")
+    types: dict[str, str] = {}
+    samples: Samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        types[family.name] = family.type
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+    return types, samples
+
+
+def _labels(**labels: str) -> frozenset[tuple[str, str]]:
+    return frozenset(labels.items())
+
+
+def test_exposed_names_and_types() -> None:
+    types, samples = _scrape(Metrics("m"))
+    assert types["triode:num_requests_running"] == "gauge"
+    assert types["triode:num_requests_waiting"] == "gauge"
+    assert types["triode:kv_cache_usage_perc"] == "gauge"
+    assert types["triode:prompt_tokens"] == "counter"
+    assert types["triode:generation_tokens"] == "counter"
+    assert types["triode:request_success"] == "counter"
+    assert types["triode:time_to_first_token_seconds"] == "histogram"
+    assert types["triode:inter_token_latency_seconds"] == "histogram"
+    assert types["triode:e2e_request_latency_seconds"] == "histogram"
+    names = {name for name, _ in samples}
+    assert {"triode:prompt_tokens_total", "triode:generation_tokens_total"} <= names
+    assert "triode:request_success_total" in names
+    assert "triode:prompt_tokens_total_total" not in names
+
+
+def test_every_sample_carries_the_model_name() -> None:
+    metrics = Metrics("qwen3-0.6b")
+    metrics.observe_request(3, 2, 0.1, [0.02], 0.5, "stop")
+    _, samples = _scrape(metrics)
+    for name, labels in samples:
+        assert ("model_name", "qwen3-0.6b") in labels, name
+
+
+def test_scheduler_gauges_take_the_latest_values() -> None:
+    metrics = Metrics("m")
+    metrics.update_scheduler(4, 9, 0.25)
+    metrics.update_scheduler(3, 7, 0.5)
+    _, samples = _scrape(metrics)
+    assert samples[("triode:num_requests_running", _labels(model_name="m"))] == 3
+    assert samples[("triode:num_requests_waiting", _labels(model_name="m"))] == 7
+    assert samples[("triode:kv_cache_usage_perc", _labels(model_name="m"))] == 0.5
+
+
+def test_requests_add_up_tokens_and_count_by_finish_reason() -> None:
+    metrics = Metrics("m")
+    metrics.observe_request(10, 4, 0.05, [0.01, 0.02, 0.03], 0.2, "stop")
+    metrics.observe_request(7, 16, 0.5, [], 3.0, "length")
+    metrics.observe_request(5, 0, None, [], 0.1, "abort")
+    _, samples = _scrape(metrics)
+    m = _labels(model_name="m")
+    assert samples[("triode:prompt_tokens_total", m)] == 22
+    assert samples[("triode:generation_tokens_total", m)] == 20
+    for reason, count in [("stop", 1), ("length", 1), ("abort", 1), ("error", 0)]:
+        key = ("triode:request_success_total", _labels(model_name="m", finished_reason=reason))
+        assert samples[key] == count
+    assert samples[("triode:time_to_first_token_seconds_count", m)] == 2
+    assert samples[("triode:time_to_first_token_seconds_sum", m)] == pytest.approx(0.55)
+    assert samples[("triode:inter_token_latency_seconds_count", m)] == 3
+    assert samples[("triode:e2e_request_latency_seconds_count", m)] == 3
+    assert samples[("triode:e2e_request_latency_seconds_sum", m)] == pytest.approx(3.3)
+
+
+def test_histograms_use_vllm_buckets() -> None:
+    metrics = Metrics("m")
+    metrics.observe_request(1, 2, 0.03, [0.06], 0.9, "stop")
+    _, samples = _scrape(metrics)
+
+    def bounds(name: str) -> list[float]:
+        found = [
+            float(dict(labels)["le"]) for sample, labels in samples if sample == f"{name}_bucket"
+        ]
+        return sorted(b for b in found if b != float("inf"))
+
+    assert bounds("triode:time_to_first_token_seconds") == list(TTFT_BUCKETS)
+    assert bounds("triode:inter_token_latency_seconds") == list(INTER_TOKEN_BUCKETS)
+    assert bounds("triode:e2e_request_latency_seconds") == list(REQUEST_LATENCY_BUCKETS)
+    assert TTFT_BUCKETS[:3] == (0.001, 0.005, 0.01) and TTFT_BUCKETS[-1] == 2560.0
+    assert INTER_TOKEN_BUCKETS[0] == 0.01 and INTER_TOKEN_BUCKETS[-1] == 80.0
+    assert REQUEST_LATENCY_BUCKETS[0] == 0.3 and REQUEST_LATENCY_BUCKETS[-1] == 7680.0
+    m = _labels
+    ttft = "triode:time_to_first_token_seconds_bucket"
+    assert samples[(ttft, m(model_name="m", le="0.02"))] == 0
+    assert samples[(ttft, m(model_name="m", le="0.04"))] == 1
+    e2e = "triode:e2e_request_latency_seconds_bucket"
+    assert samples[(e2e, m(model_name="m", le="0.8"))] == 0
+    assert samples[(e2e, m(model_name="m", le="1.0"))] == 1
+
+
+def test_two_instances_in_one_process_do_not_clash() -> None:
+    first, second = Metrics("a"), Metrics("b")
+    first.update_scheduler(1, 0, 0.0)
+    second.update_scheduler(2, 0, 0.0)
+    _, a = _scrape(first)
+    _, b = _scrape(second)
+    assert a[("triode:num_requests_running", _labels(model_name="a"))] == 1
+    assert b[("triode:num_requests_running", _labels(model_name="b"))] == 2
+    assert ("triode:num_requests_running", _labels(model_name="b")) not in a
+    assert REGISTRY.get_sample_value("triode:num_requests_running", {"model_name": "a"}) is None
+
+
+def test_a_given_registry_is_used() -> None:
+    registry = CollectorRegistry()
+    metrics = Metrics("m", registry=registry)
+    assert metrics.registry is registry
+    assert registry.get_sample_value("triode:num_requests_running", {"model_name": "m"}) == 0

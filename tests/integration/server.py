@@ -1,0 +1,76 @@
+"""A real `triode serve` process on a free loopback port, for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+START_TIMEOUT = 180.0
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen[bytes]
+    url: str  # http://127.0.0.1:PORT
+    log: Path
+
+    def engine_pid(self) -> int:
+        """The engine core: the server's only child process (started by any of its threads)."""
+        tasks = Path(f"/proc/{self.process.pid}/task")
+        [pid] = [p for task in tasks.iterdir() for p in (task / "children").read_text().split()]
+        return int(pid)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_server(
+    args: list[str], log: Path, env: dict[str, str] | None = None
+) -> Iterator[Server]:
+    """Start `triode serve ARGS --port P`, wait for /health, stop it (SIGINT) on exit."""
+    port = free_port()
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "triode.edge.cli", "serve", *args, "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+    server = Server(process, f"http://127.0.0.1:{port}", log)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"triode serve exited early:\n{server.output()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"triode serve did not come up:\n{server.output()}")
+            time.sleep(0.2)
+        yield server
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

@@ -1,0 +1,264 @@
+"""`triode serve` end to end: a real server process on the real default model, driven by the
+official `openai` client and by raw HTTP for streams that disconnect or outlive the engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import API_KEYS, SERVED_NAME
+from server import Server, running_server
+
+from triode.edge.sse import SSEParser
+
+pytestmark = pytest.mark.slow
+
+QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
+KEY = API_KEYS[0]
+
+
+def _client(server: Server, root: str = "") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}{root}/v1", api_key=KEY, max_retries=0)
+
+
+def _metrics(server: Server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("triode:") and "{" in line:
+            name = line.split("{", 1)[0]
+            values[name] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def _wait_until_idle(server: Server, timeout: float = 5.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(server)
+        if m["triode:num_requests_running"] == 0 and m["triode:kv_cache_usage_perc"] == 0:
+            return m
+        if time.monotonic() > deadline:
+            return m
+        time.sleep(0.1)
+
+
+def test_chat_stream_equals_non_stream(server: Server) -> None:
+    client = _client(server, "/api")
+    whole = client.chat.completions.create(
+        model=SERVED_NAME, messages=QUESTION, max_tokens=24, temperature=0
+    )
+    [choice] = whole.choices
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+
+    chunks = list(
+        client.chat.completions.create(
+            model=SERVED_NAME,
+            messages=QUESTION,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    finish = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finish == [choice.finish_reason]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        whole.usage.prompt_tokens,
+        whole.usage.completion_tokens,
+    )
+    # the same prompt again: its full blocks came from the prefix cache
+    assert usage.prompt_tokens_details.cached_tokens >= 16
+    prompt = httpx.post(f"{server.url}/tokenize", json={"messages": QUESTION}, timeout=10).json()[
+        "count"
+    ]
+    assert whole.usage.prompt_tokens == prompt
+    assert whole.usage.total_tokens == prompt + whole.usage.completion_tokens
+
+
+def test_completions_stream_and_usage(server: Server) -> None:
+    client = _client(server)
+    prompt = "The capital of France is"
+    whole = client.completions.create(
+        model=SERVED_NAME, prompt=prompt, max_tokens=12, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert whole.usage.completion_tokens == 12
+    assert whole.choices[0].finish_reason == "length"
+    streamed = list(
+        client.completions.create(
+            model=SERVED_NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
+    assert streamed[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert streamed[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+    echoed = client.completions.create(
+        model=SERVED_NAME, prompt=prompt, max_tokens=12, temperature=0, echo=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert echoed.choices[0].text == prompt + whole.choices[0].text
+
+
+def test_n_and_seed(server: Server) -> None:
+    client = _client(server)
+    kwargs = {"model": SERVED_NAME, "messages": QUESTION, "max_tokens": 16, "temperature": 1.0}
+    first = client.chat.completions.create(n=2, seed=7, **kwargs)
+    again = client.chat.completions.create(n=2, seed=7, **kwargs)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+    total = sum(_count_tokens(server, c.message.content) for c in first.choices)
+    # re-tokenized text may merge differently at most a little; the count is the engine's
+    assert abs(first.usage.completion_tokens - total) <= 4
+
+
+def _count_tokens(server: Server, text: str) -> int:
+    response = httpx.post(f"{server.url}/tokenize", json={"prompt": text}, timeout=10)
+    return int(response.json()["count"])
+
+
+def test_stop_string(server: Server) -> None:
+    client = _client(server)
+    kwargs = {"model": SERVED_NAME, "prompt": "One, two, three, four, five,", "temperature": 0}
+    free = client.completions.create(max_tokens=24, **kwargs).choices[0].text
+    words = free.split()
+    assert len(words) >= 3, free
+    stop = words[2]
+    stopped = client.completions.create(max_tokens=24, stop=[stop], **kwargs).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free[: free.index(stop)]
+    assert stopped.model_extra["stop_reason"] == stop
+
+
+def test_logprobs(server: Server) -> None:
+    client = _client(server)
+    chat = client.chat.completions.create(
+        model=SERVED_NAME, messages=QUESTION, max_tokens=8, temperature=0,
+        logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        # greedy: the chosen token is the most likely one
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+    completion = client.completions.create(
+        model=SERVED_NAME, prompt="The sky is", max_tokens=6, temperature=0, logprobs=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    lp = completion.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == completion.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+
+
+def test_models(server: Server) -> None:
+    models = _client(server).models.list()
+    assert [m.id for m in models.data] == [SERVED_NAME]
+
+
+def _stream_request(server: Server, max_tokens: int) -> tuple[str, dict]:
+    body = {
+        "model": SERVED_NAME, "prompt": "Tell me a very long story.", "max_tokens": max_tokens,
+        "temperature": 0, "stream": True, "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    return f"{server.url}/v1/completions", body
+
+
+def test_disconnect_mid_stream_frees_everything(server: Server) -> None:
+    url, body = _stream_request(server, max_tokens=1500)
+    before = _metrics(server)["triode:generation_tokens_total"]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    for _ in range(2):
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=30) as response:
+            assert response.status_code == 200
+            parser, events = SSEParser(), []
+            for chunk in response.iter_bytes():
+                events += parser.feed(chunk)
+                if len(events) >= 3:
+                    break  # leaving the block closes the connection mid-stream
+    m = _wait_until_idle(server)
+    assert m["triode:num_requests_running"] == 0
+    assert m["triode:kv_cache_usage_perc"] == 0
+    # aborted, not run to the end: far fewer than 2 x 1500 tokens were generated
+    assert m["triode:generation_tokens_total"] - before < 1500
+
+
+def test_disconnect_while_waiting_for_a_whole_answer(server: Server) -> None:
+    url, body = _stream_request(server, max_tokens=1500)
+    body["stream"] = False
+    del body["stream_options"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0)
+    m = _wait_until_idle(server)
+    assert m["triode:num_requests_running"] == 0
+    assert m["triode:kv_cache_usage_perc"] == 0
+
+
+def test_engine_death_fails_requests_fast(model_dir: Path, tmp_path: Path) -> None:
+    with running_server(["--max-model-len", "2048"], tmp_path / "serve.log") as server:
+        url = f"{server.url}/v1/completions"
+        body = {"prompt": "Count to a thousand:", "max_tokens": 1500, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        with httpx.stream("POST", url, json=body, timeout=30) as response:
+            parser = SSEParser()
+            stream = response.iter_bytes()
+            events = parser.feed(next(stream))
+            os.kill(server.engine_pid(), signal.SIGKILL)
+            killed = time.monotonic()
+            for chunk in stream:
+                events += parser.feed(chunk)
+            ended = time.monotonic() - killed
+        assert ended < 2.0
+        assert events[-1] == b"[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503 and "engine" in error["message"]
+
+        deadline = time.monotonic() + 2.0
+        while httpx.get(f"{server.url}/health", timeout=2).status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        refused = httpx.post(url, json={"prompt": "Hi", "max_tokens": 4}, timeout=2)
+        assert refused.status_code == 503
+        assert refused.json()["error"]["type"] == "ServiceUnavailableError"
+        whole = httpx.post(
+            f"{server.url}/v1/chat/completions", json={"messages": QUESTION}, timeout=2
+        )
+        assert whole.status_code == 503
+
+
+def test_sigterm_drains_in_flight_streams(model_dir: Path, tmp_path: Path) -> None:
+    with running_server(["--max-model-len", "2048"], tmp_path / "serve.log") as server:
+        url = f"{server.url}/v1/completions"
+        body = {"prompt": "Count to ten:", "max_tokens": 48, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        with httpx.stream("POST", url, json=body, timeout=30) as response:
+            parser = SSEParser()
+            stream = response.iter_bytes()
+            events = parser.feed(next(stream))
+            server.process.send_signal(signal.SIGTERM)
+            for chunk in stream:
+                events += parser.feed(chunk)
+        assert events[-1] == b"[DONE]"
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 48
+        assert server.process.wait(30) == 0
+        assert "shutting down" in server.output()
