@@ -10,8 +10,8 @@ same workload through the engine in this process (`open_engine`, no HTTP), so th
 the CPUs; it prints both side by side with the cost of serving over the offline engine.
 """
 
-# Without `from __future__ import annotations`: msgspec resolves string annotations through
-# `sys.modules[cls.__module__]`, which is not this module when `triode bench` runs it by runpy.
+from __future__ import annotations
+
 import argparse
 import json
 import math
@@ -222,7 +222,7 @@ async def first_model_id(client: httpx.AsyncClient) -> str:
 async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
     """`POST /v1/completions` with `body` (which asks for a stream with usage), timed.
 
-    TTFT is up to the first chunk with text; each later chunk with text adds one ITL per token
+    TTFT is up to the first chunk with a choice; each later one adds one ITL per token
     it carries (one unless the server sends usage with every chunk); the token counts are the
     final usage chunk's. Any failure, including a stream without usage or `[DONE]`, is returned
     as an error, never raised.
@@ -265,7 +265,7 @@ class _StreamTimer:
             self.fail(f"error event: {json.dumps(chunk.error)[:500]}")
             return
         result, usage = self.result, chunk.usage
-        if any(c.text for c in chunk.choices):
+        if chunk.choices:  # a chunk carries new tokens (their text may be empty) or the end
             if math.isnan(result.ttft):
                 result.ttft = now - self.start
             else:
@@ -367,8 +367,8 @@ async def open_server(
     *,
     ready_timeout: float = 300.0,
     stop_timeout: float = 30.0,
-) -> AsyncIterator[None]:
-    """Run the server `command` until `GET {base_url}/health` answers 200, then yield.
+) -> AsyncIterator[trio.Process]:
+    """Run the server `command` until `GET {base_url}/health` answers 200, then yield it.
 
     Leaving the block sends SIGINT, waits `stop_timeout` seconds for the server to drain and
     exit, then kills it. Raises `RuntimeError` (with the end of the server's output) if it exits
@@ -378,7 +378,7 @@ async def open_server(
         process = await trio.lowlevel.open_process(command, stdout=log, stderr=subprocess.STDOUT)
         try:
             await _wait_until_healthy(process, base_url, ready_timeout, log)
-            yield
+            yield process
         finally:
             with trio.CancelScope(shield=True):
                 await _stop(process, stop_timeout)
@@ -439,6 +439,13 @@ def format_report(summary: dict[str, Any], title: str = "Serving benchmark") -> 
         rows.append((f"-- {label} --", None))
         rows += [(f"{stat.title()} {name.upper()} (ms)", summary[f"{stat}_{name}_ms"])
                  for stat in ("mean", "median", "p99")]  # fmt: skip
+    if "edge_cpu_s" in summary:
+        rows += [
+            ("-- CPU (launched server) --", None),
+            ("Edge process CPU (s)", summary["edge_cpu_s"]),
+            ("Engine process CPU (s)", summary["engine_cpu_s"]),
+            ("Output tokens per edge CPU-second", summary["output_tokens_per_edge_cpu_s"]),
+        ]
     for label, value in rows:
         lines.append(f"{label:^52}" if value is None else f"{label:<38}{_cell(value):>14}")
     errors = summary["errors"]
@@ -563,8 +570,28 @@ async def _measure_serving(args: argparse.Namespace, workload: dict[str, Any]) -
     )
     print(f"starting {' '.join(command[1:])}", file=sys.stderr)
     base_url = f"http://127.0.0.1:{port}"
-    async with open_server(command, base_url):
-        return await measure(base_url)
+    async with open_server(command, base_url) as server:
+        before = _cpu_seconds(server.pid)
+        result = await measure(base_url)
+        after = _cpu_seconds(server.pid)
+    # CPU time of the edge process alone (HTTP, SSE, detokenization, ZMQ) and of the engine
+    edge, engine = (b - a for a, b in zip(before, after, strict=True))
+    result["edge_cpu_s"], result["engine_cpu_s"] = edge, engine
+    result["output_tokens_per_edge_cpu_s"] = result["total_output_tokens"] / edge if edge else 0
+    return result
+
+
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user + system CPU seconds of `pid`, of its child processes), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def of(p: int | str) -> float:
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    children = [c for t in Path(f"/proc/{pid}/task").iterdir()
+                for c in (t / "children").read_text().split()]  # fmt: skip
+    return of(pid), sum(of(c) for c in children)
 
 
 def main(argv: list[str] | None = None) -> None:

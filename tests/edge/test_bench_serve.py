@@ -171,11 +171,12 @@ async def _stream(response: httpx.Response) -> RequestResult:
 
 
 async def test_a_stream_yields_ttft_one_itl_per_later_chunk_and_usage_tokens() -> None:
-    final = {"choices": [], "usage": _usage(7, 3)}
+    # a token whose text is empty (a random model's, say) still arrives as a chunk and counts
+    final = {"choices": [], "usage": _usage(7, 4)}
     body = _sse(_text(" a"), _text(""), _text(" b"), _text(" c"), final)
     result = await _stream(httpx.Response(200, content=body))
     assert result.ok and not result.error
-    assert (result.prompt_tokens, result.output_tokens, len(result.itl)) == (7, 3, 2)
+    assert (result.prompt_tokens, result.output_tokens, len(result.itl)) == (7, 4, 3)
     assert 0 < result.ttft <= result.latency
 
 
