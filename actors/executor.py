@@ -7,12 +7,16 @@ back. With tensor/pipeline parallelism of 1 the model runs in this process (the 
 
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 from typing import Protocol
 
 from triode.wire import ModelRunnerOutput, SchedulerOutput
 
 from .config import EngineArgs
+
+log = logging.getLogger(__name__)
 
 
 class Executor(Protocol):
@@ -35,7 +39,9 @@ class InProcessExecutor:
         from triode.gpu.loader import resolve_model
         from triode.gpu.model_runner import ModelRunner
 
+        started = time.perf_counter()
         self.model_dir = resolve_model(args.model)
+        log.info("loading %s (dtype %s)", self.model_dir, args.dtype)
         self._runner = ModelRunner(
             self.model_dir,
             dtype=args.dtype,
@@ -52,6 +58,13 @@ class InProcessExecutor:
         self.eos_token_id = self._runner.eos_token_id
         self.vocab_size = self._runner.vocab_size
         self.dtype = str(self._runner.dtype).removeprefix("torch.")
+        log.info(
+            "model loaded in %.1fs: %s, %d KV blocks of %d tokens",
+            time.perf_counter() - started,
+            self.dtype,
+            self.num_kv_blocks,
+            self.block_size,
+        )
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self._runner.execute(scheduler_output)

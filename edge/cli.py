@@ -99,6 +99,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # the engine core process logs (model loading, its progress) at the same level
+    os.environ.setdefault("TRIODE_LOG_LEVEL", args.log_level.upper())
     keys = keys_from(args.api_key, os.environ)
     engine_args = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     max_body = parse_size(args.max_body_size)

@@ -14,11 +14,14 @@ of a race throws its copy away.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_RANDOM = "tiny-random"
@@ -89,6 +92,7 @@ def _build_once(out: Path, write: Callable[[Path], None]) -> Path:
     """`out`, written by `write` into a temporary sibling renamed into place unless it exists."""
     if out.is_dir():  # only ever created complete, by the rename below
         return out
+    log.info("building %s (once; later starts reuse it)", out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
