@@ -8,8 +8,10 @@ MODEL := $(TRIODE_CACHE)/models/$(MODEL_FILE)
 TORCH_CPU := torch==2.13.0
 INSTALLED := $(VENV)/.installed
 PYTEST_ARGS ?=
+FUZZ_SECONDS ?= 120
+FUZZ_ARGS ?=
 
-.PHONY: setup test serve lint format bench-wire model clean
+.PHONY: setup test serve lint format bench-wire fuzz model clean
 
 setup: $(INSTALLED) $(MODEL)
 
@@ -63,6 +65,11 @@ format: $(INSTALLED)
 
 bench-wire: $(INSTALLED)
 	$(PY) -m triode.wire.bench
+
+# Every fuzz harness for FUZZ_SECONDS each; FUZZ_ARGS="--atheris" uses libFuzzer (the fuzz
+# extra). A failing input lands in fuzz/crashes/.
+fuzz: setup
+	$(PY) -m triode.fuzz.run --seconds $(FUZZ_SECONDS) $(FUZZ_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

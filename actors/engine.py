@@ -42,6 +42,8 @@ from .outputs import CompletionOutput, RequestOutput, token_logprobs
 from .process import open_child
 
 ENGINE_CORE = "triode.actors.engine_core:serve_engine_core"
+# The largest seed `SamplingParams` takes (and the negation of the smallest).
+_MAX_SEED = 2**63 - 1
 
 
 class RequestError(ValueError):
@@ -51,8 +53,15 @@ class RequestError(ValueError):
 class Engine:
     """A running engine. Use it from the trio run that opened it."""
 
-    def __init__(self, client: EngineCoreClient, tokenizer: Tokenizer, ready: Ready) -> None:
+    def __init__(
+        self,
+        client: EngineCoreClient,
+        tokenizer: Tokenizer,
+        ready: Ready,
+        addresses: Mapping[str, str] | None = None,
+    ) -> None:
         self._client = client
+        self._addresses = dict(addresses or {})
         self.tokenizer = tokenizer
         self.intake = Intake.from_model_dir(tokenizer, Path(ready.info["model_dir"]))
         self.model_dir = Path(ready.info["model_dir"])
@@ -72,6 +81,16 @@ class Engine:
     def pid(self) -> int:
         """The engine core's process id."""
         return self._client.pid
+
+    @property
+    def input_address(self) -> str:
+        """The ZMQ address the engine core's input (PULL) socket is bound to."""
+        return self._addresses["input"]
+
+    @property
+    def output_address(self) -> str:
+        """The ZMQ address the engine core's output (XPUB) socket is bound to."""
+        return self._addresses["output"]
 
     @property
     def stats(self) -> Any:
@@ -118,7 +137,7 @@ class Engine:
                 await self._client.abort_requests(run.unfinished_ids())
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+        return self.intake.encode_now(text)
 
     async def abort(self, request_ids: list[str]) -> None:
         await self._client.abort_requests(request_ids)
@@ -165,12 +184,7 @@ class _Run:
         )
         if params.prompt_logprobs is not None:
             self.output.prompt_logprobs = []
-        child_params = [
-            msgspec.structs.replace(
-                params, n=1, seed=None if params.seed is None else params.seed + i
-            )
-            for i in range(params.n)
-        ]
+        child_params = split_params(params)
         self.child_ids = (
             [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
         )
@@ -270,6 +284,21 @@ class _Run:
         ]
 
 
+def split_params(params: SamplingParams) -> list[SamplingParams]:
+    """The parameters of each of a request's `n` sequences: `n=1`, and seeds `seed + i`.
+
+    A seed near the top of the range wraps around to its bottom rather than overflowing it, so
+    every sequence gets a distinct seed that the engine core accepts.
+    """
+    if params.seed is None:
+        return [msgspec.structs.replace(params, n=1) for _ in range(params.n)]
+    span = 2 * _MAX_SEED + 1
+    return [
+        msgspec.structs.replace(params, n=1, seed=(params.seed + i + _MAX_SEED) % span - _MAX_SEED)
+        for i in range(params.n)
+    ]
+
+
 def _openmp_env(environ: Mapping[str, str]) -> dict[str, str]:
     """OpenMP threads that finish a parallel region spin briefly before they sleep: long
     enough to catch the next operator of the same forward pass (a few microseconds away),
@@ -314,7 +343,7 @@ async def open_engine(model: str | None = None, **engine_args: Any) -> AsyncIter
             client = EngineCoreClient(input_socket, output_socket, child)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(client.run)
-                yield Engine(client, tokenizer, child.ready)
+                yield Engine(client, tokenizer, child.ready, addresses)
                 nursery.cancel_scope.cancel()
     finally:
         input_socket.close()

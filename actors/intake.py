@@ -39,7 +39,7 @@ class Intake:
 
     async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return await _maybe_offload(
-            len(text), lambda: self._encode(text, add_special_tokens=add_special_tokens)
+            len(text), lambda: self.encode_now(text, add_special_tokens=add_special_tokens)
         )
 
     async def encode_chat(
@@ -52,7 +52,7 @@ class Intake:
         template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         """(prompt text, token ids) for a conversation. Raises ValueError when the model has no
-        chat template or the template refuses the messages."""
+        chat template, the template refuses the messages, or the text is not valid Unicode."""
         template = self.chat_template
         if template is None:
             raise ValueError("messages: this model has no chat template; use /v1/completions")
@@ -74,7 +74,7 @@ class Intake:
                 continue_final_message=continue_final_message,
                 **(template_kwargs or {}),
             )
-            return text, self._encode(text, add_special_tokens=add_special_tokens)
+            return text, self.encode_now(text, add_special_tokens=add_special_tokens)
 
         return await _maybe_offload(size, work)
 
@@ -89,8 +89,16 @@ class Intake:
         """One token's text as it would print (for logprobs)."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode_now(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """`encode` in the calling thread. Raises ValueError for text that is not valid Unicode."""
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            # tokenizers takes only valid Unicode: a str with a lone surrogate (bytes decoded
+            # with surrogateescape, say) is bad input, like any other.
+            if not isinstance(text, str):
+                raise
+            raise ValueError("the text is not valid Unicode (it holds a lone surrogate)") from None
 
 
 async def _maybe_offload(size: int, work: Callable[[], _T]) -> _T:

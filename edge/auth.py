@@ -9,6 +9,8 @@ from typing import Final
 
 ENV_VAR: Final = "TRIODE_API_KEY"
 
+_OWS: Final = " \t"
+
 # Sent with every 401 (RFC 6750).
 UNAUTHORIZED_HEADERS: Final[list[tuple[bytes, bytes]]] = [(b"www-authenticate", b"Bearer")]
 
@@ -70,8 +72,10 @@ def _bearer_token(authorization: bytes | None) -> bytes | None:
         value = authorization.decode("ascii")
     except UnicodeDecodeError:
         return None
-    scheme, sep, token = value.strip().partition(" ")
-    token = token.strip()
+    # Only HTTP's optional whitespace (spaces, tabs) surrounds the scheme and the token:
+    # str.strip() would also drop control characters such as \x1c-\x1f, \v and \f.
+    scheme, sep, token = value.strip(_OWS).partition(" ")
+    token = token.strip(_OWS)
     if not sep or scheme.lower() != "bearer" or not token:
         return None
     return token.encode("ascii")

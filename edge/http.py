@@ -44,7 +44,7 @@ class Request:
     async def read_body(self, limit: int) -> bytes:
         """The whole body; a 413 `APIError` as soon as it is known to exceed `limit` bytes."""
         declared = self.headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
+        if declared is not None and declared.isdigit() and _exceeds(declared, limit):
             raise _too_large(limit)
         chunks: list[bytes] = []
         size = 0
@@ -65,6 +65,12 @@ class Request:
 
 class ClientDisconnected(Exception):
     """The client went away before its request was read."""
+
+
+def _exceeds(digits: bytes, limit: int) -> bool:
+    # Compare lengths first: int() refuses numbers of more than 4,300 digits.
+    digits = digits.lstrip(b"0")
+    return len(digits) > len(str(limit)) or int(digits or b"0") > limit
 
 
 def _too_large(limit: int) -> APIError:

@@ -19,6 +19,7 @@ from msgspec import Meta
 from triode.edge.errors import APIError, validation_error
 from triode.wire import SamplingParams
 
+_MAX_TOKEN_ID = 2**31  # token ids are below this, on the wire and in every vocabulary
 _TokenId = Annotated[int, Meta(ge=0)]
 _Count = Annotated[int, Meta(ge=1)]
 _N = Annotated[int, Meta(ge=1, le=128)]
@@ -321,6 +322,8 @@ def decode_request(body: bytes, kind: type[_RequestT]) -> _RequestT:
         request = _decoder(kind).decode(body)
     except (msgspec.DecodeError, ValueError) as e:
         raise validation_error(e) from e
+    except RecursionError:  # msgspec's limit on nesting in `Any` fields
+        raise APIError(400, "invalid JSON: nested too deeply") from None
     request.unsupported()
     return request
 
@@ -372,7 +375,7 @@ def sampling_params(
             n=req.n or 1,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(req.top_k or 0, 0),
+            top_k=_top_k(req.top_k),
             min_p=req.min_p or 0.0,
             seed=req.seed,
             presence_penalty=req.presence_penalty or 0.0,
@@ -393,6 +396,12 @@ def sampling_params(
         )
     except ValueError as e:
         raise validation_error(e) from e
+
+
+def _top_k(top_k: int | None) -> int:
+    # -1 and 0 are off, and so is a top_k that no vocabulary reaches (as in the sampler); an
+    # arbitrarily large one would not even fit the engine's wire encoding.
+    return top_k if top_k is not None and 0 < top_k < _MAX_TOKEN_ID else 0
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

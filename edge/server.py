@@ -16,7 +16,10 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config
+from hypercorn.events import Closed, Event
+from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio import serve as hypercorn_serve
+from hypercorn.trio.tcp_server import TCPServer
 
 from triode.actors import open_engine
 
@@ -93,6 +96,33 @@ async def _on_signals(shutdown: trio.Event, scope: trio.CancelScope) -> None:
                 return
             log.info("%s: finishing in-flight requests, then shutting down", name)
             shutdown.set()
+
+
+class _ConnectionServer(TCPServer):
+    """hypercorn's per-connection handler, kept from taking the whole server down.
+
+    hypercorn runs every connection in the server's own nursery, so any exception that leaves
+    a handler stops the server. One did, on request: a client that half-closes while its
+    request is refused races hypercorn's close (an EOF sent outside its send lock) against the
+    response, and the send that loses raises `trio.BusyResourceError`. Such a send is treated
+    like one to a closed connection, which it is; any other failure drops its connection,
+    logged, and the others and the server carry on.
+    """
+
+    async def protocol_send(self, event: Event) -> None:
+        try:
+            await super().protocol_send(event)
+        except trio.BusyResourceError:
+            await self.protocol.handle(Closed())
+
+    async def run(self) -> None:
+        try:
+            await super().run()
+        except* Exception as group:
+            log.error("dropped a connection after a server error", exc_info=group)
+
+
+hypercorn_run.TCPServer = _ConnectionServer  # type: ignore[misc]
 
 
 def _host(host: str) -> str:

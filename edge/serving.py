@@ -142,6 +142,7 @@ class Serving:
         params = sampling_params(
             req, prompt_len=len(token_ids), max_model_len=self.engine.max_model_len
         )
+        _check_sampling_token_ids(params, self.engine.vocab_size)
         prompts = [_Prompt(token_ids, None)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -221,6 +222,7 @@ class Serving:
         params = sampling_params(
             req, prompt_len=len(longest.token_ids), max_model_len=self.engine.max_model_len
         )
+        _check_sampling_token_ids(params, self.engine.vocab_size)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if req.echo:
             for p in prompts:
@@ -549,6 +551,20 @@ def _usage(prompts: list[_Prompt]) -> UsageInfo:
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached) if cached else None,
     )
+
+
+def _check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """A 400 for a token id in the sampling parameters that the model has no row for: refused
+    here, so that a bad request never reaches the engine."""
+    for name, ids in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+        ("logit_bias", params.logit_bias or ()),
+    ):
+        if ids and max(ids) >= vocab_size:
+            raise APIError(
+                400, f"{name}: token ids must be < {vocab_size}, the vocabulary size", param=name
+            )
 
 
 def _api_error(error: BaseException) -> APIError:

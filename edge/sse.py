@@ -30,13 +30,19 @@ class SSEParser:
     """
 
     def __init__(self) -> None:
-        self._partial = b""
+        # The unfinished line's chunks, joined only once the line ends: joining on every feed
+        # would make a long line that arrives in small chunks cost quadratic time.
+        self._partial: list[bytes] = []
         self._data: list[bytes] | None = None
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The data payloads of the events that `chunk` completes, in order."""
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()
+        if b"\n" not in chunk:
+            self._partial.append(chunk)
+            return []
+        lines = chunk.split(b"\n")
+        lines[0] = b"".join([*self._partial, lines[0]])
+        self._partial = [lines.pop()]
         events: list[bytes] = []
         for raw in lines:
             line = raw.removesuffix(b"\r")

@@ -262,3 +262,36 @@ def test_sigterm_drains_in_flight_streams(model_dir: Path, tmp_path: Path) -> No
         assert json.loads(events[-2])["usage"]["completion_tokens"] == 48
         assert server.process.wait(30) == 0
         assert "shutting down" in server.output()
+
+
+def test_cors_only_for_allowed_origins(tmp_path: Path) -> None:
+    args = ["tiny-random", "--allowed-origins", "https://app.example", "--api-key", KEY]
+    with running_server(args, tmp_path / "serve.log") as server:
+        preflight = httpx.options(
+            f"{server.url}/v1/chat/completions",
+            headers={
+                "Origin": "https://app.example",
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            },
+        )
+        assert preflight.status_code == 204
+        assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+        assert "POST" in preflight.headers["access-control-allow-methods"]
+        assert preflight.headers["access-control-allow-headers"] == "authorization, content-type"
+
+        allowed = httpx.get(
+            f"{server.url}/v1/models",
+            headers={"Origin": "https://app.example", "Authorization": f"Bearer {KEY}"},
+        )
+        assert allowed.status_code == 200
+        assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+
+        other = httpx.get(
+            f"{server.url}/v1/models",
+            headers={"Origin": "https://evil.example", "Authorization": f"Bearer {KEY}"},
+        )
+        assert "access-control-allow-origin" not in other.headers
+        # a preflight is open, the request behind it is not
+        denied = httpx.get(f"{server.url}/v1/models", headers={"Origin": "https://app.example"})
+        assert denied.status_code == 401
