@@ -142,11 +142,21 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="run a benchmark and print its table")
     bench.add_argument("which", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    fuzz = commands.add_parser(
+        "fuzz",
+        help="fuzz a live server (HTTP) or engine core (ZMQ)",
+        description="Send hostile traffic for a while, checking invariants between rounds; "
+        "exit status 1 on a violation. `triode fuzz MODE --help` lists the options.",
+    )
+    fuzz.add_argument("mode", choices=["http", "zmq", "all", "replay"])
+    fuzz.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the fuzzer")
     args = parser.parse_args(argv)
 
     if args.command == "serve":
         args.served_model_names = args.served_model_name
         return _run_serve(args)
+    if args.command == "fuzz":
+        return importlib.import_module("triode.fuzz.live").main([args.mode, *args.args])
     if args.command == "bench":
         importlib.import_module(BENCHMARKS[args.which]).main(args.args)
     return 0
