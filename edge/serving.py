@@ -404,6 +404,41 @@ class Serving:
 
 
 class _StreamFormatter:
+    """Turns a request's delta outputs into SSE chunks of one response type (`envelope`)."""
+
+    envelope: type[ChatCompletionStreamResponse] | type[CompletionStreamResponse]
+
+    def __init__(
+        self,
+        serving: Serving,
+        req: ChatCompletionRequest | CompletionRequest,
+        request_id: str,
+        prompts: list[_Prompt],
+    ) -> None:
+        self.serving = serving
+        self.id = request_id
+        self.created = int(time.time())
+        self.prompts = prompts
+        self.n = req.n or 1
+        options = req.stream_options
+        self.include_usage = bool(options and options.include_usage)
+        self.continuous_usage = self.include_usage and bool(
+            options and options.continuous_usage_stats
+        )
+
+    def _chunk(self, choices: list[Any], usage: UsageInfo | None = None) -> bytes:
+        response = self.envelope(
+            id=self.id,
+            created=self.created,
+            model=self.serving.model_name,
+            choices=choices,
+            usage=usage,
+        )
+        return event(encode_json(response))
+
+    def _running_usage(self) -> UsageInfo | None:
+        return _usage(self.prompts) if self.continuous_usage else None
+
     def opening(self) -> list[bytes]:
         return []
 
@@ -411,50 +446,30 @@ class _StreamFormatter:
         raise NotImplementedError
 
     def closing(self) -> list[bytes]:
-        return []
+        return [self._chunk([], _usage(self.prompts))] if self.include_usage else []
 
 
 class _ChatStream(_StreamFormatter):
+    envelope = ChatCompletionStreamResponse
+
     def __init__(
         self, serving: Serving, req: ChatCompletionRequest, request_id: str, prompt: _Prompt
     ) -> None:
-        self.serving = serving
+        super().__init__(serving, req, request_id, [prompt])
         self.req = req
-        self.id = request_id
-        self.created = int(time.time())
-        self.prompt = prompt
-        options = req.stream_options
-        self.include_usage = bool(options and options.include_usage)
-        self.continuous_usage = self.include_usage and bool(
-            options and options.continuous_usage_stats
-        )
-
-    def _chunk(self, choices: list[ChatCompletionResponseStreamChoice], usage: Any = None) -> bytes:
-        return event(
-            encode_json(
-                ChatCompletionStreamResponse(
-                    id=self.id,
-                    created=self.created,
-                    model=self.serving.model_name,
-                    choices=choices,
-                    usage=usage,
-                )
-            )
-        )
 
     def opening(self) -> list[bytes]:
-        n = self.req.n or 1
         first = [
             ChatCompletionResponseStreamChoice(
                 index=i, delta=DeltaMessage(role="assistant", content="")
             )
-            for i in range(n)
+            for i in range(self.n)
         ]
         return [self._chunk([choice]) for choice in first]
 
     def chunks(self, index: int, out: RequestOutput) -> list[bytes]:
         result = []
-        usage = _usage([self.prompt]) if self.continuous_usage else None
+        usage = self._running_usage()
         for c in out.outputs:
             if not (c.text or c.token_ids or c.finish_reason):
                 continue
@@ -468,13 +483,10 @@ class _ChatStream(_StreamFormatter):
             result.append(self._chunk([choice], usage))
         return result
 
-    def closing(self) -> list[bytes]:
-        if not self.include_usage:
-            return []
-        return [self._chunk([], _usage([self.prompt]))]
-
 
 class _CompletionStream(_StreamFormatter):
+    envelope = CompletionStreamResponse
+
     def __init__(
         self,
         serving: Serving,
@@ -482,36 +494,14 @@ class _CompletionStream(_StreamFormatter):
         request_id: str,
         prompts: list[_Prompt],
     ) -> None:
-        self.serving = serving
+        super().__init__(serving, req, request_id, prompts)
         self.req = req
-        self.id = request_id
-        self.created = int(time.time())
-        self.prompts = prompts
-        self.n = req.n or 1
-        options = req.stream_options
-        self.include_usage = bool(options and options.include_usage)
-        self.continuous_usage = self.include_usage and bool(
-            options and options.continuous_usage_stats
-        )
         # per (prompt, choice): the text offset so far, for logprobs' text_offset
         self.offsets: dict[tuple[int, int], int] = {}
 
-    def _chunk(self, choices: list[CompletionResponseStreamChoice], usage: Any = None) -> bytes:
-        return event(
-            encode_json(
-                CompletionStreamResponse(
-                    id=self.id,
-                    created=self.created,
-                    model=self.serving.model_name,
-                    choices=choices,
-                    usage=usage,
-                )
-            )
-        )
-
     def chunks(self, index: int, out: RequestOutput) -> list[bytes]:
         prompt = self.prompts[index]
-        usage = _usage(self.prompts) if self.continuous_usage else None
+        usage = self._running_usage()
         result = []
         for c in out.outputs:
             key = (index, c.index)
@@ -534,11 +524,6 @@ class _CompletionStream(_StreamFormatter):
             )
             result.append(self._chunk([choice], usage))
         return result
-
-    def closing(self) -> list[bytes]:
-        if not self.include_usage:
-            return []
-        return [self._chunk([], _usage(self.prompts))]
 
 
 def _usage(prompts: list[_Prompt]) -> UsageInfo:
