@@ -134,7 +134,7 @@ def _default_name(model: str | None, engine: object) -> str:
     return os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="triode", description="LLM inference on trio actors")
     parser.add_argument("--version", action="version", version=f"triode {version('triode')}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -150,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     fuzz.add_argument("mode", choices=["http", "zmq", "all", "replay"])
     fuzz.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the fuzzer")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     if args.command == "serve":
         args.served_model_names = args.served_model_name
