@@ -39,6 +39,7 @@ from .child import ChildContext
 from .config import EngineArgs
 from .executor import Executor, create_executor
 from .scheduler import Scheduler, SchedulerConfig
+from .vocabulary import out_of_vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,11 @@ class EngineCore:
     async def _add(self, request: EngineCoreRequest) -> None:
         if not request.arrival_time:
             request.arrival_time = time.time()
-        problem = _out_of_vocabulary(request, self.executor.vocab_size)
+        problem = out_of_vocabulary(
+            self.executor.vocab_size,
+            prompt=request.prompt_token_ids,
+            params=request.sampling_params,
+        )
         rejected = (
             EngineCoreOutput(
                 request.request_id, finish_reason=FinishReason.ERROR, stop_reason=problem
@@ -180,20 +185,6 @@ _UTILITIES = {
     name: getattr(EngineCore, name)
     for name in ("reset_prefix_cache", "get_stats", "sleep", "wake_up", "is_sleeping")
 }
-
-
-def _out_of_vocabulary(request: EngineCoreRequest, vocab_size: int) -> str | None:
-    """Token ids the model has no row for would fail the whole step; refuse them here."""
-    params = request.sampling_params
-    for field, ids in (
-        ("prompt_token_ids", request.prompt_token_ids),
-        ("stop_token_ids", params.stop_token_ids),
-        ("allowed_token_ids", params.allowed_token_ids or ()),
-        ("logit_bias", params.logit_bias or ()),
-    ):
-        if ids and max(ids) >= vocab_size:
-            return f"{field}: token ids must be < {vocab_size}, the model's vocabulary size"
-    return None
 
 
 async def _await_subscribers(socket: Socket, clients: int) -> None:

@@ -8,6 +8,7 @@ Generation endpoints live in `serving.py`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from importlib.metadata import version
 import msgspec
 import trio
 
-from triode.actors import Engine
+from triode.actors import Engine, EngineDeadError
 
 from .auth import UNAUTHORIZED_HEADERS, ApiKeys, requires_auth
 from .errors import APIError, validation_error
@@ -164,18 +165,16 @@ class App:
         await respond_json(request.send, ModelList(data=cards))
 
     async def metrics_endpoint(self, request: Request) -> None:
-        stats = self.engine.stats
+        # the engine's own answer when it comes in time; else the stats of its last step
+        last = self.engine.stats
+        gauges = (last.num_running_reqs, last.num_waiting_reqs, last.kv_cache_usage)
         if self.engine.dead is None:
-            with trio.move_on_after(STATS_TIMEOUT):
+            with trio.move_on_after(STATS_TIMEOUT), contextlib.suppress(EngineDeadError):
                 fresh = await self.engine.get_stats()
-                self.metrics.update_scheduler(
+                gauges = (
                     fresh["num_running_reqs"], fresh["num_waiting_reqs"], fresh["kv_cache_usage"]
-                )
-                stats = None
-        if stats is not None:
-            self.metrics.update_scheduler(
-                stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage
-            )
+                )  # fmt: skip
+        self.metrics.update_scheduler(*gauges)
         body, content_type = self.metrics.render()
         await respond(request.send, 200, body, content_type=content_type)
 
@@ -215,11 +214,7 @@ class App:
             await request.read_body(self.settings.max_body_size), DetokenizeRequest
         )
         self.serving.check_model(req.model)
-        vocab = self.engine.vocab_size
-        bad = next((t for t in req.tokens if t >= vocab), None)
-        if bad is not None:
-            raise APIError(400, f"tokens: {bad} is not below the vocabulary size {vocab}",
-                           param="tokens")  # fmt: skip
+        self.serving.check_token_ids(prompt=req.tokens, prompt_field="tokens")
         text = await self.engine.intake.decode(req.tokens)
         await respond_json(request.send, DetokenizeResponse(prompt=text))
 

@@ -23,6 +23,7 @@ import trio
 
 from triode.actors import CompletionOutput, Engine, EngineDeadError, RequestError, RequestOutput
 from triode.actors.outputs import TokenLogprob
+from triode.actors.vocabulary import out_of_vocabulary
 from triode.wire import SamplingParams
 
 from .errors import APIError, error_body, validation_error
@@ -118,6 +119,13 @@ class Serving:
                 404, f"the model {name!r} does not exist", param="model", code="model_not_found"
             )
 
+    def check_token_ids(self, **fields: Any) -> None:
+        """A 400 naming the field for a token id the model has no row for (`out_of_vocabulary`'s
+        fields): refused here, so that such a request never reaches the engine."""
+        problem = out_of_vocabulary(self.engine.vocab_size, **fields)
+        if problem is not None:
+            raise validation_error(ValueError(problem))
+
     def _check_alive(self) -> None:
         if self.engine.dead is not None:
             raise APIError(503, f"the engine is not running: {self.engine.dead}")
@@ -142,7 +150,7 @@ class Serving:
         params = sampling_params(
             req, prompt_len=len(token_ids), max_model_len=self.engine.max_model_len
         )
-        _check_sampling_token_ids(params, self.engine.vocab_size)
+        self.check_token_ids(params=params)
         prompts = [_Prompt(token_ids, None)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -209,12 +217,7 @@ class Serving:
                 ids = await intake.encode(p, add_special_tokens=req.add_special_tokens)
                 prompts.append(_Prompt(ids, p))
             else:
-                vocab = self.engine.vocab_size
-                if max(p) >= vocab:
-                    raise APIError(
-                        400, f"prompt: token ids must be < {vocab}, the vocabulary size",
-                        param="prompt",
-                    )  # fmt: skip
+                self.check_token_ids(prompt=p, prompt_field="prompt")
                 prompts.append(_Prompt(list(p), None))
         if any(not p.token_ids for p in prompts):
             raise APIError(400, "prompt: must not be empty", param="prompt")
@@ -222,7 +225,7 @@ class Serving:
         params = sampling_params(
             req, prompt_len=len(longest.token_ids), max_model_len=self.engine.max_model_len
         )
-        _check_sampling_token_ids(params, self.engine.vocab_size)
+        self.check_token_ids(params=params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if req.echo:
             for p in prompts:
@@ -536,20 +539,6 @@ def _usage(prompts: list[_Prompt]) -> UsageInfo:
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached) if cached else None,
     )
-
-
-def _check_sampling_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """A 400 for a token id in the sampling parameters that the model has no row for: refused
-    here, so that a bad request never reaches the engine."""
-    for name, ids in (
-        ("stop_token_ids", params.stop_token_ids),
-        ("allowed_token_ids", params.allowed_token_ids or ()),
-        ("logit_bias", params.logit_bias or ()),
-    ):
-        if ids and max(ids) >= vocab_size:
-            raise APIError(
-                400, f"{name}: token ids must be < {vocab_size}, the vocabulary size", param=name
-            )
 
 
 def _api_error(error: BaseException) -> APIError:
