@@ -24,6 +24,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     model: str | None = None  # a Hugging Face directory, a .gguf file, or None: the default model
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    quantization: str = "auto"  # auto: a checkpoint's own 4-bit weights where supported | none
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -39,6 +40,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}"
             )
+        if self.quantization not in ("auto", "none"):
+            raise ValueError(f"quantization must be auto or none, not {self.quantization!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -45,6 +45,7 @@ class InProcessExecutor:
         self._runner = ModelRunner(
             self.model_dir,
             dtype=args.dtype,
+            quantization=args.quantization,
             kv_cache_memory=int(args.kv_cache_memory),
             block_size=args.block_size,
             max_model_len=args.max_model_len,
@@ -59,9 +60,12 @@ class InProcessExecutor:
         self.vocab_size = self._runner.vocab_size
         self.dtype = str(self._runner.dtype).removeprefix("torch.")
         log.info(
-            "model loaded in %.1fs: %s, %d KV blocks of %d tokens",
+            "model loaded in %.1fs: %s%s, %d KV blocks of %d tokens",
             time.perf_counter() - started,
             self.dtype,
+            f" ({self._runner.int4_projections} projections in 4 bits for small steps)"
+            if self._runner.int4_projections
+            else "",
             self.num_kv_blocks,
             self.block_size,
         )

@@ -3,7 +3,9 @@ Face `generate` on the same prompts, side by side in one run.
 
 Measures output tokens/s for 1 sequence and for N concurrent sequences (each exactly
 `--new-tokens` tokens, ignore_eos), time to first token, peak RSS of each side, and whether
-bfloat16 and float32 greedy text agree on the test prompts.
+bfloat16 and float32 greedy text agree on the test prompts. Where they part, it prints how far
+below its own pick float32 ranks bfloat16's token at that position: a few hundredths of a nat is
+a near-tie that float32 itself resolves by rounding, not a worse answer.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import trio
 
@@ -82,19 +85,51 @@ async def bench_triode(
         }
 
 
+class Greedy(NamedTuple):
+    token_ids: list[int]
+    top: list[dict[int, float]]  # per position: the 5 most likely tokens' logprobs
+
+
 async def greedy_tokens(
     model: str | None, dtype: str, prompts: list[str], tokens: int
-) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+) -> list[Greedy]:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=5)
     async with open_engine(model, dtype=dtype) as engine:
-        texts = []
+        results = []
         for prompt in prompts:
             final = None
             async for final in engine.generate(prompt, params):  # noqa: B007 - keep the last
                 pass
-            assert final is not None
-            texts.append(final.outputs[0].token_ids)
-        return texts
+            assert final is not None and final.outputs[0].logprobs is not None
+            output = final.outputs[0]
+            top = [dict(position.top) for position in output.logprobs or []]
+            results.append(Greedy(output.token_ids, top))
+        return results
+
+
+class Agreement(NamedTuple):
+    agree: int
+    prompts: int
+    partings: list[str]  # one line per prompt that parts: where, and float32's margin there
+
+
+def agreement(bf16: list[Greedy], f32: list[Greedy]) -> Agreement:
+    partings = []
+    for i, (ours, ref) in enumerate(zip(bf16, f32, strict=True)):
+        pairs = zip(ours.token_ids, ref.token_ids, strict=True)
+        at = next((j for j, (a, b) in enumerate(pairs) if a != b), None)
+        if at is None:
+            continue
+        top = ref.top[at]
+        chosen, other = ref.token_ids[at], ours.token_ids[at]
+        if other in top:
+            margin = f"{top[chosen] - top[other]:.3f} nats below"
+        else:
+            margin = (
+                f"more than {top[chosen] - min(top.values()):.3f} nats below (not in its top 5)"
+            )
+        partings.append(f"prompt {i}, token {at}: float32 ranks bfloat16's token {margin} its own")
+    return Agreement(len(bf16) - len(partings), len(bf16), partings)
 
 
 def bench_hf(
@@ -111,7 +146,7 @@ def bench_hf(
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _table(ours: dict, hf: dict, agree: tuple[int, int]) -> str:
+def _table(ours: dict, hf: dict, agree: Agreement) -> str:
     rows = [
         ("output tok/s, 1 sequence", ours["single_tok_s"], hf["single_tok_s"], ">= 2x"),
         (
@@ -134,9 +169,10 @@ def _table(ours: dict, hf: dict, agree: tuple[int, int]) -> str:
         verdict = "" if ok is None else ("MET" if ok else "NOT MET")
         lines.append(f"{name:58} {a:10.1f} {b:12.1f} {a / b:6.2f}x  {target} {verdict}")
     lines.append(
-        f"{'bfloat16 vs float32 greedy, first 16 tokens agree':58} {agree[0]:>6}/{agree[1]} prompts"
-        f"  {'MET' if agree[0] == agree[1] else 'NOT MET'}"
+        f"{'bfloat16 vs float32 greedy, first 16 tokens agree':58} {agree.agree:>6}/"
+        f"{agree.prompts} prompts  {'MET' if agree.agree == agree.prompts else 'NOT MET'}"
     )
+    lines.extend(f"  {line}" for line in agree.partings)
     lines.append(f"(triode dtype: {ours['dtype']}; model: {ours['model_dir']})")
     return "\n".join(lines)
 
@@ -151,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
 
-    async def ours_and_agreement() -> tuple[dict, tuple[int, int], list[list[int]]]:
+    async def ours_and_agreement() -> tuple[dict, Agreement, list[list[int]]]:
         texts = _prompt_texts(args.concurrency)
         async with open_engine(args.model, dtype="float32", max_num_seqs=8) as engine:
             prompts = [engine.encode(t) for t in texts]
@@ -159,15 +195,16 @@ def main(argv: list[str] | None = None) -> None:
         checks = texts[:4]
         bf16 = await greedy_tokens(args.model, "bfloat16", checks, 16)
         f32 = await greedy_tokens(args.model, "float32", checks, 16)
-        agree = sum(a == b for a, b in zip(bf16, f32, strict=True))
-        return ours, (agree, len(checks)), prompts
+        return ours, agreement(bf16, f32), prompts
 
     ours, agree, prompts = trio.run(ours_and_agreement)
     hf_dtype = "bfloat16" if ours["dtype"] == "bfloat16" else "float32"
     hf = bench_hf(ours["model_dir"], hf_dtype, prompts, args.new_tokens, args.hf_batch)
     print(_table(ours, hf, agree))
     if args.json:
-        args.json.write_text(json.dumps({"triode": ours, "hf": hf, "agree": agree}, indent=2))
+        args.json.write_text(
+            json.dumps({"triode": ours, "hf": hf, "agree": agree._asdict()}, indent=2)
+        )
 
 
 if __name__ == "__main__":

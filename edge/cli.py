@@ -64,6 +64,13 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
     engine.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
     )
+    engine.add_argument(
+        "--quantization",
+        default=None,
+        choices=["auto", "none"],
+        help="auto (default): run a GGUF file's 4-bit projections as stored where a kernel "
+        "exists (CPU, bfloat16) for small steps; none: dequantized weights only",
+    )
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=None)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -77,6 +84,7 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
 
 ENGINE_FLAGS = (
     "dtype",
+    "quantization",
     "max_model_len",
     "max_num_seqs",
     "max_num_batched_tokens",

@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from .attention import Attention, AttentionMetadata
+from .int4 import Int4Weight
 from .layers import (
+    LinearBase,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -25,6 +27,7 @@ from .layers import (
     SiluAndMul,
     VocabParallelEmbedding,
     default_weight_loader,
+    tp_size,
 )
 
 
@@ -92,8 +95,8 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
+        if residual is None:  # the first layer starts the float32 residual stream
+            hidden, residual = self.input_layernorm(hidden), hidden.float()
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(rope, hidden, meta)
@@ -185,6 +188,43 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params) - loaded
         if missing:
             raise ValueError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
+
+    def load_int4_weights(self, weights: dict[str, Int4Weight]) -> int:
+        """Give each projection whose every shard `weights` holds (by Hugging Face name) its
+        4-bit codes, merged like the dense weights; returns how many projections got them.
+
+        Only at tensor-parallel size 1: a rank's shard of merged 4-bit rows is not cut yet.
+        """
+        if tp_size() != 1:
+            return 0
+        modules = dict(self.named_modules())
+        merged: dict[str, dict[str | int, Int4Weight]] = {}
+        for name, weight in weights.items():
+            parts = name.removesuffix(".weight").split(".")
+            shard: str | int = ""
+            if parts[-1] in self.packed_modules:
+                parts[-1], shard = self.packed_modules[parts[-1]]
+            merged.setdefault(".".join(parts), {})[shard] = weight
+        attached = 0
+        for name, shards in merged.items():
+            module = modules.get(name)
+            if not isinstance(module, LinearBase):
+                continue
+            order = self._shard_order(module)
+            if set(shards) != set(order):
+                continue  # a shard stayed dense: so does the whole projection
+            module.attach_int4(Int4Weight.cat([shards[s] for s in order]))
+            attached += 1
+        return attached
+
+    @staticmethod
+    def _shard_order(module: LinearBase) -> list[str | int]:
+        """The shards of a merged projection in the order its rows stack."""
+        if isinstance(module, QKVParallelLinear):
+            return ["q", "k", "v"]
+        if isinstance(module, MergedColumnParallelLinear):
+            return list(range(len(module.output_sizes)))
+        return [""]
 
     @staticmethod
     def _param(params: dict[str, nn.Parameter], name: str) -> nn.Parameter:

@@ -3,8 +3,10 @@ the random-weight `tiny-random` model built once.
 
 The model runner reads only Hugging Face directories (config.json, *.safetensors, tokenizer
 files). A GGUF file is dequantized through transformers into such a directory under
-`$TRIODE_CACHE/converted/`, keyed by the file's path, size and mtime, so a replaced file converts
-again and an unchanged one resolves in milliseconds. The name `tiny-random` is a two-layer Llama
+`$TRIODE_CACHE/converted/`, keyed by the file's path, size and mtime (and the layout version
+of the directory), so a replaced file converts again and an unchanged one resolves in
+milliseconds. The directory also keeps the file's 4-bit projections as they were stored
+(`int4/`, see `int4.py`). The name `tiny-random` is a two-layer Llama
 with random weights under `$TRIODE_CACHE/tiny-random/`: the model costs next to nothing, so a
 benchmark of it measures everything around the model. Both are written into a temporary
 directory renamed into place at the end: concurrent starts never see half a model, and the loser
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_RANDOM = "tiny-random"
+_CONVERTED_LAYOUT = 2  # 2: with int4/
 
 
 def cache_dir() -> Path:
@@ -64,7 +67,8 @@ def converted_dir(gguf: Path) -> Path:
     """Where `gguf` converts to; a new file at the same path gets a new directory."""
     gguf = gguf.resolve()
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    source = f"{_CONVERTED_LAYOUT}\0{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    key = hashlib.sha256(source.encode()).hexdigest()
     return cache_dir() / "converted" / f"{gguf.stem}-{key[:12]}"
 
 
@@ -109,7 +113,8 @@ def _build_once(out: Path, write: Callable[[Path], None]) -> Path:
 
 
 def _write_hf_dir(gguf: Path, out: Path) -> None:
-    """Dequantize to float32 safetensors plus config and tokenizer.
+    """Dequantize to float32 safetensors plus config and tokenizer, and keep the 4-bit
+    projections in `int4/`.
 
     transformers' own GGUF reader does the name mapping and dequantization; it is driven with a
     meta-device skeleton of the model instead of `from_pretrained(gguf_file=...)`, which would
@@ -120,6 +125,8 @@ def _write_hf_dir(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    from .int4 import INT4_DIR, INT4_FILE, extract_gguf_int4
+
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -127,5 +134,9 @@ def _write_hf_dir(gguf: Path, out: Path) -> None:
     parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)
     tensors = {name: t.contiguous() for name, t in parsed["tensors"].items()}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    int4 = extract_gguf_int4(gguf, skeleton, parsed["config"], tensors)
+    if int4:
+        (out / INT4_DIR).mkdir()
+        save_file(int4, out / INT4_DIR / INT4_FILE, metadata={"format": "pt"})
     config.save_pretrained(out)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)

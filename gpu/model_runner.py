@@ -26,7 +26,9 @@ from triode.wire import (
     SchedulerOutput,
 )
 
+from . import int4
 from .attention import AttentionMetadata, PrefillChunk
+from .layers import cpu_weight_packing_supported, pack_cpu_weights
 from .llama import head_dim, model_class
 from .sampler import Sampler, SamplingState, compute_logprobs
 
@@ -55,7 +57,9 @@ class ModelRunner:
 
     What the scheduler sizes itself by: `num_kv_blocks` blocks of `block_size` tokens (as many
     as `kv_cache_memory` bytes hold over all layers), `max_model_len`, `eos_token_id`,
-    `vocab_size`; and `dtype`, `device` as resolved. `device` None means CUDA when present;
+    `vocab_size`; and `dtype`, `device` as resolved. `quantization` "auto" runs the 4-bit
+    projections a converted GGUF file kept (`int4.py`) where this device has a kernel for
+    them; "none" runs the dequantized weights only. `device` None means CUDA when present;
     `num_threads` None means every CPU this process may run on (CPU only).
 
     `execute` is not thread-safe; the engine calls it from one thread.
@@ -66,6 +70,7 @@ class ModelRunner:
         model_dir: Path,
         *,
         dtype: str = "auto",
+        quantization: str = "auto",
         kv_cache_memory: int,
         block_size: int = 16,
         max_model_len: int | None = None,
@@ -91,6 +96,12 @@ class ModelRunner:
         with _defaults(self.dtype, self.device), torch.no_grad():
             self.model = model_class(self.config)(self.config, max_position=self.max_model_len)
             self.model.load_weights(_safetensors(self.model_dir))
+            if self.device.type == "cpu" and cpu_weight_packing_supported(self.dtype):
+                pack_cpu_weights(self.model)
+            self.int4_projections = 0
+            if quantization == "auto" and int4.kernel_available(self.dtype, self.device):
+                weights = int4.load_int4_weights(self.model_dir)
+                self.int4_projections = self.model.load_int4_weights(weights)
         self.model.eval()
         self.num_kv_blocks = self._allocate_kv_cache(kv_cache_memory)
         self.sampler = Sampler()

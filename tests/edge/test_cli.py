@@ -29,9 +29,10 @@ def test_model_is_positional_and_optional() -> None:
 
 def test_engine_flags_reach_the_engine_only_when_given() -> None:
     args = _serve("--max-model-len", "2048", "--kv-cache-memory", "1GiB", "--dtype", "float32",
-                  "--no-enable-prefix-caching")  # fmt: skip
+                  "--no-enable-prefix-caching", "--quantization", "none")  # fmt: skip
     given = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     assert given == {
+        "quantization": "none",
         "max_model_len": 2048,
         "kv_cache_memory": "1GiB",
         "dtype": "float32",
@@ -44,3 +45,13 @@ def test_engine_flags_reach_the_engine_only_when_given() -> None:
 def test_a_bad_dtype_is_refused() -> None:
     with pytest.raises(SystemExit):
         _serve("--dtype", "int4")
+
+
+def test_quantization_is_auto_or_none_on_the_command_line_and_in_engine_args() -> None:
+    from triode.actors.config import EngineArgs
+
+    with pytest.raises(SystemExit):
+        _serve("--quantization", "gptq")
+    assert EngineArgs().quantization == "auto"
+    with pytest.raises(ValueError, match="quantization"):
+        EngineArgs(quantization="gptq")

@@ -1,0 +1,191 @@
+"""4-bit projections from GGUF Q4 blocks, oneDNN-packed bfloat16 projections, and the float32
+residual stream: each against plain float32 arithmetic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+from safetensors.torch import load_file
+
+from triode.gpu import int4
+from triode.gpu.int4 import INT4_MAX_ROWS, Int4Linear, Int4Weight, _from_blocks
+from triode.gpu.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, pack_cpu_weights
+from triode.gpu.model_runner import ModelRunner
+from triode.wire import NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
+
+needs_kernel = pytest.mark.skipif(
+    not int4.kernel_available(torch.bfloat16, torch.device("cpu")),
+    reason="this torch has no int4 CPU kernel",
+)
+
+
+@pytest.mark.parametrize("fmt", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1])
+def test_gguf_blocks_dequantize_to_the_same_bits_as_gguf(fmt: GGMLQuantizationType) -> None:
+    rng = np.random.default_rng(0)
+    dense = rng.standard_normal((6, 96)).astype(np.float32) * rng.uniform(0.01, 3, (6, 1))
+    blocks = quantize(dense, fmt)
+    weight = _from_blocks(blocks, with_minimum=fmt == GGMLQuantizationType.Q4_1)
+    assert weight.shape == (6, 96)
+    assert weight.unpacked_codes().min() >= 0 and weight.unpacked_codes().max() <= 15
+    expected = torch.from_numpy(dequantize(blocks, fmt))
+    assert torch.equal(weight.dequantize(), expected)
+
+
+def _random_weight(rows: int, cols: int, seed: int = 0) -> Int4Weight:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
+    scale = torch.rand(rows, cols // 32, generator=g) * 0.02 + 0.001
+    minimum = -8 * scale + torch.randn(rows, cols // 32, generator=g) * 0.01
+    return Int4Weight(codes, scale, minimum)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_int4_kernel_computes_x_times_the_dequantized_weight(rows: int) -> None:
+    weight = _random_weight(96, 128)
+    x = torch.randn(rows, 128).bfloat16()
+    expected = x.float() @ weight.dequantize().t()
+    got = Int4Linear(weight)(x).float()
+    # bfloat16 output, and scale and zero point rounded to bfloat16 once per block
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+@needs_kernel
+def test_a_linear_with_int4_takes_it_for_small_steps_and_dense_weights_for_large() -> None:
+    layer = ColumnParallelLinear(128, 96, bias=True).bfloat16()
+    layer.weight.data.copy_(torch.randn(96, 128) * 0.05)
+    layer.bias.data.copy_(torch.randn(96))
+    other = _random_weight(96, 128, seed=1)  # not the dense weight: shows which path ran
+    layer.attach_int4(other)
+    small = torch.randn(INT4_MAX_ROWS, 128).bfloat16()
+    large = torch.randn(INT4_MAX_ROWS + 1, 128).bfloat16()
+    with torch.no_grad():
+        expected_small = small.float() @ other.dequantize().t() + layer.bias.float()
+        torch.testing.assert_close(layer(small).float(), expected_small, rtol=2e-2, atol=3e-2)
+        expected_large = F.linear(large, layer.weight, layer.bias)
+        torch.testing.assert_close(layer(large), expected_large)
+
+
+def test_int4_weight_of_the_wrong_shape_is_refused() -> None:
+    layer = RowParallelLinear(128, 64)
+    with pytest.raises(ValueError, match="int4 weight"):
+        layer.attach_int4(_random_weight(96, 128))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+def test_packed_bfloat16_projections_equal_plain_ones_and_release_the_plain_weight() -> None:
+    model = torch.nn.Sequential(ColumnParallelLinear(64, 96, bias=True), RowParallelLinear(96, 64))
+    model = model.bfloat16()
+    for layer in model:
+        layer.weight.data.copy_(torch.randn_like(layer.weight) * 0.1)
+    model[0].bias.data.copy_(torch.randn(96))
+    x = torch.randn(5, 64).bfloat16()
+    with torch.no_grad():
+        expected = model(x)
+        assert pack_cpu_weights(model) == 2
+        assert all(layer.weight.numel() == 0 for layer in model)
+        torch.testing.assert_close(model(x), expected)
+
+
+def test_residual_stream_stays_float32_and_the_norm_returns_the_model_dtype() -> None:
+    norm = RMSNorm(8).bfloat16()
+    norm.weight.data.fill_(1.5)
+    x, residual = torch.randn(3, 8).bfloat16(), torch.randn(3, 8)
+    out, summed = norm(x, residual)
+    assert summed.dtype == torch.float32 and out.dtype == torch.bfloat16
+    torch.testing.assert_close(summed, x.float() + residual)
+    expected = 1.5 * (summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+# --- the real default model -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    from triode.gpu.loader import resolve_model
+
+    try:
+        return resolve_model(None)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def test_converted_default_model_keeps_every_projection_in_exact_4_bit_codes(
+    smollm2: Path,
+) -> None:
+    weights = int4.load_int4_weights(smollm2)
+    dense = load_file(smollm2 / "model.safetensors")
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    expected = {
+        name for name in dense if name.endswith(".weight") and name.split(".")[-2] in projections
+    }
+    assert set(weights) == expected and len(expected) == 30 * 7
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
+        # Q and K rows were un-permuted from llama.cpp's rotary layout like the dense tensors
+        assert torch.equal(weights[name].dequantize(), dense[name])
+
+
+def _teacher_forced(runner: ModelRunner, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-5 ids, top-5 logprobs) predicting each next token, fed in steps of 8 tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=5)
+    ids, logprobs = [], []
+    blocks = list(range(-(-len(tokens) // runner.block_size)))
+    for step, start in enumerate(range(0, len(tokens), INT4_MAX_ROWS)):
+        chunk = tokens[start : start + INT4_MAX_ROWS]
+        new = NewRequestData(tokens, params) if start == 0 else None
+        last = start + len(chunk) == len(tokens)
+        request = ScheduledRequest("r", chunk, start, blocks, sample=last, new=new)
+        out = runner.execute(SchedulerOutput(step, [request]))
+        [result] = out.results
+        assert result.prompt_logprobs is not None
+        ids.append(torch.from_numpy(result.prompt_logprobs.token_ids[:, 1:].copy()))
+        logprobs.append(torch.from_numpy(result.prompt_logprobs.logprobs[:, 1:].copy()))
+    return torch.cat(ids), torch.cat(logprobs)
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_int4_bfloat16_model_predicts_like_float32(smollm2: Path) -> None:
+    from transformers import AutoTokenizer
+
+    text = (
+        "The lighthouse keeper climbed the stairs every evening to light the lamp. Ships passed "
+        "the rocks safely because of him, and the village thanked him with bread and fish."
+    )
+    tokens = AutoTokenizer.from_pretrained(smollm2)(text)["input_ids"]
+    options = {"kv_cache_memory": 16 << 20, "max_model_len": 128, "num_threads": 1}
+    reference = ModelRunner(smollm2, dtype="float32", **options)
+    ref_ids, ref_lp = _teacher_forced(reference, tokens)
+    ours = ModelRunner(smollm2, dtype="bfloat16", quantization="auto", **options)
+    assert ours.int4_projections == 30 * 4  # qkv, o, gate_up, down
+    ids, lp = _teacher_forced(ours, tokens)
+
+    same = ids[:, 0] == ref_ids[:, 0]
+    assert same.float().mean() >= 0.9
+    for position in torch.nonzero(~same).flatten().tolist():
+        # a different top token only where float32 itself nearly ties with it
+        ranked = dict(zip(ref_ids[position].tolist(), ref_lp[position].tolist(), strict=True))
+        assert ranked.get(int(ids[position, 0]), -1e9) > ref_lp[position, 0] - 0.5
+    # the top token's probability as float32 gives it
+    assert (lp[same, 0] - ref_lp[same, 0]).abs().mean() < 0.1
+
+
+def test_quantization_none_and_models_without_4_bit_weights_run_dense(
+    smollm2: Path, tmp_path: Path
+) -> None:
+    from triode.gpu.testing import build_tiny_model
+
+    options = {"kv_cache_memory": 16 << 20, "max_model_len": 128, "num_threads": 1}
+    assert (
+        ModelRunner(smollm2, dtype="bfloat16", quantization="none", **options).int4_projections == 0
+    )
+    assert ModelRunner(smollm2, dtype="float32", **options).int4_projections == 0
+    tiny = build_tiny_model(tmp_path / "tiny")
+    assert ModelRunner(tiny, dtype="bfloat16", **options).int4_projections == 0
