@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig
@@ -31,6 +32,9 @@ from .attention import AttentionMetadata, PrefillChunk
 from .layers import cpu_weight_packing_supported, pack_cpu_weights
 from .llama import head_dim, model_class
 from .sampler import Sampler, SamplingState, compute_logprobs
+
+# prompt positions whose logits exist at once: 256 x a 49k vocabulary is 50 MB of float32
+PROMPT_LOGPROBS_ROWS = 256
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -148,27 +152,13 @@ class ModelRunner:
         batch = self._prepare(sched.requests)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
 
-        # rows of `hidden` that need logits: first the sampling rows (so the sampler gets a view,
-        # not a copy), then each prompt-logprob span
         sampling = [r for r in sched.requests if r.sample]
-        rows = [batch.start[r.request_id] + len(r.token_ids) - 1 for r in sampling]
-        spans: dict[str, tuple[int, list[int]]] = {}  # id -> (first logits row, prompt targets)
-        for r in sched.requests:
-            span = self._prompt_logprob_span(r)
-            if span is not None:
-                first_position, targets = span
-                first = batch.start[r.request_id] + first_position - r.num_computed_tokens
-                spans[r.request_id] = (len(rows), targets)
-                rows.extend(range(first, first + len(targets)))
-        if not rows:
-            return ModelRunnerOutput(step=sched.step)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        logits = logits.float().cpu()  # the sampler works on CPU tensors
-
         tokens: dict[str, tuple[int, Logprobs | None]] = {}
         if sampling:
+            rows = [batch.start[r.request_id] + len(r.token_ids) - 1 for r in sampling]
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             states = [self._requests[r.request_id].sampling for r in sampling]
-            sampled = self.sampler(logits[: len(sampling)], states)
+            sampled = self.sampler(logits.float().cpu(), states)  # the sampler works on the CPU
             picks = zip(sampled.token_ids, sampled.logprobs, strict=True)
             tokens = dict(zip((r.request_id for r in sampling), picks, strict=True))
         results = []
@@ -177,15 +167,33 @@ class ModelRunner:
             if r.request_id in tokens:
                 result.token_id, result.logprobs = tokens[r.request_id]
                 self._requests[r.request_id].sampling.append(result.token_id)
-            if r.request_id in spans:
-                first, targets = spans[r.request_id]
+            span = self._prompt_logprob_span(r)
+            if span is not None:
+                first_position, targets = span
+                first = batch.start[r.request_id] + first_position - r.num_computed_tokens
                 num_top = self._requests[r.request_id].sampling.params.prompt_logprobs or 0
-                result.prompt_logprobs = compute_logprobs(
-                    logits[first : first + len(targets)], torch.tensor(targets), num_top
-                )
+                result.prompt_logprobs = self._prompt_logprobs(hidden, first, targets, num_top)
             if result.token_id is not None or result.prompt_logprobs is not None:
                 results.append(result)
         return ModelRunnerOutput(step=sched.step, results=results)
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, first: int, targets: list[int], num_top: int
+    ) -> Logprobs:
+        """Logprobs of `targets` under the rows of `hidden` from `first` on, a slice of rows at
+        a time: a whole prompt's full-vocabulary logits at once would take hundreds of MB."""
+        parts = []
+        for lo in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
+            chunk = targets[lo : lo + PROMPT_LOGPROBS_ROWS]
+            logits = self.model.compute_logits(hidden[first + lo : first + lo + len(chunk)])
+            parts.append(compute_logprobs(logits.float().cpu(), torch.tensor(chunk), num_top))
+        if len(parts) == 1:
+            return parts[0]
+        return Logprobs(
+            np.concatenate([p.token_ids for p in parts]),
+            np.concatenate([p.logprobs for p in parts]),
+            np.concatenate([p.ranks for p in parts]),
+        )
 
     def _prompt_logprob_span(self, r: ScheduledRequest) -> tuple[int, list[int]] | None:
         """(first position, target tokens) of the prompt logprobs this chunk computes.

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from triode.gpu.attention import AttentionMetadata, PrefillChunk
+from triode.gpu import model_runner
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.testing import build_tiny_model
 from triode.wire import (
@@ -203,7 +204,12 @@ def test_greedy_decoding_matches_transformers_generate(tmp_root: Path, variant: 
     assert _generate(_runner(model_dir), prompt, 20).output == hf[0, len(prompt) :].tolist()
 
 
-def test_prompt_logprobs_match_transformers(tiny: Path) -> None:
+@pytest.mark.parametrize("rows_at_once", [256, 7])
+def test_prompt_logprobs_match_transformers(
+    tiny: Path, rows_at_once: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 7: the 29 positions' logits are computed 7 rows at a time and joined
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_ROWS", rows_at_once)
     prompt = _prompt(30)
     d = Driver(_runner(tiny))
     d.add("r", prompt, SamplingParams(temperature=0.0, prompt_logprobs=4))
