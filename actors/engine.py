@@ -66,6 +66,8 @@ class Engine:
         self.intake = Intake.from_model_dir(tokenizer, Path(ready.info["model_dir"]))
         self.model_dir = Path(ready.info["model_dir"])
         self.eos_token_id: int | None = ready.info.get("eos_token_id")
+        # the model's other end-of-sequence ids stop a request like stop_token_ids, as in vLLM
+        self.extra_eos_token_ids: list[int] = list(ready.info.get("extra_eos_token_ids") or [])
         self.vocab_size: int = ready.info.get("vocab_size") or tokenizer.get_vocab_size()
         self.dtype: str = ready.info.get("dtype", "")
         self.max_model_len = ready.max_model_len
@@ -184,7 +186,7 @@ class _Run:
         )
         if params.prompt_logprobs is not None:
             self.output.prompt_logprobs = []
-        child_params = split_params(params)
+        child_params = split_params(with_eos_ids(params, engine.extra_eos_token_ids))
         self.child_ids = (
             [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
         )
@@ -282,6 +284,14 @@ class _Run:
             for cid, c in zip(self.child_ids, self.output.outputs, strict=True)
             if not c.finished
         ]
+
+
+def with_eos_ids(params: SamplingParams, eos_ids: list[int]) -> SamplingParams:
+    """`params` stopping also on the model's other end-of-sequence ids, unless it ignores EOS."""
+    extra = [t for t in eos_ids if t not in params.stop_token_ids]
+    if params.ignore_eos or not extra:
+        return params
+    return msgspec.structs.replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
 
 
 def split_params(params: SamplingParams) -> list[SamplingParams]:

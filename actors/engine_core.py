@@ -227,6 +227,7 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                 info={
                     "model_dir": str(executor.model_dir),
                     "eos_token_id": executor.eos_token_id,
+                    "extra_eos_token_ids": executor.extra_eos_token_ids,
                     "vocab_size": executor.vocab_size,
                     "dtype": getattr(executor, "dtype", ""),
                 },

@@ -25,6 +25,7 @@ class Executor(Protocol):
     block_size: int
     max_model_len: int
     eos_token_id: int | None
+    extra_eos_token_ids: list[int]
     vocab_size: int
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
@@ -57,6 +58,7 @@ class InProcessExecutor:
         self.block_size = self._runner.block_size
         self.max_model_len = self._runner.max_model_len
         self.eos_token_id = self._runner.eos_token_id
+        self.extra_eos_token_ids = self._runner.extra_eos_token_ids
         self.vocab_size = self._runner.vocab_size
         self.dtype = str(self._runner.dtype).removeprefix("torch.")
         log.info(

@@ -60,11 +60,12 @@ class ModelRunner:
     """Runs a Llama-family model from a Hugging Face directory over a paged KV cache.
 
     What the scheduler sizes itself by: `num_kv_blocks` blocks of `block_size` tokens (as many
-    as `kv_cache_memory` bytes hold over all layers), `max_model_len`, `eos_token_id`,
-    `vocab_size`; and `dtype`, `device` as resolved. `quantization` "auto" runs the 4-bit
-    projections a converted GGUF file kept (`int4.py`) where this device has a kernel for
-    them; "none" runs the dequantized weights only. `device` None means CUDA when present;
-    `num_threads` None means every CPU this process may run on (CPU only).
+    as `kv_cache_memory` bytes hold over all layers), `max_model_len`, `eos_token_id` (and
+    `extra_eos_token_ids`, the model's other end-of-sequence ids), `vocab_size`; and `dtype`,
+    `device` as resolved. `quantization` "auto" runs the 4-bit projections a converted GGUF
+    file kept (`int4.py`) where this device has a kernel for them; "none" runs the dequantized
+    weights only. `device` None means CUDA when present; `num_threads` None means every CPU
+    this process may run on (CPU only).
 
     `execute` is not thread-safe; the engine calls it from one thread.
     """
@@ -95,7 +96,9 @@ class ModelRunner:
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.max_model_len = _max_model_len(self.config, max_model_len)
         self.vocab_size: int = self.config.vocab_size
-        self.eos_token_id = _eos_token_id(self.model_dir, self.config)
+        eos = eos_token_ids(self.model_dir, self.config)
+        self.eos_token_id: int | None = eos[0] if eos else None
+        self.extra_eos_token_ids = eos[1:]
 
         with _defaults(self.dtype, self.device), torch.no_grad():
             self.model = model_class(self.config)(self.config, max_position=self.max_model_len)
@@ -288,16 +291,21 @@ def _max_model_len(config: object, requested: int | None) -> int:
     return min(limit, requested) if requested else limit
 
 
-def _eos_token_id(model_dir: Path, config: object) -> int | None:
-    """generation_config.json's EOS (what `generate` stops on) if present, else config.json's;
-    the first one when there are several."""
-    eos = getattr(config, "eos_token_id", None)
+def eos_token_ids(model_dir: Path, config: object) -> list[int]:
+    """Every id that ends a sequence, the main EOS first: generation_config.json's (what
+    `generate` stops on; Llama 3 lists its end-of-turn token there too) followed by
+    config.json's, without repeats."""
+    ids: list[int] = []
+    sources = []
     path = model_dir / "generation_config.json"
     if path.is_file():
-        eos = json.loads(path.read_text()).get("eos_token_id", eos)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos
+        sources.append(json.loads(path.read_text()).get("eos_token_id"))
+    sources.append(getattr(config, "eos_token_id", None))
+    for eos in sources:
+        for token in eos if isinstance(eos, list) else [eos]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return ids
 
 
 def _safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from triode.actors.engine import split_params
+from triode.actors.engine import split_params, with_eos_ids
 from triode.wire import (
     Encoder,
     EngineCoreRequest,
@@ -41,3 +41,11 @@ def test_seeds_at_the_top_of_the_range_wrap_and_cross_the_wire(seed: int) -> Non
         frames = encode_input(Encoder(), EngineCoreRequestType.ADD_REQUEST, request)
         _, decoded = decoder.decode([bytes(f) for f in frames])
         assert isinstance(decoded, EngineCoreRequest) and decoded.sampling_params.seed == p.seed
+
+
+def test_the_models_other_eos_ids_join_the_stop_ids_unless_eos_is_ignored() -> None:
+    params = SamplingParams(stop_token_ids=[9, 4])
+    assert with_eos_ids(params, [4, 7]).stop_token_ids == [9, 4, 7]
+    assert with_eos_ids(params, []) is params
+    ignoring = SamplingParams(ignore_eos=True, stop_token_ids=[9])
+    assert with_eos_ids(ignoring, [7]).stop_token_ids == [9]

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from triode.gpu.attention import AttentionMetadata, PrefillChunk
 from triode.gpu import model_runner
+from triode.gpu.attention import AttentionMetadata, PrefillChunk
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.testing import build_tiny_model
 from triode.wire import (
@@ -383,3 +383,25 @@ def test_real_model_greedy_matches_transformers_alone_and_batched(
     d.run(24)
     for rid, seq in d.seqs.items():
         _assert_same_greedy(seq.output, real_reference[rid], runner.eos_token_id)
+
+
+@pytest.mark.parametrize(
+    ("generation_config", "config_eos", "expected"),
+    [
+        ({"eos_token_id": [128001, 128009]}, 128001, [128001, 128009]),
+        ({"eos_token_id": 2}, [2, 7], [2, 7]),
+        (None, 5, [5]),
+        ({}, None, []),
+    ],
+)
+def test_eos_token_ids_list_the_main_one_first_without_repeats(
+    tmp_path: Path, generation_config: dict | None, config_eos: object, expected: list[int]
+) -> None:
+    import json
+    from types import SimpleNamespace
+
+    from triode.gpu.model_runner import eos_token_ids
+
+    if generation_config is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation_config))
+    assert eos_token_ids(tmp_path, SimpleNamespace(eos_token_id=config_eos)) == expected

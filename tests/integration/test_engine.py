@@ -3,6 +3,7 @@ checked token for token against Hugging Face transformers."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
@@ -162,6 +163,34 @@ async def test_stop_strings_and_too_long_prompts(model_dir: Path, reference: Ref
     assert out.outputs[0].stop_reason == stop
     assert out.outputs[0].text == full[: full.index(stop)]
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def _with_generation_config(model_dir: Path, out: Path, config: dict) -> None:
+    for entry in model_dir.iterdir():
+        (out / entry.name).symlink_to(entry)
+    (out / "generation_config.json").write_text(json.dumps(config))
+
+
+async def test_every_eos_id_of_generation_config_ends_a_sequence(
+    model_dir: Path, reference: Reference, tmp_path: Path
+) -> None:
+    # the model again, with generation_config.json listing a second EOS: the token it greedily
+    # generates third (Llama 3 lists its end-of-turn token this way)
+    prompt = reference.encode(PROMPTS[0])
+    expected = reference.greedy(tuple(prompt), NEW_TOKENS)
+    third = expected[2]
+    assert third not in expected[:2]
+    eos = reference.tokenizer.eos_token_id
+    _with_generation_config(model_dir, tmp_path, {"eos_token_id": [eos, third]})
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
+    async with open_engine(str(tmp_path), **F32) as engine:
+        stopped = await _generate(engine, prompt, params)
+        ignored = await _generate(engine, prompt, GREEDY)
+    assert engine.eos_token_id == eos
+    assert stopped.outputs[0].token_ids == expected[:3]
+    assert stopped.outputs[0].finish_reason == "stop"
+    assert stopped.outputs[0].stop_reason == third
+    assert ignored.outputs[0].token_ids == expected
 
 
 async def test_cancel_mid_stream_frees_every_block(model_dir: Path, reference: Reference) -> None:
