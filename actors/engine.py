@@ -321,6 +321,20 @@ def _openmp_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {"GOMP_SPINCOUNT": "10000"}
 
 
+def _malloc_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """glibc serves allocations above its mmap threshold with fresh pages and hands freed heap
+    back to the system: every step's activations and logits (12 MB of float32 for 64 rows of a
+    49k vocabulary) then fault their pages in anew. Keeping blocks up to 256 MiB on the heap,
+    and up to 256 MiB of free heap, measured 58.0 ms against 65.9 ms per 64-sequence decode
+    step of SmolLM2 on 2 cores. Settings the user made win."""
+    if any(name in environ for name in _MALLOC_SETTINGS) or "GLIBC_TUNABLES" in environ:
+        return {}
+    return dict.fromkeys(_MALLOC_SETTINGS, str(256 << 20))
+
+
+_MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
 @asynccontextmanager
 async def open_engine(model: str | None = None, **engine_args: Any) -> AsyncIterator[Engine]:
     """Start an engine core process for `model` and yield an `Engine` once it is ready.
@@ -343,7 +357,7 @@ async def open_engine(model: str | None = None, **engine_args: Any) -> AsyncIter
             addresses=addresses,
             options={"engine_args": msgspec.to_builtins(args), "num_clients": 1},
             raise_on_death=False,
-            env=_openmp_env(os.environ),
+            env=_openmp_env(os.environ) | _malloc_env(os.environ),
             ready_timeout=float(os.environ.get("TRIODE_ENGINE_READY_TIMEOUT", 900)),
         ) as child:
             assert child.ready is not None

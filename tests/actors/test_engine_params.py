@@ -49,3 +49,16 @@ def test_the_models_other_eos_ids_join_the_stop_ids_unless_eos_is_ignored() -> N
     assert with_eos_ids(params, []) is params
     ignoring = SamplingParams(ignore_eos=True, stop_token_ids=[9])
     assert with_eos_ids(ignoring, [7]).stop_token_ids == [9]
+
+
+def test_engine_process_allocator_and_openmp_settings_yield_to_the_users() -> None:
+    from triode.actors.engine import _malloc_env, _openmp_env
+
+    assert _malloc_env({}) == {
+        "MALLOC_MMAP_THRESHOLD_": str(256 << 20),
+        "MALLOC_TRIM_THRESHOLD_": str(256 << 20),
+    }
+    assert _malloc_env({"MALLOC_TRIM_THRESHOLD_": "0"}) == {}
+    assert _malloc_env({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}) == {}
+    assert _openmp_env({}) == {"GOMP_SPINCOUNT": "10000"}
+    assert _openmp_env({"OMP_WAIT_POLICY": "PASSIVE"}) == {}
