@@ -107,16 +107,6 @@ def test_residual_stream_stays_float32_and_the_norm_returns_the_model_dtype() ->
 # --- the real default model -------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    from triode.gpu.loader import resolve_model
-
-    try:
-        return resolve_model(None)
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
 def test_converted_default_model_keeps_every_projection_in_exact_4_bit_codes(
     smollm2: Path,
 ) -> None:

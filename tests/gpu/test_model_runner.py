@@ -321,16 +321,6 @@ def test_kv_cache_too_small_for_max_model_len_is_refused(tiny: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Path:
-    from triode.gpu.loader import resolve_model
-
-    try:
-        return resolve_model(None)
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def real_prompts(smollm2: Path) -> dict[str, list[int]]:
     from transformers import AutoTokenizer
 
