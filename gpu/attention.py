@@ -5,10 +5,12 @@ A token at position p of a request lives in block `block_table[p // block_size]`
 `p % block_size`; the runner turns that into a flat slot index per scheduled token.
 
 The flattened batch holds the decodes (one query token each) first, then the prefill chunks.
-All decodes attend in one `scaled_dot_product_attention` call over their block tables gathered
-and padded to the longest context; each prefill chunk is one call with a causal mask shifted by
-the tokens its request had already computed. Grouped-query attention needs no repeated K/V: the
-query heads that share a KV head are folded into the query-length dimension.
+The decodes come in groups of similar context length (`DecodeGroup`); each group attends in one
+`scaled_dot_product_attention` call over its block tables gathered and padded to its longest
+context, so one long context pads only its own group, not the whole batch. Each prefill chunk is
+one call with a causal mask shifted by the tokens its request had already computed.
+Grouped-query attention needs no repeated K/V: the query heads that share a KV head are folded
+into the query-length dimension.
 """
 
 from __future__ import annotations
@@ -48,6 +50,30 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """Consecutive single-token decodes whose contexts span about the same number of blocks."""
+
+    start: int  # first row in the flattened batch
+    block_tables: torch.Tensor  # [n, max_blocks], padded with block 0
+    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size], True: attend
+
+    @classmethod
+    def build(
+        cls,
+        start: int,
+        tables: list[list[int]],
+        context_lens: list[int],
+        block_size: int,
+        device: torch.device,
+    ) -> DecodeGroup:
+        width = max(len(t) for t in tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
+        context = torch.tensor(context_lens, device=device)
+        mask = torch.arange(width * block_size, device=device)[None, :] < context[:, None]
+        return cls(start, padded, mask.view(len(tables), 1, 1, width * block_size))
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """Where this step's tokens go in the cache and what each one attends to.
 
@@ -56,8 +82,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [T] flat cache slot of every scheduled token
     num_decodes: int  # rows 0 .. num_decodes - 1 are single-token decodes
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with block 0
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size], True: attend
+    decodes: tuple[DecodeGroup, ...]  # covering those rows in order
     prefills: tuple[PrefillChunk, ...]
 
 
@@ -79,24 +104,25 @@ class Attention(nn.Module):
         flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         flat_k.index_copy_(0, meta.slot_mapping, k)
         flat_v.index_copy_(0, meta.slot_mapping, v)
-        parts = []  # in row order: the decodes, then each prefill chunk
-        if meta.num_decodes:
-            parts.append(self._decode(q[: meta.num_decodes], meta))
+        parts = []  # in row order: each decode group, then each prefill chunk
+        for group in meta.decodes:
+            rows = slice(group.start, group.start + group.block_tables.shape[0])
+            parts.append(self._decode(q[rows], group))
         for chunk in meta.prefills:
             rows = slice(chunk.start, chunk.start + chunk.num_tokens)
             parts.append(self._prefill(q[rows], k[rows], v[rows], chunk))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
-    def _decode(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """One query token per request; K/V gathered once per layer for the whole batch."""
+    def _decode(self, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        """One query token per request; K/V gathered once per layer for the whole group."""
         batch = q.shape[0]
-        keys = self._gather(self.k_cache, meta.decode_block_tables)
-        values = self._gather(self.v_cache, meta.decode_block_tables)
+        keys = self._gather(self.k_cache, group.block_tables)
+        values = self._gather(self.v_cache, group.block_tables)
         # [B, kv_heads, group, head_dim]: the group's query heads act as query positions
         q = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=meta.decode_mask, scale=self.scale
+            q, keys, values, attn_mask=group.mask, scale=self.scale
         )
         return out.view(batch, self.num_heads, self.head_dim)
 

@@ -28,7 +28,7 @@ from triode.wire import (
 )
 
 from . import int4
-from .attention import AttentionMetadata, PrefillChunk
+from .attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from .layers import cpu_weight_packing_supported, pack_cpu_weights
 from .llama import head_dim, model_class
 from .sampler import Sampler, SamplingState, compute_logprobs
@@ -222,7 +222,11 @@ class ModelRunner:
         if unknown:
             raise KeyError(f"requests scheduled without their NewRequestData: {unknown}")
         bs = self.block_size
-        decodes = [r for r in requests if len(r.token_ids) == 1]
+        # decodes first, shortest context first, so that each group of similar lengths
+        # (`_decode_groups`) is a run of rows
+        decodes = sorted(
+            (r for r in requests if len(r.token_ids) == 1), key=lambda r: r.num_computed_tokens
+        )
         ordered = decodes + [r for r in requests if len(r.token_ids) != 1]
         ids: list[int] = []
         positions: list[int] = []
@@ -245,21 +249,47 @@ class ModelRunner:
                 prefills.append(
                     PrefillChunk.build(starts[r.request_id], end - begin, begin, block_table)
                 )
-        width = max((len(t) for t in tables[: len(decodes)]), default=0)
-        padded = [t + [0] * (width - len(t)) for t in tables[: len(decodes)]]
-        context = torch.tensor([r.num_computed_tokens + 1 for r in decodes], device=self.device)
-        mask = torch.arange(width * bs, device=self.device)[None, :] < context[:, None]
+        groups = [
+            DecodeGroup.build(
+                lo,
+                tables[lo:hi],
+                [r.num_computed_tokens + 1 for r in decodes[lo:hi]],
+                bs,
+                self.device,
+            )
+            for lo, hi in _decode_groups([len(t) for t in tables[: len(decodes)]])
+        ]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_decodes=len(decodes),
-            decode_block_tables=self._tensor(padded).view(len(decodes), width),
-            decode_mask=mask.view(len(decodes), 1, 1, width * bs),
+            decodes=tuple(groups),
             prefills=tuple(prefills),
         )
         return _Batch(self._tensor(ids), self._tensor(positions), meta, starts)
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+
+def _decode_groups(num_blocks: list[int]) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges of decodes (sorted by context) whose block counts share a power-of-two
+    bucket (1, 2, 3-4, 5-8, ...): each group pads to its own longest context, at most twice any
+    member's, and a batch has at most log2(max blocks) + 1 groups.
+
+    Padding the whole batch to its longest context instead made one 1800-token request among
+    63 of 100 tokens cost 422 ms per step against 69 ms for all 64 at 100 (SmolLM2, bfloat16).
+    """
+    groups: list[tuple[int, int]] = []
+    lo = 0
+    for i in range(1, len(num_blocks) + 1):
+        if i == len(num_blocks) or _bucket(num_blocks[i]) != _bucket(num_blocks[lo]):
+            groups.append((lo, i))
+            lo = i
+    return groups
+
+
+def _bucket(num_blocks: int) -> int:
+    return (num_blocks - 1).bit_length()
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from triode.gpu import layers
-from triode.gpu.attention import Attention, AttentionMetadata, PrefillChunk
+from triode.gpu.attention import Attention, AttentionMetadata, DecodeGroup, PrefillChunk
 from triode.gpu.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -154,8 +154,12 @@ def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, star
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def test_paged_attention_over_shuffled_blocks_matches_plain_attention() -> None:
-    """A prefill after a cached prefix and two decodes, one call, non-contiguous block tables."""
+@pytest.mark.parametrize("decode_groups", [[(0, 2)], [(0, 1), (1, 2)]])
+def test_paged_attention_over_shuffled_blocks_matches_plain_attention(
+    decode_groups: list[tuple[int, int]],
+) -> None:
+    """A prefill after a cached prefix and two decodes (in one padded group or in two), one
+    forward, non-contiguous block tables."""
     torch.manual_seed(0)
     heads, kv_heads, dim, bs = 4, 2, 8, 4
     attn = Attention(heads, kv_heads, dim, scale=dim**-0.5)
@@ -173,12 +177,14 @@ def test_paged_attention_over_shuffled_blocks_matches_plain_attention() -> None:
     ]
     for s, k, v, c in zip(slots, ks, vs, computed, strict=True):
         flat_k[s[:c]], flat_v[s[:c]] = k[:c], v[:c]
-    width = 3
+    cpu = torch.device("cpu")
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([x for s, c in zip(slots, computed, strict=True) for x in s[c:]]),
         num_decodes=2,
-        decode_block_tables=torch.tensor([tables[0], [*tables[1], 0]]),
-        decode_mask=(torch.arange(width * bs)[None] < torch.tensor([[9], [6]])).view(2, 1, 1, -1),
+        decodes=tuple(
+            DecodeGroup.build(lo, tables[lo:hi], lengths[lo:hi], bs, cpu)
+            for lo, hi in decode_groups
+        ),
         prefills=(PrefillChunk.build(2, 6, 7, torch.tensor(tables[2])),),
     )
     new = [slice(c, None) for c in computed]

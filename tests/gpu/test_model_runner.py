@@ -181,8 +181,7 @@ def test_logits_match_transformers(tmp_root: Path, variant: str) -> None:
     meta = AttentionMetadata(
         slot_mapping=torch.arange(n),
         num_decodes=0,
-        decode_block_tables=torch.zeros(0, 0, dtype=torch.int64),
-        decode_mask=torch.zeros(0, 1, 1, 0, dtype=torch.bool),
+        decodes=(),
         prefills=(PrefillChunk.build(0, n, 0, torch.arange(-(-n // runner.block_size))),),
     )
     with torch.inference_mode():
@@ -395,3 +394,30 @@ def test_eos_token_ids_list_the_main_one_first_without_repeats(
     if generation_config is not None:
         (tmp_path / "generation_config.json").write_text(json.dumps(generation_config))
     assert eos_token_ids(tmp_path, SimpleNamespace(eos_token_id=config_eos)) == expected
+
+
+def test_decodes_group_by_power_of_two_block_counts() -> None:
+    from triode.gpu.model_runner import _decode_groups
+
+    assert _decode_groups([]) == []
+    assert _decode_groups([1, 1, 2, 3, 4, 5, 8, 9, 120]) == [
+        (0, 2),
+        (2, 3),
+        (3, 5),
+        (5, 7),
+        (7, 8),
+        (8, 9),
+    ]
+    assert _decode_groups([7, 7, 8]) == [(0, 3)]
+
+
+def test_a_long_context_decode_among_short_ones_gives_each_the_same_tokens(tiny: Path) -> None:
+    # one 90-token context beside two 5-token ones: three groups of their own, not one padded
+    # to 90; the tokens are those each request generates alone
+    prompts = {"long": _prompt(90), "a": _prompt(5)[::-1], "b": _prompt(6)}
+    alone = {rid: _generate(_runner(tiny), p, 8).output for rid, p in prompts.items()}
+    d = Driver(_runner(tiny), shuffle_blocks=True)
+    for rid, prompt in prompts.items():
+        d.add(rid, prompt)
+    d.run(8)
+    assert {rid: seq.output for rid, seq in d.seqs.items()} == alone
