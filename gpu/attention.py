@@ -15,6 +15,7 @@ into the query-length dimension.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,9 @@ class DecodeGroup:
 
     start: int  # first row in the flattened batch
     block_tables: torch.Tensor  # [n, max_blocks], padded with block 0
-    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size], True: attend
+    context_lens: torch.Tensor  # [n]
+    mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size], True: attend; the kernel
+    # reads `context_lens` instead
 
     @classmethod
     def build(
@@ -65,12 +68,16 @@ class DecodeGroup:
         context_lens: list[int],
         block_size: int,
         device: torch.device,
+        with_mask: bool = True,
     ) -> DecodeGroup:
         width = max(len(t) for t in tables)
         padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
         context = torch.tensor(context_lens, device=device)
-        mask = torch.arange(width * block_size, device=device)[None, :] < context[:, None]
-        return cls(start, padded, mask.view(len(tables), 1, 1, width * block_size))
+        mask = None
+        if with_mask:
+            mask = torch.arange(width * block_size, device=device)[None, :] < context[:, None]
+            mask = mask.view(len(tables), 1, 1, width * block_size)
+        return cls(start, padded, context, mask)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +102,8 @@ class Attention(nn.Module):
         self.group = num_heads // num_kv_heads
         self.scale = scale
         self.k_cache = self.v_cache = torch.empty(0)
+        # decode attention straight from the paged cache (`cpu_kernels.py`); the runner sets it
+        self.paged_kernel: Callable[..., torch.Tensor] | None = None
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
@@ -116,6 +125,10 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
         """One query token per request; K/V gathered once per layer for the whole group."""
+        if self.paged_kernel is not None:
+            return self.paged_kernel(
+                q, self.k_cache, self.v_cache, group.block_tables, group.context_lens, self.scale
+            )
         batch = q.shape[0]
         keys = self._gather(self.k_cache, group.block_tables)
         values = self._gather(self.v_cache, group.block_tables)

@@ -27,7 +27,7 @@ from triode.wire import (
     SchedulerOutput,
 )
 
-from . import int4
+from . import cpu_kernels, int4
 from .attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from .layers import cpu_weight_packing_supported, pack_cpu_weights
 from .llama import head_dim, model_class
@@ -111,6 +111,14 @@ class ModelRunner:
                 self.int4_projections = self.model.load_int4_weights(weights)
         self.model.eval()
         self.num_kv_blocks = self._allocate_kv_cache(kv_cache_memory)
+        # decode attention from the paged cache in place, where the C kernel is built (CPU,
+        # bfloat16); float32 stays on torch's attention, which the reference comparisons pin
+        kernel = None
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            kernel = cpu_kernels.paged_decode_attention()
+        self.paged_kernel = kernel is not None
+        for layer in self.model.model.layers:
+            layer.self_attn.attn.paged_kernel = kernel
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
 
@@ -249,6 +257,11 @@ class ModelRunner:
                 prefills.append(
                     PrefillChunk.build(starts[r.request_id], end - begin, begin, block_table)
                 )
+        # the kernel reads each context's own length: one group; torch's attention pads
+        if self.paged_kernel:
+            ranges = [(0, len(decodes))] if decodes else []
+        else:
+            ranges = _decode_groups([len(t) for t in tables[: len(decodes)]])
         groups = [
             DecodeGroup.build(
                 lo,
@@ -256,8 +269,9 @@ class ModelRunner:
                 [r.num_computed_tokens + 1 for r in decodes[lo:hi]],
                 bs,
                 self.device,
+                with_mask=not self.paged_kernel,
             )
-            for lo, hi in _decode_groups([len(t) for t in tables[: len(decodes)]])
+            for lo, hi in ranges
         ]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
