@@ -123,12 +123,11 @@ def agreement(bf16: list[Greedy], f32: list[Greedy]) -> Agreement:
         top = ref.top[at]
         chosen, other = ref.token_ids[at], ours.token_ids[at]
         if other in top:
-            margin = f"{top[chosen] - top[other]:.3f} nats below"
+            margin = f"{top[chosen] - top[other]:.3f} nats below its own"
         else:
-            margin = (
-                f"more than {top[chosen] - min(top.values()):.3f} nats below (not in its top 5)"
-            )
-        partings.append(f"prompt {i}, token {at}: float32 ranks bfloat16's token {margin} its own")
+            gap = top[chosen] - min(top.values())
+            margin = f"outside its top 5, more than {gap:.3f} nats below its own"
+        partings.append(f"prompt {i}, token {at}: float32 ranks bfloat16's token {margin}")
     return Agreement(len(bf16) - len(partings), len(bf16), partings)
 
 
