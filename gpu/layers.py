@@ -249,9 +249,9 @@ def cpu_weight_packing_supported(dtype: torch.dtype) -> bool:
 def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor:
     """W [out, in] reordered into oneDNN's blocked layout for `mkldnn._linear_pointwise`.
 
-    A single-row bfloat16 product on the plain layout reads its weights at ~11 GB/s; the
-    blocked layout lets oneDNN use the CPU's bf16 dot-product instructions throughout,
-    1.5x faster at 1 to 64 rows (the same values, accumulated in float32 either way).
+    Measured on SmolLM2's 30 layers of projections, 2 cores: 11.9 ms against 18.6 ms for the
+    plain layout at 1 row, 17.8 against 27.0 at 64 (the same values, accumulated in float32
+    either way).
     """
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
 
@@ -270,7 +270,7 @@ class RMSNorm(nn.Module):
     `forward(x, residual)` returns (norm(x + residual), x + residual). The decoder keeps the
     residual stream in float32 whatever the model dtype (Hugging Face keeps it in the model
     dtype): 30 layers of bfloat16 adds cost SmolLM2 a third of its logit error against float32
-    (mean largest error per position 0.42 -> 0.29), for a [tokens, hidden] add. The normalised
+    (mean largest error per position 0.42 -> 0.30), for a [tokens, hidden] add. The normalised
     output is in the weight's dtype, what the next projection reads.
     """
 
