@@ -32,6 +32,17 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 Kernel = Callable[..., torch.Tensor]
 
 
+def paged_decode_attention_for(num_heads: int, num_kv_heads: int, head_dim: int) -> Kernel | None:
+    """The kernel for a model of this attention shape, or None (none built, or a shape past
+    what it was built for)."""
+    kernel = paged_decode_attention()
+    if kernel is None or num_heads % num_kv_heads:
+        return None
+    if num_heads > kernel.max_heads or head_dim > kernel.max_head_dim:  # type: ignore[attr-defined]
+        return None
+    return kernel
+
+
 @functools.cache
 def paged_decode_attention() -> Kernel | None:
     """The built kernel as `f(q, k_cache, v_cache, block_tables, context_lens, scale)`, or None."""
@@ -39,7 +50,7 @@ def paged_decode_attention() -> Kernel | None:
         return None
     try:
         library = ctypes.CDLL(str(_build()))
-    except (OSError, subprocess.CalledProcessError, FileNotFoundError) as e:
+    except (OSError, subprocess.CalledProcessError) as e:
         log.warning("CPU attention kernel unavailable (%s); using the torch path", e)
         return None
     function = library.triode_paged_decode_attention_bf16
@@ -75,6 +86,7 @@ def paged_decode_attention() -> Kernel | None:
         )  # fmt: skip
         return out
 
+    run.max_heads, run.max_head_dim = max_heads, max_head_dim  # type: ignore[attr-defined]
     return run
 
 

@@ -115,7 +115,10 @@ class ModelRunner:
         # bfloat16); float32 stays on torch's attention, which the reference comparisons pin
         kernel = None
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            kernel = cpu_kernels.paged_decode_attention()
+            attn = self.model.model.layers[0].self_attn.attn
+            kernel = cpu_kernels.paged_decode_attention_for(
+                attn.num_heads, attn.num_kv_heads, attn.head_dim
+            )
         self.paged_kernel = kernel is not None
         for layer in self.model.model.layers:
             layer.self_attn.attn.paged_kernel = kernel

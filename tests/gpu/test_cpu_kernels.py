@@ -78,6 +78,13 @@ def test_attention_layer_gives_the_same_with_and_without_the_kernel() -> None:
     torch.testing.assert_close(outs[1], outs[0], atol=1e-2, rtol=1e-2)
 
 
+@needs_kernel
+def test_shapes_past_what_the_kernel_was_built_for_take_the_torch_path() -> None:
+    assert cpu_kernels.paged_decode_attention_for(9, 3, 64) is kernel
+    assert cpu_kernels.paged_decode_attention_for(128, 8, 128) is None  # more than 64 heads
+    assert cpu_kernels.paged_decode_attention_for(8, 8, 512) is None  # head_dim over 256
+
+
 def test_without_a_compiler_attention_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CC", "/nonexistent/cc")
     cpu_kernels.paged_decode_attention.cache_clear()
