@@ -15,8 +15,8 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from wire_strategies import assert_wire_equal
 
+from triode.fuzz.harnesses.wire import assert_wire_equal
 from triode.wire import (
     Config,
     ControlMessage,

@@ -14,6 +14,7 @@ import wire_strategies as ws
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from triode.fuzz.harnesses.wire import arrays_in, assert_wire_equal
 from triode.wire import (
     DEFAULT_AUX_THRESHOLD,
     Decoder,
@@ -47,7 +48,7 @@ def received(frames: list[Any]) -> list[bytes]:
 
 
 def expected_aux_count(msg: Any, threshold: int) -> int:
-    return sum(a.nbytes >= threshold for a in ws.arrays_in(msg))
+    return sum(a.nbytes >= threshold for a in arrays_in(msg))
 
 
 @ROUNDTRIP
@@ -56,7 +57,7 @@ def test_sampling_params_round_trip(params: SamplingParams) -> None:
     frames = Encoder().encode(params)
 
     assert len(frames) == 1
-    ws.assert_wire_equal(DECODERS[SamplingParams].decode(received(frames)), params)
+    assert_wire_equal(DECODERS[SamplingParams].decode(received(frames)), params)
 
 
 @ROUNDTRIP
@@ -67,8 +68,8 @@ def test_engine_core_request_round_trips_through_input_framing(request: EngineCo
     kind, decoded = INPUT_DECODER.decode(received(frames))
 
     assert kind is EngineCoreRequestType.ADD_REQUEST
-    ws.assert_wire_equal(decoded, request)
-    ws.assert_wire_equal(DECODERS[EngineCoreRequest].decode(received(frames[1:])), request)
+    assert_wire_equal(decoded, request)
+    assert_wire_equal(DECODERS[EngineCoreRequest].decode(received(frames[1:])), request)
 
 
 @ROUNDTRIP
@@ -79,7 +80,7 @@ def test_utility_call_round_trips_through_input_framing(call: UtilityCall) -> No
     kind, decoded = INPUT_DECODER.decode(received(frames))
 
     assert kind is EngineCoreRequestType.UTILITY
-    ws.assert_wire_equal(decoded, call)
+    assert_wire_equal(decoded, call)
 
 
 @ROUNDTRIP
@@ -103,7 +104,7 @@ def test_engine_core_outputs_round_trip_with_aux_frames(
     assert len(frames) - 2 == expected_aux_count(outputs, threshold)
     decoded_client, decoded = OUTPUT_DECODER.decode(received(frames))
     assert decoded_client == client
-    ws.assert_wire_equal(decoded, outputs)
+    assert_wire_equal(decoded, outputs)
 
 
 @ROUNDTRIP
@@ -112,7 +113,7 @@ def test_logprobs_round_trip_inline_and_out_of_band(logprobs: Logprobs) -> None:
     frames = Encoder().encode(logprobs)
 
     assert len(frames) - 1 == expected_aux_count(logprobs, DEFAULT_AUX_THRESHOLD)
-    ws.assert_wire_equal(Decoder(Logprobs).decode(received(frames)), logprobs)
+    assert_wire_equal(Decoder(Logprobs).decode(received(frames)), logprobs)
 
 
 @pytest.mark.parametrize(
@@ -131,7 +132,7 @@ def test_aux_threshold_is_256_bytes(positions: int, aux_frames: int) -> None:
 
     assert len(frames) == 1 + aux_frames
     assert all(len(memoryview(f).cast("B")) >= 256 for f in frames[1:])
-    ws.assert_wire_equal(Decoder(Logprobs).decode(received(frames)), logprobs)
+    assert_wire_equal(Decoder(Logprobs).decode(received(frames)), logprobs)
 
 
 NUMPY_DTYPES = [
@@ -159,7 +160,7 @@ def test_numpy_array_round_trips_for_every_wire_dtype(dtype: str, shape: tuple[i
     frames = Encoder().encode(array)
 
     assert len(frames) == (2 if array.nbytes >= DEFAULT_AUX_THRESHOLD else 1)
-    ws.assert_wire_equal(Decoder(np.ndarray).decode(received(frames)), array)
+    assert_wire_equal(Decoder(np.ndarray).decode(received(frames)), array)
 
 
 @pytest.mark.parametrize(

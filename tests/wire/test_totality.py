@@ -17,6 +17,7 @@ import wire_strategies as ws
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from triode.fuzz.harnesses.wire import assert_wire_equal
 from triode.wire import (
     ControlMessage,
     Decoder,
@@ -94,7 +95,7 @@ def decodes_or_raises_protocol_error(name: str, frames: list[bytes]) -> bool:
         again = decode([bytes(f) for f in reencode(decoded)])
     except ProtocolError as exc:
         raise AssertionError(f"{name} accepted {decoded!r}, which does not round-trip") from exc
-    ws.assert_wire_equal(again, decoded)
+    assert_wire_equal(again, decoded)
     return True
 
 
@@ -501,7 +502,7 @@ def test_hand_built_valid_request_decodes() -> None:
     kind, request = InputDecoder().decode([b"\x00", raw_request(client_index=65535)])
 
     assert kind is EngineCoreRequestType.ADD_REQUEST
-    ws.assert_wire_equal(
+    assert_wire_equal(
         request,
         EngineCoreRequest(
             request_id="r",

@@ -21,6 +21,7 @@ import trio.testing
 import wire_strategies as ws
 import zmq
 
+from triode.fuzz.harnesses.wire import assert_wire_equal
 from triode.wire import (
     Encoder,
     EngineCoreOutput,
@@ -426,7 +427,7 @@ async def test_input_messages_cross_a_real_socket(ctx: zmq.Context, addr: str) -
         with trio.fail_after(GUARD):
             received = [decoder.decode(await pull.recv_multipart()) for _ in sent]
 
-    ws.assert_wire_equal(received, sent)
+    assert_wire_equal(received, sent)
 
 
 def big_outputs(seed: int) -> EngineCoreOutputs:
@@ -466,7 +467,7 @@ async def test_subscriber_receives_only_its_topic_with_aux_frames_intact(
 
     assert [client for client, _, _ in received] == [3] * 5
     for seed, (_, outputs, frames) in enumerate(received, start=1):
-        ws.assert_wire_equal(outputs, big_outputs(seed))
+        assert_wire_equal(outputs, big_outputs(seed))
         # token_ids and logprobs (768 B each) came as aux frames and were decoded in place.
         assert len(frames) == 4
         assert all(isinstance(f, zmq.Frame) for f in frames)

@@ -1,4 +1,5 @@
-"""Hypothesis strategies for valid wire messages, and a structural equality check.
+"""Hypothesis strategies for valid wire messages (the structural equality check the tests
+use is `triode.fuzz.harnesses.wire.assert_wire_equal`, shared with the wire fuzz harness).
 
 Test modules in this folder import it as `wire_strategies` (pytest puts the folder on sys.path);
 the name is prefixed so that it cannot shadow a helper of another test folder.
@@ -6,11 +7,6 @@ the name is prefixed so that it cannot shadow a helper of another test folder.
 
 from __future__ import annotations
 
-import math
-import sys
-from typing import Any
-
-import msgspec
 import numpy as np
 from hypothesis import strategies as st
 
@@ -175,64 +171,3 @@ utility_calls = st.builds(
 )
 
 abort_payloads = st.lists(st.text(max_size=16), max_size=8)
-
-
-def arrays_in(msg: Any) -> list[np.ndarray]:
-    """Every numpy array inside a message, in encoding order."""
-    if isinstance(msg, np.ndarray):
-        return [msg]
-    if isinstance(msg, msgspec.Struct):
-        return [a for f in msg.__struct_fields__ for a in arrays_in(getattr(msg, f))]
-    if isinstance(msg, list | tuple):
-        return [a for item in msg for a in arrays_in(item)]
-    if isinstance(msg, dict):
-        return [a for item in msg.values() for a in arrays_in(item)]
-    return []
-
-
-def assert_wire_equal(a: Any, b: Any, path: str = "$") -> None:
-    """Structural equality, exact types included; arrays compare dtype, shape and bits.
-
-    Struct `==` cannot be used: it asks an array comparison for a single truth value.
-    """
-    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, msgspec.Struct):
-        for name in a.__struct_fields__:
-            assert_wire_equal(getattr(a, name), getattr(b, name), f"{path}.{name}")
-    elif isinstance(a, np.ndarray):
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), (
-            f"{path}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
-        )
-        assert np.array_equal(a, b, equal_nan=a.dtype.kind == "f"), f"{path}: values differ"
-        assert a.tobytes() == b.tobytes(), f"{path}: bits differ"
-    elif _is_tensor(a):
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), (
-            f"{path}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
-        )
-        assert _tensor_bits(a) == _tensor_bits(b), f"{path}: bits differ"
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_wire_equal(x, y, f"{path}[{i}]")
-    elif isinstance(a, dict):
-        assert_wire_equal(list(a), list(b), f"{path}.keys()")  # NaN keys compare as equal
-        for (key, x), y in zip(a.items(), b.values(), strict=True):
-            assert_wire_equal(x, y, f"{path}[{key!r}]")
-    elif isinstance(a, float):
-        same = (
-            math.isnan(b) if math.isnan(a) else (a, math.copysign(1, a)) == (b, math.copysign(1, b))
-        )
-        assert same, f"{path}: {a!r} != {b!r}"
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
-
-
-def _is_tensor(x: Any) -> bool:
-    torch = sys.modules.get("torch")  # never imported here: triode.wire must work without it
-    return torch is not None and isinstance(x, torch.Tensor)
-
-
-def _tensor_bits(t: Any) -> bytes:
-    import torch
-
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
