@@ -76,14 +76,10 @@ class Responses:
                 self._mode = "eof"
             return True
         if self._mode == "length":
-            take = min(self._remaining, len(buf))
-            self._keep(bytes(buf[:take]))
-            del buf[:take]
-            self._remaining -= take
-            if self._remaining == 0:
-                self._mode = "head"
-                return True
-            return False
+            if self._consume(buf):
+                return False
+            self._mode = "head"
+            return True
         if self._mode == "size":  # a chunk's size line
             end = buf.find(b"\r\n")
             if end < 0:
@@ -98,11 +94,7 @@ class Responses:
             self._mode = "data" if self._remaining else "trailer"
             return True
         if self._mode == "data":
-            take = min(self._remaining, len(buf))
-            self._keep(bytes(buf[:take]))
-            del buf[:take]
-            self._remaining -= take
-            if self._remaining:
+            if self._consume(buf):
                 return False
             self._mode = "crlf"
             return True
@@ -123,6 +115,14 @@ class Responses:
         self._keep(bytes(buf))  # eof: everything until the connection closes
         buf.clear()
         return False
+
+    def _consume(self, buf: bytearray) -> int:
+        """Take up to `_remaining` body bytes off `buf`; returns how many are still to come."""
+        take = min(self._remaining, len(buf))
+        self._keep(bytes(buf[:take]))
+        del buf[:take]
+        self._remaining -= take
+        return self._remaining
 
     def _keep(self, data: bytes) -> None:
         room = _KEEP_BODY - len(self.bodies[-1])

@@ -124,7 +124,8 @@ class Attention(nn.Module):
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _decode(self, q: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
-        """One query token per request; K/V gathered once per layer for the whole group."""
+        """One query token per request: the kernel reads the cache in place, else the group's
+        K/V are gathered once per layer."""
         if self.paged_kernel is not None:
             return self.paged_kernel(
                 q, self.k_cache, self.v_cache, group.block_tables, group.context_lens, self.scale
