@@ -6,11 +6,12 @@ Converting a GGUF file keeps those codes beside the dequantized float32 checkpoi
 (`extract_gguf_int4`), checked to dequantize to exactly the float32 tensors; the runner gives them
 to torch's int4 CPU kernel, which streams a quarter of the bytes that bfloat16 weights take.
 
-A decode step over a few sequences is bound by how fast the weights stream from memory, so the
-model runner takes this path for steps of at most `INT4_MAX_ROWS` tokens and the dense weights for
-larger ones, where the int4 kernel's arithmetic costs more than the bytes it saves (measured on
-SmolLM2's projections, 2 cores: 1 row 3.7 ms against 12.2 ms for the blocked bfloat16 weights,
-8 rows 11.8 against 12.3, 16 rows 23.7 against 12.9).
+A decode over a few sequences is bound by how fast the weights stream from memory, so the model
+runner takes this path for a step's decode rows when there are at most `INT4_MAX_ROWS` of them
+(`layers.RowPaths`), and the dense weights for its prompt rows and for larger decode batches,
+where the int4 kernel's arithmetic costs more than the bytes it saves (measured on SmolLM2's
+projections, 2 cores: 1 row 3.7 ms against 12.2 ms for the blocked bfloat16 weights, 8 rows
+11.8 against 12.3, 16 rows 23.7 against 12.9).
 
 The kernel computes in bfloat16 with float32 accumulation and takes the scale and the zero point
 (m + 8 d) in bfloat16: each block's two constants round once, where dense bfloat16 weights round

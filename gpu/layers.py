@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .int4 import INT4_MAX_ROWS, Int4Linear, Int4Weight
+from .int4 import Int4Linear, Int4Weight
 
 WeightLoader = Callable[..., None]
 
@@ -52,11 +52,40 @@ def _parameter(shape: tuple[int, ...], loader: WeightLoader, **attrs: Any) -> nn
     return param
 
 
+class RowPaths:
+    """How the rows of a step go through a model's projections; one instance shared by all of
+    them (`share_row_paths`), set by the model runner before each forward.
+
+    `int4`: the leading rows (the step's decodes) that take the 4-bit weights (`int4.py`).
+    Splitting by row, not by step, keeps a decode's arithmetic the same whether or not another
+    request's prompt shares its step.
+
+    `dense_min`: the dense product runs on at least this many rows, zero-padded. oneDNN's
+    bfloat16 kernels give a row the same result at any row count from 48 up, and other results
+    below: a prompt's last tokens computed after a prefix-cache hit would then differ from the
+    same tokens computed in a full prefill, and seeded sampling would depend on what the cache
+    held. The runner sets it for steps with prompt tokens only; decode steps pay no padding.
+    """
+
+    int4: int = 0
+    dense_min: int = 0
+
+
+def share_row_paths(model: nn.Module) -> RowPaths:
+    """One `RowPaths` for every projection of `model`, returned for the runner to set."""
+    rows = RowPaths()
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.rows = rows
+    return rows
+
+
 class LinearBase(nn.Module):
     """y = x W^T + b with W of shape [out, in], sharded along `tp_dim` (0: out, 1: in)."""
 
     packed: torch.Tensor | None = None  # W in oneDNN's layout once `pack_for_cpu` ran
-    int4: Int4Linear | None = None  # W's 4-bit codes, for steps of few rows (`int4.py`)
+    int4: Int4Linear | None = None  # W's 4-bit codes, for a step's few decodes (`int4.py`)
+    rows: RowPaths = RowPaths()  # the model's, once the runner shares it (`share_row_paths`)
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None) -> None:
         super().__init__()
@@ -75,9 +104,22 @@ class LinearBase(nn.Module):
         return self._matmul(x, self.bias)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
-            y = self.int4(x)
-            return y if bias is None else y + bias
+        if self.int4 is not None and self.rows.int4:
+            n = self.rows.int4
+            y = self.int4(x[:n])
+            if bias is not None:
+                y = y + bias
+            return y if n == x.shape[0] else torch.cat([y, self._dense(x[n:], bias)])
+        return self._dense(x, bias)
+
+    def _dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        n, least = x.shape[0], self.rows.dense_min
+        if n < least:  # see `RowPaths.dense_min`
+            padded = torch.cat([x, x.new_zeros(least - n, x.shape[1])])
+            return self._dense_rows(padded, bias)[:n]
+        return self._dense_rows(x, bias)
+
+    def _dense_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
@@ -88,7 +130,7 @@ class LinearBase(nn.Module):
         self.weight.data = self.weight.data.new_empty(0)  # the packed copy replaces it
 
     def attach_int4(self, weight: Int4Weight) -> None:
-        """Run steps of at most `INT4_MAX_ROWS` rows on `weight`, this layer's W in 4 bits."""
+        """Run the leading `rows.int4` rows of each input on `weight`, W in 4 bits."""
         if weight.shape != (self.output_size, self.input_size):
             raise ValueError(
                 f"int4 weight {weight.shape} for a [{self.output_size}, {self.input_size}] layer"

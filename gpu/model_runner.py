@@ -29,9 +29,12 @@ from triode.wire import (
 
 from . import cpu_kernels, int4
 from .attention import AttentionMetadata, DecodeGroup, PrefillChunk
-from .layers import cpu_weight_packing_supported, pack_cpu_weights
+from .layers import cpu_weight_packing_supported, pack_cpu_weights, share_row_paths
 from .llama import head_dim, model_class
 from .sampler import Sampler, SamplingState, compute_logprobs
+
+# what steps with prompt tokens pad their dense products to (see layers.RowPaths.dense_min)
+DENSE_MIN_ROWS = 64
 
 # prompt positions whose logits exist at once: 256 x a 49k vocabulary is 50 MB of float32
 PROMPT_LOGPROBS_ROWS = 256
@@ -109,6 +112,9 @@ class ModelRunner:
             if quantization == "auto" and int4.kernel_available(self.dtype, self.device):
                 weights = int4.load_int4_weights(self.model_dir)
                 self.int4_projections = self.model.load_int4_weights(weights)
+        self._row_paths = share_row_paths(self.model)
+        # oneDNN's bfloat16 products are where a row's result depends on the row count
+        self._pad_prompts = self.device.type == "cpu" and self.dtype == torch.bfloat16
         self.model.eval()
         self.num_kv_blocks = self._allocate_kv_cache(kv_cache_memory)
         # decode attention from the paged cache in place, where the C kernel is built (CPU,
@@ -164,6 +170,13 @@ class ModelRunner:
             return ModelRunnerOutput(step=sched.step)
 
         batch = self._prepare(sched.requests)
+        decodes = batch.meta.num_decodes  # the leading rows (see layers.RowPaths)
+        self._row_paths.int4 = decodes if decodes <= int4.INT4_MAX_ROWS else 0
+        prompt_rows = any(
+            r.num_computed_tokens < len(self._requests[r.request_id].prompt_token_ids)
+            for r in sched.requests
+        )
+        self._row_paths.dense_min = DENSE_MIN_ROWS if prompt_rows and self._pad_prompts else 0
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
 
         sampling = [r for r in sched.requests if r.sample]

@@ -15,7 +15,13 @@ from safetensors.torch import load_file
 
 from triode.gpu import int4
 from triode.gpu.int4 import INT4_MAX_ROWS, Int4Linear, Int4Weight, _from_blocks
-from triode.gpu.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, pack_cpu_weights
+from triode.gpu.layers import (
+    ColumnParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    pack_cpu_weights,
+    share_row_paths,
+)
 from triode.gpu.model_runner import ModelRunner
 from triode.wire import NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
 
@@ -57,19 +63,27 @@ def test_int4_kernel_computes_x_times_the_dequantized_weight(rows: int) -> None:
 
 
 @needs_kernel
-def test_a_linear_with_int4_takes_it_for_small_steps_and_dense_weights_for_large() -> None:
+def test_a_linear_with_int4_takes_it_for_the_leading_decode_rows_and_dense_weights_after() -> None:
     layer = ColumnParallelLinear(128, 96, bias=True).bfloat16()
     layer.weight.data.copy_(torch.randn(96, 128) * 0.05)
     layer.bias.data.copy_(torch.randn(96))
     other = _random_weight(96, 128, seed=1)  # not the dense weight: shows which path ran
     layer.attach_int4(other)
-    small = torch.randn(INT4_MAX_ROWS, 128).bfloat16()
-    large = torch.randn(INT4_MAX_ROWS + 1, 128).bfloat16()
+    rows = share_row_paths(layer)
+    x = torch.randn(INT4_MAX_ROWS + 1, 128).bfloat16()
     with torch.no_grad():
-        expected_small = small.float() @ other.dequantize().t() + layer.bias.float()
-        torch.testing.assert_close(layer(small).float(), expected_small, rtol=2e-2, atol=3e-2)
-        expected_large = F.linear(large, layer.weight, layer.bias)
-        torch.testing.assert_close(layer(large), expected_large)
+        four_bit = x.float() @ other.dequantize().t() + layer.bias.float()
+        dense = F.linear(x, layer.weight, layer.bias)
+        rows.int4 = 3  # a step of 3 decodes and 6 prompt tokens
+        y = layer(x)
+        torch.testing.assert_close(y[:3].float(), four_bit[:3], rtol=2e-2, atol=3e-2)
+        torch.testing.assert_close(y[3:], dense[3:])
+        rows.int4 = INT4_MAX_ROWS  # a decode-only step
+        torch.testing.assert_close(
+            layer(x[:INT4_MAX_ROWS]).float(), four_bit[:INT4_MAX_ROWS], rtol=2e-2, atol=3e-2
+        )
+        rows.int4 = 0  # prompt tokens only, or more decodes than the int4 path takes
+        torch.testing.assert_close(layer(x), dense)
 
 
 def test_int4_weight_of_the_wrong_shape_is_refused() -> None:
@@ -123,20 +137,18 @@ def test_converted_default_model_keeps_every_projection_in_exact_4_bit_codes(
 
 
 def _teacher_forced(runner: ModelRunner, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(top-5 ids, top-5 logprobs) predicting each next token, fed in steps of 8 tokens."""
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=5)
+    """(top-5 ids, top-5 logprobs) predicting each next token: the first token as a one-token
+    prompt, then every later one fed as a decode step (the rows the int4 path runs)."""
+    params = SamplingParams(temperature=0.0, max_tokens=len(tokens), logprobs=5)
     ids, logprobs = [], []
     blocks = list(range(-(-len(tokens) // runner.block_size)))
-    for step, start in enumerate(range(0, len(tokens), INT4_MAX_ROWS)):
-        chunk = tokens[start : start + INT4_MAX_ROWS]
-        new = NewRequestData(tokens, params) if start == 0 else None
-        last = start + len(chunk) == len(tokens)
-        request = ScheduledRequest("r", chunk, start, blocks, sample=last, new=new)
-        out = runner.execute(SchedulerOutput(step, [request]))
-        [result] = out.results
-        assert result.prompt_logprobs is not None
-        ids.append(torch.from_numpy(result.prompt_logprobs.token_ids[:, 1:].copy()))
-        logprobs.append(torch.from_numpy(result.prompt_logprobs.logprobs[:, 1:].copy()))
+    for step, token in enumerate(tokens[:-1]):
+        new = NewRequestData(tokens[:1], params) if step == 0 else None
+        request = ScheduledRequest("r", [token], step, blocks, new=new)
+        [result] = runner.execute(SchedulerOutput(step, [request])).results
+        assert result.logprobs is not None
+        ids.append(torch.from_numpy(result.logprobs.token_ids[:, 1:].copy()))
+        logprobs.append(torch.from_numpy(result.logprobs.logprobs[:, 1:].copy()))
     return torch.cat(ids), torch.cat(logprobs)
 
 
@@ -179,3 +191,31 @@ def test_quantization_none_and_models_without_4_bit_weights_run_dense(
     assert ModelRunner(smollm2, dtype="float32", **options).int4_projections == 0
     tiny = build_tiny_model(tmp_path / "tiny")
     assert ModelRunner(tiny, dtype="bfloat16", **options).int4_projections == 0
+
+
+@needs_kernel
+def test_a_decode_computes_the_same_whether_or_not_a_prompt_shares_its_step(
+    smollm2: Path,
+) -> None:
+    # the decode row takes the 4-bit path either way, the prompt rows the dense one: seeded
+    # sampling does not depend on which requests happened to arrive together
+    options = {"kv_cache_memory": 16 << 20, "max_model_len": 128, "num_threads": 1}
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5)
+    prompt, other = list(range(100, 120)), list(range(300, 330))
+    outputs = []
+    for company in ([], [other]):
+        runner = ModelRunner(smollm2, dtype="bfloat16", **options)
+        assert runner.int4_projections
+        new = NewRequestData(prompt, params)
+        [first] = runner.execute(
+            SchedulerOutput(0, [ScheduledRequest("a", prompt, 0, [0, 1], new=new)])
+        ).results
+        assert first.token_id is not None
+        step = [ScheduledRequest("a", [first.token_id], len(prompt), [0, 1])]
+        step += [
+            ScheduledRequest("b", p, 0, [2, 3], new=NewRequestData(p, params)) for p in company
+        ]
+        result = runner.execute(SchedulerOutput(1, step)).results[0]
+        assert result.request_id == "a" and result.logprobs is not None
+        outputs.append(result.logprobs.logprobs)
+    np.testing.assert_array_equal(outputs[1], outputs[0])

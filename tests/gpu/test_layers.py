@@ -198,3 +198,20 @@ def test_paged_attention_over_shuffled_blocks_matches_plain_attention(
         [_reference_attention(q, k, v, c) for q, k, v, c in zip(qs, ks, vs, computed, strict=True)]
     )
     torch.testing.assert_close(out, expected.reshape(-1, heads * dim))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+def test_padded_dense_products_give_a_row_the_same_bits_at_any_row_count() -> None:
+    # what a prompt's tail computed after a prefix-cache hit needs to match a full prefill
+    from triode.gpu.layers import pack_cpu_weights, share_row_paths
+
+    layer = ColumnParallelLinear(576, 3072).bfloat16()  # SmolLM2's gate_up
+    layer.weight.data.copy_(torch.randn(3072, 576) * 0.05)
+    pack_cpu_weights(layer)
+    rows = share_row_paths(layer)
+    rows.dense_min = 64
+    x = torch.randn(70, 576).bfloat16()
+    with torch.no_grad():
+        whole = layer(x)
+        for lo, hi in [(67, 70), (60, 70), (0, 1), (32, 35)]:
+            assert torch.equal(layer(x[lo:hi]), whole[lo:hi])
