@@ -2,14 +2,15 @@
 
 Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies this
 rank's shard out of a full checkpoint tensor, so a model loads the same Hugging Face files at any
-tensor-parallel size. The rank and size come from the default torch.distributed group when one is
-initialised (workers run one rank per process), else rank 0 of 1.
+tensor-parallel size. The rank, size and group come from `parallel_state` (workers run one rank
+per process, in one tensor-parallel group per pipeline stage); elsewhere this is rank 0 of 1.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,17 +18,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from . import parallel_state
 from .int4 import Int4Linear, Int4Weight
 
 WeightLoader = Callable[..., None]
 
 
 def tp_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return parallel_state.layout().tp_rank
 
 
 def tp_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return parallel_state.layout().tp_size
+
+
+def tp_group() -> dist.ProcessGroup | None:
+    return parallel_state.get().tp_group
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -87,17 +93,30 @@ class LinearBase(nn.Module):
     int4: Int4Linear | None = None  # W's 4-bit codes, for a step's few decodes (`int4.py`)
     rows: RowPaths = RowPaths()  # the model's, once the runner shares it (`share_row_paths`)
 
-    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        tp_dim: int | None,
+        shard: tuple[int, int] | None = None,
+    ) -> None:
+        """`shard` is this rank's (start, size) along `tp_dim` of the checkpoint tensor; by
+        default the rank's equal share."""
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.tp_dim = tp_dim
+        self.shard = shard
         self.input_size, self.output_size = input_size, output_size
         self.weight = _parameter((output_size, input_size), self.weight_loader)
         self.bias = _parameter((output_size,), self.weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         if self.tp_dim is not None and self.tp_dim < loaded_weight.dim():
-            loaded_weight = loaded_weight.chunk(self.tp_size, self.tp_dim)[self.tp_rank]
+            if self.shard is not None:
+                loaded_weight = loaded_weight.narrow(self.tp_dim, *self.shard)
+            else:
+                loaded_weight = loaded_weight.chunk(self.tp_size, self.tp_dim)[self.tp_rank]
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,8 +186,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         default_weight_loader(param.data.narrow(0, offset, size), shard)  # type: ignore[arg-type]
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """Q, K and V projections in one matmul, split by attention heads.
+class QKVParallelLinear(LinearBase):
+    """Q, K and V projections in one matmul, split by attention heads (`head_shard`).
 
     When there are fewer KV heads than ranks, each KV head is replicated on
     `tp_size // num_kv_heads` ranks, as every rank needs the KV heads its query heads read.
@@ -177,29 +196,60 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
     ) -> None:
-        size = tp_size()
         self.head_dim = head_dim
-        self.num_heads = divide(num_heads, size)
-        if num_kv_heads >= size:
-            self.num_kv_heads, self.kv_replicas = divide(num_kv_heads, size), 1
-        else:
-            self.num_kv_heads, self.kv_replicas = 1, divide(size, num_kv_heads)
-        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * size
-        super().__init__(hidden_size, output_size, bias)
+        self.heads = head_shard(num_heads, num_kv_heads, tp_size(), tp_rank())
+        self.num_heads, self.num_kv_heads = self.heads.q_count, self.heads.kv_count
+        self.kv_replicas = max(1, tp_size() // num_kv_heads)
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, output_size, bias, tp_dim=0)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None
     ) -> None:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            offset, size, rank = 0, q_size, self.tp_rank
+            offset, size, start = 0, q_size, self.heads.q_start
         elif shard_id in ("k", "v"):
             offset = q_size if shard_id == "k" else q_size + kv_size
-            size, rank = kv_size, self.tp_rank // self.kv_replicas
+            size, start = kv_size, self.heads.kv_start
         else:
             raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', not {shard_id!r}")
-        shard = loaded_weight.narrow(0, rank * size, size)
+        shard = loaded_weight.narrow(0, start * self.head_dim, size)
         default_weight_loader(param.data.narrow(0, offset, size), shard)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """The attention heads one tensor-parallel rank computes: query heads
+    [q_start, q_start + q_count) and the KV heads [kv_start, kv_start + kv_count) they read."""
+
+    q_start: int
+    q_count: int
+    kv_start: int
+    kv_count: int
+
+
+def head_shard(num_heads: int, num_kv_heads: int, size: int, rank: int) -> HeadShard:
+    """Split attention heads over `size` ranks, keeping each query head with its KV head.
+
+    With at least as many KV heads as ranks, each rank takes a contiguous run of KV heads (runs
+    differ by at most one head, so a size that does not divide the head count still works:
+    SmolLM2-135M's 3 KV heads go 2 + 1 over two ranks) and the query heads that read them.
+    With fewer, each KV head is replicated on `size // num_kv_heads` ranks that split its
+    query heads.
+    """
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group over {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= size:
+        kv_start, kv_count = parallel_state.partition(num_kv_heads, size)[rank]
+        return HeadShard(kv_start * group, kv_count * group, kv_start, kv_count)
+    if size % num_kv_heads:
+        raise ValueError(f"{num_kv_heads} KV heads cannot be replicated evenly over {size} ranks")
+    replicas = size // num_kv_heads
+    kv = rank // replicas
+    sub_start, sub_count = parallel_state.partition(group, replicas)[rank % replicas]
+    return HeadShard(kv * group + sub_start, sub_count, kv, 1)
 
 
 class RowParallelLinear(LinearBase):
@@ -208,13 +258,22 @@ class RowParallelLinear(LinearBase):
     The bias is added on rank 0 only, so the all-reduce adds it exactly once.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(divide(input_size, tp_size()), output_size, bias, tp_dim=1)
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        shard: tuple[int, int] | None = None,
+    ) -> None:
+        """`shard`: this rank's (start, size) of the input features, where they are not an
+        equal share (the attention output of an uneven `head_shard`)."""
+        local = shard[1] if shard is not None else divide(input_size, tp_size())
+        super().__init__(local, output_size, bias, tp_dim=1, shard=shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
-            dist.all_reduce(y)
+            dist.all_reduce(y, group=tp_group())
         return y
 
 
@@ -243,7 +302,7 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(input_ids, self.weight)
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         y = F.embedding((input_ids - self.vocab_start) * mine, self.weight) * mine.unsqueeze(-1)
-        dist.all_reduce(y)
+        dist.all_reduce(y, group=tp_group())
         return y
 
 
@@ -257,7 +316,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         it is tied to."""
         self.packed = pack_cpu_weight(self.weight)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits over the whole vocabulary on TP rank 0; None on the other ranks."""
         if self.packed is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed, None, "none", [], "")
         elif hidden.device.type == "cpu" and hidden.shape[0] > 1:
@@ -268,8 +328,14 @@ class ParallelLMHead(VocabParallelEmbedding):
         else:
             logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
+            # only the sampling rank (TP rank 0) needs the whole vocabulary: a gather, not an
+            # all-gather
+            group = tp_group()
+            dst = dist.get_global_rank(group, 0) if group is not None else 0
             parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            dist.all_gather(parts, logits)
+            dist.gather(logits, parts if self.tp_rank == 0 else None, dst=dst, group=group)
+            if self.tp_rank != 0:
+                return None
             logits = torch.cat(parts, dim=-1)
         return logits[..., : self.num_embeddings]
 

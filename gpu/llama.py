@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import parallel_state
 from .attention import Attention, AttentionMetadata
 from .int4 import Int4Weight
 from .layers import (
@@ -45,8 +46,12 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        heads = self.qkv_proj.heads
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            bias=o_bias,
+            shard=(heads.q_start * self.head_dim, heads.q_count * self.head_dim),
         )
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
@@ -104,24 +109,68 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class MissingLayer(nn.Module):
+    """A place in the layer list that another pipeline stage computes: it has no parameters,
+    so this stage holds only its own layers' weights, and checkpoint names keep their index."""
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError("this layer belongs to another pipeline stage")
+
+
+Intermediate = tuple[torch.Tensor, torch.Tensor]  # (hidden, float32 residual) between stages
+
+
 class LlamaModel(nn.Module):
+    """The decoder, or this pipeline stage's contiguous run of its layers (`stage_layers`).
+
+    The first stage embeds; a later stage starts from the previous stage's `Intermediate`;
+    every stage but the last returns an `Intermediate`, the last the normalised hidden states.
+    """
+
     def __init__(self, config: Any, max_position: int, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        stage = parallel_state.layout()
+        self.first_stage, self.last_stage = stage.is_first_stage, stage.is_last_stage
+        start, count = parallel_state.partition(config.num_hidden_layers, stage.pp_size)[
+            stage.pp_rank
+        ]
+        self.start_layer, self.end_layer = start, start + count
+        if self.first_stage:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         theta, scaling = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(head_dim(config), max_position, theta, scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, o_bias) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, qkv_bias, o_bias)
+            if self.start_layer <= i < self.end_layer
+            else MissingLayer()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if self.last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @property
+    def stage_layers(self) -> list[LlamaDecoderLayer]:
+        return list(self.layers[self.start_layer : self.end_layer])  # type: ignore[arg-type]
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        intermediate: Intermediate | None = None,
+    ) -> torch.Tensor | Intermediate:
+        if self.first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            if intermediate is None:
+                raise ValueError("a later pipeline stage starts from the previous stage's output")
+            hidden, residual = intermediate
         rope = self.rotary_emb.lookup(positions, hidden.dtype)  # once per step, for all layers
-        for layer in self.layers:
+        for layer in self.stage_layers:
             hidden, residual = layer(rope, hidden, residual, meta)
+        if not self.last_stage:
+            assert residual is not None
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -144,9 +193,11 @@ class LlamaForCausalLM(nn.Module):
         bias = self._attention_bias(config)
         max_position = max_position or config.max_position_embeddings
         self.model = LlamaModel(config, max_position, qkv_bias=bias[0], o_bias=bias[1])
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head: ParallelLMHead | None = None
+        if self.model.last_stage:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if config.tie_word_embeddings and self.model.first_stage:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
     @staticmethod
     def _attention_bias(config: Any) -> tuple[bool, bool]:
@@ -155,12 +206,33 @@ class LlamaForCausalLM(nn.Module):
         return bias, bias
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        intermediate: Intermediate | None = None,
+    ) -> torch.Tensor | Intermediate:
+        return self.model(input_ids, positions, meta, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The last stage's logits, on its TP rank 0 (None on the other TP ranks)."""
+        if self.lm_head is None:
+            raise RuntimeError("only the last pipeline stage computes logits")
         return self.lm_head.compute_logits(hidden)
+
+    def _elsewhere(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` belongs to another pipeline stage."""
+        model = self.model
+        if name.startswith("model.layers."):
+            index = int(name.split(".")[2])
+            return not model.start_layer <= index < model.end_layer
+        if name.startswith("model.embed_tokens."):
+            return not model.first_stage
+        if name.startswith("model.norm."):
+            return not model.last_stage
+        if name.startswith("lm_head."):
+            return not model.last_stage
+        return False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face checkpoint tensors into our (merged, sharded) parameters.
@@ -170,10 +242,19 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        tied = self.config.tie_word_embeddings
+        # a last stage that does not also embed loads the tied LM head from the embedding
+        untied_copy = tied and self.lm_head is not None and not self.model.first_stage
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if name == "lm_head.weight" and tied:
+                continue
+            if name == "model.embed_tokens.weight" and untied_copy:
+                assert self.lm_head is not None
+                self.lm_head.weight.weight_loader(self.lm_head.weight, tensor)  # type: ignore[attr-defined]
+                loaded.add("lm_head.weight")
+            if self._elsewhere(name):
                 continue
             parts = name.split(".")
             if len(parts) > 1 and parts[-2] in self.packed_modules:

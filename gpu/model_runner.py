@@ -10,12 +10,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from transformers import AutoConfig
 
@@ -23,11 +24,12 @@ from triode.wire import (
     Logprobs,
     ModelRunnerOutput,
     RequestStepResult,
+    SamplingParams,
     ScheduledRequest,
     SchedulerOutput,
 )
 
-from . import cpu_kernels, int4
+from . import cpu_kernels, int4, parallel_state
 from .attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from .layers import cpu_weight_packing_supported, pack_cpu_weights, share_row_paths
 from .llama import head_dim, model_class
@@ -45,7 +47,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class _Request:
     prompt_token_ids: list[int]
-    sampling: SamplingState
+    params: SamplingParams
+    sampling: SamplingState | None  # on the rank that samples (`ParallelLayout.is_driver`)
     next_prompt_logprob: int = 1  # prompt logprob rows before this one were already returned
 
 
@@ -70,6 +73,13 @@ class ModelRunner:
     weights only. `device` None means CUDA when present; `num_threads` None means every CPU
     this process may run on (CPU only).
 
+    In a parallel world (`parallel_state`) the runner holds this rank's shard of its pipeline
+    stage: every rank runs `execute` on the same `SchedulerOutput`; a later stage receives the
+    previous stage's hidden states and residual, an earlier one sends them on, and only the
+    driver rank (TP rank 0 of the last stage) samples and returns results; the others return an
+    empty `ModelRunnerOutput`. `agree_num_blocks` turns this rank's KV block count into the
+    world's (the smallest), so every rank's cache has the scheduler's geometry.
+
     `execute` is not thread-safe; the engine calls it from one thread.
     """
 
@@ -87,8 +97,10 @@ class ModelRunner:
         seed: int = 0,
         device: str | None = None,
         num_threads: int | None = None,
+        agree_num_blocks: Callable[[int], int] | None = None,
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.parallel = parallel_state.layout()
         if self.device.type == "cpu":
             torch.set_num_threads(num_threads or len(os.sched_getaffinity(0)))
         torch.manual_seed(seed)
@@ -116,26 +128,28 @@ class ModelRunner:
         # oneDNN's bfloat16 products are where a row's result depends on the row count
         self._pad_prompts = self.device.type == "cpu" and self.dtype == torch.bfloat16
         self.model.eval()
-        self.num_kv_blocks = self._allocate_kv_cache(kv_cache_memory)
+        self.num_kv_blocks = self._allocate_kv_cache(kv_cache_memory, agree_num_blocks)
         # decode attention from the paged cache in place, where the C kernel is built (CPU,
         # bfloat16); float32 stays on torch's attention, which the reference comparisons pin
         kernel = None
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            attn = self.model.model.layers[0].self_attn.attn
+            attn = self.model.model.stage_layers[0].self_attn.attn
             kernel = cpu_kernels.paged_decode_attention_for(
                 attn.num_heads, attn.num_kv_heads, attn.head_dim
             )
         self.paged_kernel = kernel is not None
-        for layer in self.model.model.layers:
+        for layer in self.model.model.stage_layers:
             layer.self_attn.attn.paged_kernel = kernel
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
 
-    def _allocate_kv_cache(self, memory: int) -> int:
-        layers = [layer.self_attn.attn for layer in self.model.model.layers]
+    def _allocate_kv_cache(self, memory: int, agree: Callable[[int], int] | None) -> int:
+        layers = [layer.self_attn.attn for layer in self.model.model.stage_layers]
         kv_heads, dim = layers[0].num_kv_heads, head_dim(self.config)
         per_block = 2 * len(layers) * self.block_size * kv_heads * dim * self.dtype.itemsize
         num_blocks = memory // per_block
+        if agree is not None:
+            num_blocks = agree(num_blocks)
         if num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"kv_cache_memory of {memory} bytes holds {num_blocks * self.block_size} tokens, "
@@ -157,11 +171,11 @@ class ModelRunner:
             self._requests.pop(request_id, None)
         for r in sched.requests:
             if r.new is not None:
-                prompt = r.new.prompt_token_ids
-                state = SamplingState(
-                    r.new.sampling_params, prompt, self.eos_token_id, self.vocab_size
-                )
-                self._requests[r.request_id] = _Request(prompt, state)
+                prompt, params = r.new.prompt_token_ids, r.new.sampling_params
+                state = None
+                if self.parallel.is_driver:
+                    state = SamplingState(params, prompt, self.eos_token_id, self.vocab_size)
+                self._requests[r.request_id] = _Request(prompt, params, state)
         if sched.num_scheduled_tokens > self.max_num_batched_tokens:
             raise ValueError(f"{sched.num_scheduled_tokens} tokens exceed max_num_batched_tokens")
         if len(sched.requests) > self.max_num_seqs:
@@ -177,43 +191,79 @@ class ModelRunner:
             for r in sched.requests
         )
         self._row_paths.dense_min = DENSE_MIN_ROWS if prompt_rows and self._pad_prompts else 0
-        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        hidden = self._forward(batch)
+        if hidden is None:  # an earlier pipeline stage: the next one carries on
+            return ModelRunnerOutput(step=sched.step)
 
         sampling = [r for r in sched.requests if r.sample]
         tokens: dict[str, tuple[int, Logprobs | None]] = {}
         if sampling:
             rows = [batch.start[r.request_id] + len(r.token_ids) - 1 for r in sampling]
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-            states = [self._requests[r.request_id].sampling for r in sampling]
-            sampled = self.sampler(logits.float().cpu(), states)  # the sampler works on the CPU
-            picks = zip(sampled.token_ids, sampled.logprobs, strict=True)
-            tokens = dict(zip((r.request_id for r in sampling), picks, strict=True))
+            if logits is not None:
+                states = [self._state(r.request_id) for r in sampling]
+                sampled = self.sampler(logits.float().cpu(), states)  # sampling is on the CPU
+                picks = zip(sampled.token_ids, sampled.logprobs, strict=True)
+                tokens = dict(zip((r.request_id for r in sampling), picks, strict=True))
         results = []
         for r in sched.requests:
             result = RequestStepResult(r.request_id)
             if r.request_id in tokens:
                 result.token_id, result.logprobs = tokens[r.request_id]
-                self._requests[r.request_id].sampling.append(result.token_id)
+                self._state(r.request_id).append(result.token_id)
             span = self._prompt_logprob_span(r)
             if span is not None:
                 first_position, targets = span
                 first = batch.start[r.request_id] + first_position - r.num_computed_tokens
-                num_top = self._requests[r.request_id].sampling.params.prompt_logprobs or 0
+                num_top = self._requests[r.request_id].params.prompt_logprobs or 0
                 result.prompt_logprobs = self._prompt_logprobs(hidden, first, targets, num_top)
             if result.token_id is not None or result.prompt_logprobs is not None:
                 results.append(result)
+        if not self.parallel.is_driver:
+            return ModelRunnerOutput(step=sched.step)
         return ModelRunnerOutput(step=sched.step, results=results)
+
+    def _state(self, request_id: str) -> SamplingState:
+        state = self._requests[request_id].sampling
+        assert state is not None, "only the driver rank samples"
+        return state
+
+    def _forward(self, batch: _Batch) -> torch.Tensor | None:
+        """This stage's share of the forward pass: the last stage's hidden states, or None on
+        an earlier stage once it sent its output to the next one."""
+        stage = self.parallel
+        intermediate = None
+        if not stage.is_first_stage:
+            rows, hidden_size = batch.input_ids.shape[0], self.config.hidden_size
+            hidden = torch.empty(rows, hidden_size, dtype=self.dtype, device=self.device)
+            residual = torch.empty(rows, hidden_size, dtype=torch.float32, device=self.device)
+            group = parallel_state.get().pp_group
+            dist.recv(hidden, src=stage.prev_rank, group=group)
+            dist.recv(residual, src=stage.prev_rank, group=group)
+            intermediate = (hidden, residual)
+        out = self.model(batch.input_ids, batch.positions, batch.meta, intermediate)
+        if stage.is_last_stage:
+            assert isinstance(out, torch.Tensor)
+            return out
+        group = parallel_state.get().pp_group
+        hidden, residual = out
+        dist.send(hidden.contiguous(), dst=stage.next_rank, group=group)
+        dist.send(residual.contiguous(), dst=stage.next_rank, group=group)
+        return None
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, first: int, targets: list[int], num_top: int
-    ) -> Logprobs:
+    ) -> Logprobs | None:
         """Logprobs of `targets` under the rows of `hidden` from `first` on, a slice of rows at
         a time: a whole prompt's full-vocabulary logits at once would take hundreds of MB."""
         parts = []
         for lo in range(0, len(targets), PROMPT_LOGPROBS_ROWS):
             chunk = targets[lo : lo + PROMPT_LOGPROBS_ROWS]
             logits = self.model.compute_logits(hidden[first + lo : first + lo + len(chunk)])
-            parts.append(compute_logprobs(logits.float().cpu(), torch.tensor(chunk), num_top))
+            if logits is not None:  # the driver; the other TP ranks only took part
+                parts.append(compute_logprobs(logits.float().cpu(), torch.tensor(chunk), num_top))
+        if not parts:
+            return None
         if len(parts) == 1:
             return parts[0]
         return Logprobs(
@@ -229,7 +279,7 @@ class ModelRunner:
         request recomputing its prompt after preemption does not return them again.
         """
         request = self._requests[r.request_id]
-        if request.sampling.params.prompt_logprobs is None:
+        if request.params.prompt_logprobs is None:
             return None
         prompt = request.prompt_token_ids
         end = r.num_computed_tokens + len(r.token_ids)

@@ -8,6 +8,8 @@ processes (tensor/pipeline parallelism), so they are wire messages like the rest
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from .messages import _HOT, Logprobs, SamplingParams
@@ -65,7 +67,19 @@ class RequestStepResult(msgspec.Struct, **_HOT):
 
 class ModelRunnerOutput(msgspec.Struct, **_HOT):
     """Results in the order of `SchedulerOutput.requests`, only for requests that sampled or
-    computed prompt logprobs."""
+    computed prompt logprobs.
+
+    `protocol_errors` counts, from a worker's start, the broadcast messages it could not decode
+    (from the rank that answers; every rank reads the same bytes).
+    """
 
     step: int
     results: list[RequestStepResult] = []
+    protocol_errors: int = 0
+
+
+class WorkerMessageType(enum.Enum):
+    """The one-byte first frame of every message the executor broadcasts to its workers."""
+
+    EXECUTE = b"\x00"  # then a SchedulerOutput
+    SHUTDOWN = b"\x01"  # leave the step loop; nothing follows

@@ -1,0 +1,180 @@
+"""This process's place in a tensor x pipeline parallel world, and its torch.distributed groups.
+
+Ranks are laid out as vLLM lays them out: `rank = pp_rank * tp_size + tp_rank`, so the ranks of
+one pipeline stage are consecutive (one tensor-parallel group per stage) and a pipeline group
+holds the ranks with the same tensor-parallel rank. A node hosts `world_size // nnodes`
+consecutive ranks.
+
+Rendezvous is a `torch.distributed.TCPStore` hosted by global rank 0 at the master address; the
+default group (gloo on CPU, nccl on CUDA) keeps a long timeout for start-up, where ranks wait
+for each other's model loading, and the tensor- and pipeline-parallel groups that the forward
+pass uses get `collective_timeout`, so a rank that hangs mid-step fails the others within it.
+A process that is not a worker (the engine core running the model in-process, a test) is rank 0
+of a world of one, with no groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+STARTUP_TIMEOUT = 900.0  # seconds for every rank to join and load its shard
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Sizes and this process's coordinates; pure arithmetic, no torch.distributed."""
+
+    tp_size: int = 1
+    pp_size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.pp_size < 1:
+            raise ValueError("tensor- and pipeline-parallel sizes must be >= 1")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside a world of {self.world_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_driver(self) -> bool:
+        """The one rank that samples and answers the engine core: TP rank 0 of the last stage."""
+        return self.is_last_stage and self.tp_rank == 0
+
+    @property
+    def driver_rank(self) -> int:
+        return (self.pp_size - 1) * self.tp_size
+
+    def tp_group_ranks(self, pp_rank: int) -> list[int]:
+        return [pp_rank * self.tp_size + t for t in range(self.tp_size)]
+
+    def pp_group_ranks(self, tp_rank: int) -> list[int]:
+        return [p * self.tp_size + tp_rank for p in range(self.pp_size)]
+
+    @property
+    def prev_rank(self) -> int:
+        """The same TP rank of the previous stage (what this stage receives from)."""
+        return self.rank - self.tp_size
+
+    @property
+    def next_rank(self) -> int:
+        return self.rank + self.tp_size
+
+
+@dataclass
+class ParallelState:
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+    tp_group: dist.ProcessGroup | None = None
+    pp_group: dist.ProcessGroup | None = None
+    store: dist.Store | None = None
+
+
+_state = ParallelState()
+
+
+def get() -> ParallelState:
+    return _state
+
+
+def layout() -> ParallelLayout:
+    return _state.layout
+
+
+def partition(total: int, parts: int) -> list[tuple[int, int]]:
+    """`total` items cut into `parts` contiguous (start, count) ranges whose counts differ by at
+    most one, the larger ones first."""
+    if parts < 1 or total < parts:
+        raise ValueError(f"cannot split {total} into {parts} non-empty parts")
+    base, extra = divmod(total, parts)
+    ranges, start = [], 0
+    for i in range(parts):
+        count = base + (i < extra)
+        ranges.append((start, count))
+        start += count
+    return ranges
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(
+    parallel: ParallelLayout,
+    *,
+    master_addr: str,
+    master_port: int,
+    device: torch.device,
+    collective_timeout: float,
+    startup_timeout: float = STARTUP_TIMEOUT,
+) -> ParallelState:
+    """Join the world: the TCPStore rendezvous, the default group, then every TP and PP group
+    (each rank creates every group, in the same order, as torch.distributed requires)."""
+    global _state
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised in this process")
+    startup = datetime.timedelta(seconds=startup_timeout)
+    store = dist.TCPStore(
+        master_addr,
+        master_port,
+        parallel.world_size,
+        is_master=parallel.rank == 0,
+        timeout=startup,
+        wait_for_workers=False,
+    )
+    backend = backend_for(device)
+    extra = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=parallel.rank,
+        world_size=parallel.world_size,
+        timeout=startup,
+        **extra,
+    )
+    step = datetime.timedelta(seconds=collective_timeout)
+    tp_group = pp_group = None
+    for pp_rank in range(parallel.pp_size):
+        group = dist.new_group(parallel.tp_group_ranks(pp_rank), timeout=step, backend=backend)
+        if pp_rank == parallel.pp_rank:
+            tp_group = group
+    for tp_rank in range(parallel.tp_size):
+        group = dist.new_group(parallel.pp_group_ranks(tp_rank), timeout=step, backend=backend)
+        if tp_rank == parallel.tp_rank:
+            pp_group = group
+    _state = ParallelState(parallel, tp_group, pp_group, store)
+    return _state
+
+
+def destroy_distributed() -> None:
+    global _state
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _state = ParallelState()
+
+
+def threads_per_rank(local_world_size: int) -> int:
+    """Each of a node's ranks gets an equal share of the CPUs this process may run on."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, local_world_size))

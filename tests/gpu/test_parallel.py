@@ -1,0 +1,211 @@
+"""Tensor and pipeline parallelism on gloo: real rank processes, tiny random models, float32.
+
+Each world runs the same steps (two prompts' prefill, then greedy decodes) through
+`ModelRunner.execute` on every rank; the driver's results must equal a world of one: the same
+tokens, and log-probabilities (top 20 of every prompt position and of every sampled token)
+within 1e-4.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import socket
+from pathlib import Path
+
+import pytest
+
+from triode.gpu.parallel_state import ParallelLayout, partition
+from triode.wire import NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = {"a": [5, 17, 42, 9, 100, 3, 77, 12, 8, 61, 33], "b": [250, 4, 19, 7, 88]}
+DECODE_STEPS = 6
+BLOCK = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _first_step() -> tuple[SchedulerOutput, dict[str, list[int]]]:
+    """Both prompts' prefill in one step, and each request's block table."""
+    params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=20, prompt_logprobs=20)
+    blocks = {"a": list(range(0, 6)), "b": list(range(6, 12))}
+    requests = [
+        ScheduledRequest(rid, ids, 0, blocks[rid], new=NewRequestData(ids, params))
+        for rid, ids in PROMPTS.items()
+    ]
+    return SchedulerOutput(step=0, requests=requests), blocks
+
+
+def _rank_main(layout: ParallelLayout, port: int, model_dir: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from triode.gpu import parallel_state
+    from triode.gpu.model_runner import ModelRunner
+
+    torch.set_num_threads(1)
+    parallel_state.init_distributed(
+        layout,
+        master_addr="127.0.0.1",
+        master_port=port,
+        device=torch.device("cpu"),
+        collective_timeout=60,
+    )
+
+    def agree(n: int) -> int:
+        t = torch.tensor([n])
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    runner = ModelRunner(
+        Path(model_dir),
+        dtype="float32",
+        kv_cache_memory=1 << 20,
+        block_size=BLOCK,
+        max_model_len=64,
+        device="cpu",
+        num_threads=1,
+        agree_num_blocks=agree,
+    )
+    first, blocks = _first_step()
+    outputs = [runner.execute(first)]
+    # every rank builds the same decode steps: the tokens travel with the driver's results in
+    # the engine; here all ranks take them from a broadcast
+    history = {rid: list(ids) for rid, ids in PROMPTS.items()}
+    for step in range(1, DECODE_STEPS + 1):
+        tokens = [0] * len(PROMPTS)
+        if layout.is_driver:
+            tokens = [r.token_id for r in outputs[-1].results]
+        box = [tokens]
+        dist.broadcast_object_list(box, src=layout.driver_rank)
+        requests = []
+        for rid, token in zip(PROMPTS, box[0], strict=True):
+            history[rid].append(token)
+            requests.append(ScheduledRequest(rid, [token], len(history[rid]) - 1, blocks[rid]))
+        outputs.append(runner.execute(SchedulerOutput(step=step, requests=requests)))
+    if layout.is_driver:
+        Path(out).write_bytes(pickle.dumps([_plain(o) for o in outputs]))
+    dist.barrier()
+    parallel_state.destroy_distributed()
+
+
+def _plain(output: object) -> list[tuple[str, int | None, object, object]]:
+    rows = []
+    for r in output.results:  # type: ignore[attr-defined]
+        logprobs = None if r.logprobs is None else (r.logprobs.token_ids, r.logprobs.logprobs)
+        prompt = (
+            None
+            if r.prompt_logprobs is None
+            else (r.prompt_logprobs.token_ids, r.prompt_logprobs.logprobs)
+        )
+        rows.append((r.request_id, r.token_id, logprobs, prompt))
+    return rows
+
+
+def _run_world(model_dir: Path, tp: int, pp: int, tmp_path: Path) -> list[object]:
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    out = tmp_path / f"tp{tp}-pp{pp}.pkl"
+    procs = [
+        ctx.Process(
+            target=_rank_main, args=(ParallelLayout(tp, pp, rank), port, str(model_dir), str(out))
+        )
+        for rank in range(tp * pp)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=240)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert not any(p.is_alive() for p in procs)
+    return pickle.loads(out.read_bytes())
+
+
+def _assert_same(expected: list[object], got: list[object]) -> None:
+    import numpy as np
+
+    assert len(expected) == len(got)
+    for want_step, got_step in zip(expected, got, strict=True):
+        assert [r[:2] for r in got_step] == [r[:2] for r in want_step]  # ids and greedy tokens
+        for want, have in zip(want_step, got_step, strict=True):
+            for a, b in ((want[2], have[2]), (want[3], have[3])):
+                assert (a is None) == (b is None)
+                if a is not None:
+                    np.testing.assert_array_equal(a[0][:, 0], b[0][:, 0])  # the chosen tokens
+                    np.testing.assert_allclose(b[1], a[1], atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from triode.gpu.testing import build_tiny_model
+
+    root = tmp_path_factory.mktemp("parallel-models")
+    return {
+        # grouped-query attention, 4 layers: two stages of two
+        "even": build_tiny_model(root / "even", num_heads=4, num_kv_heads=2, num_layers=4),
+        # 3 KV heads over 2 ranks (2 + 1, as SmolLM2-135M's) and 3 layers over 2 stages (2 + 1)
+        "uneven": build_tiny_model(
+            root / "uneven",
+            architecture="qwen2",
+            hidden_size=96,
+            num_heads=6,
+            num_kv_heads=3,
+            num_layers=3,
+            tie_word_embeddings=False,
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("tp1")
+    return {name: _run_world(path, 1, 1, tmp) for name, path in tiny_models.items()}
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("model", ["even", "uneven"])
+def test_parallel_world_matches_a_world_of_one(
+    tiny_models: dict[str, Path],
+    references: dict,
+    tmp_path: Path,
+    model: str,
+    tp: int,
+    pp: int,
+) -> None:
+    got = _run_world(tiny_models[model], tp, pp, tmp_path)
+    _assert_same(references[model], got)
+
+
+def test_a_world_of_one_is_a_single_stage_rank_zero() -> None:
+    layout = ParallelLayout()
+    assert (layout.world_size, layout.tp_rank, layout.pp_rank, layout.is_driver) == (1, 0, 0, True)
+
+
+def test_layout_puts_a_stage_on_consecutive_ranks() -> None:
+    layouts = [ParallelLayout(2, 3, r) for r in range(6)]
+    assert [(x.pp_rank, x.tp_rank) for x in layouts] == [
+        (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)
+    ]  # fmt: skip
+    assert layouts[0].tp_group_ranks(1) == [2, 3]
+    assert layouts[0].pp_group_ranks(1) == [1, 3, 5]
+    assert [x.is_driver for x in layouts] == [False] * 4 + [True, False]
+    assert layouts[3].prev_rank == 1 and layouts[3].next_rank == 5
+
+
+def test_partition_splits_as_evenly_as_possible() -> None:
+    assert partition(30, 4) == [(0, 8), (8, 8), (16, 7), (23, 7)]
+    assert partition(3, 2) == [(0, 2), (2, 1)]
+    with pytest.raises(ValueError):
+        partition(1, 2)
