@@ -59,7 +59,7 @@ from triode.wire import (
     encode_output,
 )
 
-from .harnesses import HARNESSES, auth, chat, http_body, sse, wire
+from .harnesses import HARNESSES, auth, chat, http_body, shm_ring, sse, wire
 from .run import CORPUS_DIR
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 7018, 2, 198, 1, 4093, 198]
@@ -346,6 +346,7 @@ SEEDS: dict[str, Callable[[], Iterable[bytes]]] = {
     "sse": sse_seeds,
     "chat": chat_seeds,
     "scheduler": scheduler_seeds,
+    "shm_ring": shm_ring.seeds,
 }
 
 

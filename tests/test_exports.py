@@ -12,7 +12,8 @@ WIRE = {
     "OutputDecoder", "PROTOCOL_VERSION", "ProtocolError", "Ready", "SamplingParams",
     "SchedulerStats", "Shutdown", "Socket", "UtilityCall", "UtilityOutput", "encode_input",
     "encode_output", "topic_for", "ModelRunnerOutput", "NewRequestData", "RequestStepResult",
-    "ScheduledRequest", "SchedulerOutput",
+    "ScheduledRequest", "SchedulerOutput", "WorkerMessageType", "RingClosed", "RingHandle",
+    "RingTimeout", "ShmRingReader", "ShmRingWriter",
 }  # fmt: skip
 ACTORS = {
     "ActorDied", "ActorError", "Child", "ChildContext", "HandshakeError", "RemoteError",

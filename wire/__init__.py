@@ -1,7 +1,8 @@
 """triode.wire: the protocol between triode's actors and processes.
 
 Message types, the codec (out-of-band array frames), framing for the engine's sockets, control
-(handshake) messages, and the trio adapter for pyzmq sockets. Nothing here imports torch.
+(handshake) messages, the trio adapter for pyzmq sockets, and the shared-memory ring that
+broadcasts each step to the model workers. Nothing here imports torch.
 """
 
 from .codec import DEFAULT_AUX_THRESHOLD as DEFAULT_AUX_THRESHOLD
@@ -32,9 +33,15 @@ from .messages import SamplingParams as SamplingParams
 from .messages import SchedulerStats as SchedulerStats
 from .messages import UtilityCall as UtilityCall
 from .messages import UtilityOutput as UtilityOutput
+from .shm_ring import RingClosed as RingClosed
+from .shm_ring import RingTimeout as RingTimeout
+from .shm_ring import ShmRingReader as ShmRingReader
+from .shm_ring import ShmRingWriter as ShmRingWriter
+from .shm_segment import RingHandle as RingHandle
 from .step import ModelRunnerOutput as ModelRunnerOutput
 from .step import NewRequestData as NewRequestData
 from .step import RequestStepResult as RequestStepResult
 from .step import ScheduledRequest as ScheduledRequest
 from .step import SchedulerOutput as SchedulerOutput
+from .step import WorkerMessageType as WorkerMessageType
 from .zsocket import Socket as Socket

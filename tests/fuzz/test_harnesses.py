@@ -29,6 +29,7 @@ MIN_EXECUTIONS = {
     "sse": 200,
     "chat": 150,
     "scheduler": 250,
+    "shm_ring": 5000,
 }
 
 
