@@ -33,6 +33,16 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tensor_parallel_size: int = 1
     block_size: int = 16
     seed: int = 0
+    pipeline_parallel_size: int = 1
+    # mp: one worker process per rank; inproc: the model in the engine core (a world of one);
+    # None: inproc for a world of one, else mp
+    distributed_executor_backend: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (one node only)
+    # seconds a collective of the forward pass may wait for a peer before the engine fails
+    distributed_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -47,5 +57,39 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"{name} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.distributed_executor_backend not in (None, "mp", "inproc"):
+            raise ValueError(
+                "distributed_executor_backend must be mp or inproc, "
+                f"not {self.distributed_executor_backend!r}"
+            )
+        if self.distributed_executor_backend == "inproc" and self.world_size > 1:
+            raise ValueError(
+                "distributed_executor_backend inproc runs a world of one: "
+                f"tensor x pipeline parallel size is {self.world_size}; use mp"
+            )
+        if self.world_size % self.nnodes:
+            raise ValueError(
+                f"{self.nnodes} nodes cannot share {self.world_size} ranks evenly "
+                "(tensor x pipeline parallel size must be a multiple of nnodes)"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes})")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("several nodes meet at --master-addr and --master-port: give both")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError("master_port must be a TCP port")
+        if not self.distributed_timeout > 0:
+            raise ValueError("distributed_timeout must be > 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "inproc" if self.world_size == 1 else "mp"

@@ -73,6 +73,10 @@ class Engine:
         self.max_model_len = ready.max_model_len
         self.num_kv_blocks = ready.num_kv_blocks
         self.block_size = ready.block_size
+        self.tensor_parallel_size: int = ready.info.get("tensor_parallel_size", 1)
+        self.pipeline_parallel_size: int = ready.info.get("pipeline_parallel_size", 1)
+        # this node's model worker processes (none when the model runs in the engine core)
+        self.worker_pids: list[int] = list(ready.info.get("worker_pids") or [])
 
     @property
     def dead(self) -> EngineDeadError | None:

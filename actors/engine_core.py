@@ -3,8 +3,9 @@
 Input arrives on a PULL socket (`[type, msgpack, *aux]`), outputs leave on an XPUB socket
 (`[topic, msgpack, *aux]` per client). XPUB rather than PUB because it reports subscriptions:
 the core says READY only once every expected client's SUB is connected, so no output is ever
-published into the void (ZMQ's slow-joiner problem). The forward pass runs in one worker thread,
-so requests and aborts are taken in while the model computes.
+published into the void (ZMQ's slow-joiner problem). The forward pass runs off the trio loop
+(on one thread, or in worker processes: `executor.py`), so requests and aborts are taken in while
+the model computes.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from triode.wire import (
 
 from .child import ChildContext
 from .config import EngineArgs
-from .executor import Executor, create_executor
+from .executor import Executor, open_executor
 from .scheduler import Scheduler, SchedulerConfig
 from .vocabulary import out_of_vocabulary
 
@@ -60,7 +61,6 @@ class EngineCore:
         self.steps = 0
         self.sleeping = False
         self._work = trio.Event()
-        self._runner_thread = trio.CapacityLimiter(1)
         self._outbox, self._publisher_inbox = trio.open_memory_channel[
             tuple[int, EngineCoreOutputs]
         ](64)
@@ -81,9 +81,7 @@ class EngineCore:
                 # an input to change that rather than spin.
                 await self._wait_for_input()
                 continue
-            runner_output: ModelRunnerOutput = await trio.to_thread.run_sync(
-                self.executor.execute, scheduler_output, limiter=self._runner_thread
-            )
+            runner_output: ModelRunnerOutput = await self.executor.execute(scheduler_output)
             self.steps += 1
             per_client = self.scheduler.update_from_output(scheduler_output, runner_output)
             stats = self.scheduler.get_stats()
@@ -168,7 +166,12 @@ class EngineCore:
     def get_stats(self) -> dict[str, Any]:
         stats = self.scheduler.get_stats()
         named = {name: getattr(stats, name) for name in stats.__struct_fields__}
-        return {**named, "protocol_errors": self.protocol_errors, "steps": self.steps}
+        return {
+            **named,
+            "protocol_errors": self.protocol_errors,
+            "worker_protocol_errors": self.executor.protocol_errors,
+            "steps": self.steps,
+        }
 
     def sleep(self, level: int = 1) -> None:
         """Stop taking steps; requests wait (and keep their KV blocks) until `wake_up`."""
@@ -205,8 +208,7 @@ async def serve_engine_core(ctx: ChildContext) -> None:
     output_socket = Socket.open(
         ctx.zmq_context, zmq.XPUB, bind=ctx.addresses["output"], hwm=OUTPUT_HWM
     )
-    async with input_socket, output_socket:
-        executor = await trio.to_thread.run_sync(create_executor, args, abandon_on_cancel=True)
+    async with input_socket, output_socket, open_executor(args) as executor:
         scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=executor.num_kv_blocks,
@@ -229,11 +231,11 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                     "eos_token_id": executor.eos_token_id,
                     "extra_eos_token_ids": executor.extra_eos_token_ids,
                     "vocab_size": executor.vocab_size,
-                    "dtype": getattr(executor, "dtype", ""),
+                    "dtype": executor.dtype,
+                    "tensor_parallel_size": args.tensor_parallel_size,
+                    "pipeline_parallel_size": args.pipeline_parallel_size,
+                    "worker_pids": getattr(executor, "worker_pids", []),
                 },
             )
         )
-        try:
-            await EngineCore(scheduler, executor).run(input_socket, output_socket)
-        finally:
-            executor.shutdown()
+        await EngineCore(scheduler, executor).run(input_socket, output_socket)

@@ -1,16 +1,21 @@
 """The one door from the actors into `triode.gpu`: where the model runs.
 
 The scheduler hands each step's `SchedulerOutput` to an executor and gets a `ModelRunnerOutput`
-back. With tensor/pipeline parallelism of 1 the model runs in this process (the engine core calls
-`execute` from one dedicated thread); worker processes will implement the same interface.
+back. In a world of one (tensor x pipeline parallel size 1, backend `inproc`) the model runs in
+this process, on one dedicated thread; otherwise (`mp`) in one worker process per rank
+(`multiproc.py`), which this process starts and supervises.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Protocol
+
+import trio
 
 from triode.wire import ModelRunnerOutput, SchedulerOutput
 
@@ -27,14 +32,19 @@ class Executor(Protocol):
     eos_token_id: int | None
     extra_eos_token_ids: list[int]
     vocab_size: int
+    dtype: str
+    protocol_errors: int  # broadcast messages the workers could not decode
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
-
-    def shutdown(self) -> None: ...
+    async def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. A checkpoint; cancelling it leaves the step's effect on the KV cache
+        undefined, which only happens when the engine stops."""
+        ...
 
 
 class InProcessExecutor:
-    """Runs the model in this process. `execute` blocks; call it from a worker thread."""
+    """Runs the model in this process, on one thread beside the trio loop."""
+
+    protocol_errors = 0
 
     def __init__(self, args: EngineArgs) -> None:
         from triode.gpu.loader import resolve_model
@@ -72,12 +82,30 @@ class InProcessExecutor:
             self.block_size,
         )
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._runner.execute(scheduler_output)
+        self._thread = trio.CapacityLimiter(1)
+
+    async def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return await trio.to_thread.run_sync(
+            self._runner.execute, scheduler_output, limiter=self._thread
+        )
 
     def shutdown(self) -> None:
         self._runner = None  # type: ignore[assignment]
 
 
-def create_executor(args: EngineArgs) -> Executor:
-    return InProcessExecutor(args)
+@asynccontextmanager
+async def open_executor(args: EngineArgs) -> AsyncIterator[Executor]:
+    """The executor `args` ask for, ready to execute. Leaving the block stops it (and its
+    worker processes). With workers, one that dies or fails cancels the block and raises
+    `WorkerDied` (in an exception group), having killed the other ranks."""
+    if args.executor_backend == "inproc":
+        executor = await trio.to_thread.run_sync(InProcessExecutor, args, abandon_on_cancel=True)
+        try:
+            yield executor
+        finally:
+            executor.shutdown()
+        return
+    from .multiproc import open_multiproc_executor
+
+    async with open_multiproc_executor(args) as multiproc:
+        yield multiproc

@@ -6,6 +6,10 @@ Measures output tokens/s for 1 sequence and for N concurrent sequences (each exa
 bfloat16 and float32 greedy text agree on the test prompts. Where they part, it prints how far
 below its own pick float32 ranks bfloat16's token at that position: a few hundredths of a nat is
 a near-tie that float32 itself resolves by rounding, not a worse answer.
+
+With `--tensor-parallel-size`, `--pipeline-parallel-size` or `--layouts`, it compares parallel
+layouts (TPxPP, one worker process per rank, the CPUs shared equally between the ranks) against
+a world of one instead, in the same run.
 """
 
 from __future__ import annotations
@@ -52,10 +56,16 @@ async def _timed(engine, prompt: list[int], params: SamplingParams) -> tuple[flo
 
 
 async def bench_triode(
-    model: str | None, dtype: str, prompts: list[list[int]], new_tokens: int
+    model: str | None,
+    dtype: str,
+    prompts: list[list[int]],
+    new_tokens: int,
+    **engine_args: object,
 ) -> dict:
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
-    async with open_engine(model, dtype=dtype, max_num_seqs=max(64, len(prompts))) as engine:
+    async with open_engine(
+        model, dtype=dtype, max_num_seqs=max(64, len(prompts)), **engine_args
+    ) as engine:
         await _timed(engine, prompts[0], SamplingParams(temperature=0, max_tokens=4))  # warm-up
         start = time.perf_counter()
         ttft, tokens = await _timed(engine, prompts[0], params)
@@ -73,6 +83,7 @@ async def bench_triode(
         elapsed = time.perf_counter() - start
         engine_pid = engine.pid
         rss = _peak_rss_mb(engine_pid) + resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        rss += sum(_peak_rss_mb(pid) for pid in engine.worker_pids)
         return {
             "dtype": engine.dtype,
             "model_dir": str(engine.model_dir),
@@ -176,6 +187,74 @@ def _table(ours: dict, hf: dict, agree: Agreement) -> str:
     return "\n".join(lines)
 
 
+def parse_layouts(spec: str) -> list[tuple[int, int]]:
+    """ "1x1,2x1,1x2" -> [(1, 1), (2, 1), (1, 2)] (tensor x pipeline parallel sizes)."""
+    layouts = []
+    for part in spec.split(","):
+        tp, sep, pp = part.strip().lower().partition("x")
+        if not sep or not tp.isdigit() or not pp.isdigit() or int(tp) < 1 or int(pp) < 1:
+            raise ValueError(f"a layout is TPxPP, such as 2x1, not {part!r}")
+        layouts.append((int(tp), int(pp)))
+    return layouts
+
+
+def _layouts(args: argparse.Namespace) -> list[tuple[int, int]]:
+    if args.layouts:
+        return parse_layouts(args.layouts)
+    layouts = [(1, 1)]
+    if args.tensor_parallel_size or args.pipeline_parallel_size:
+        tp, pp = args.tensor_parallel_size or 1, args.pipeline_parallel_size or 1
+        layouts += [(tp, 1)] if tp > 1 else []
+        layouts += [(1, pp)] if pp > 1 else []
+        layouts += [(tp, pp)] if tp > 1 and pp > 1 else []
+    return layouts
+
+
+def layout_table(results: list[tuple[tuple[int, int], dict]]) -> str:
+    """One row per layout; ratios against the first (the world of one)."""
+    base = results[0][1]
+    concurrent = base["concurrent"]
+    lines = [
+        f"{'layout (TPxPP)':16} {'ranks':>5} {'1 seq tok/s':>12} {'ratio':>6} "
+        f"{f'{concurrent} seq tok/s':>12} {'ratio':>6} {'TTFT ms':>8} {'peak RSS MB':>12}"
+    ]
+    for (tp, pp), r in results:
+        label = f"{tp}x{pp}" + (" (in-process)" if tp * pp == 1 else "")
+        single, many = r["single_tok_s"], r["concurrent_tok_s"]
+        lines.append(
+            f"{label:16} {tp * pp:5d} {single:12.1f} {single / base['single_tok_s']:5.2f}x "
+            f"{many:12.1f} {many / base['concurrent_tok_s']:5.2f}x "
+            f"{r['ttft_s'] * 1e3:8.1f} {r['peak_rss_mb']:12.0f}"
+        )
+    lines.append(f"(dtype: {base['dtype']}; model: {base['model_dir']})")
+    return "\n".join(lines)
+
+
+def _bench_layouts(args: argparse.Namespace, layouts: list[tuple[int, int]]) -> None:
+    async def run() -> list[tuple[tuple[int, int], dict]]:
+        texts = _prompt_texts(args.concurrency)
+        async with open_engine(args.model, dtype="float32", max_num_seqs=8) as engine:
+            prompts = [engine.encode(t) for t in texts]
+        results = []
+        for tp, pp in layouts:
+            result = await bench_triode(
+                args.model,
+                args.dtype,
+                prompts,
+                args.new_tokens,
+                tensor_parallel_size=tp,
+                pipeline_parallel_size=pp,
+            )
+            print(f"{tp}x{pp}: {result}", file=sys.stderr)
+            results.append(((tp, pp), result))
+        return results
+
+    results = trio.run(run)
+    print(layout_table(results))
+    if args.json:
+        args.json.write_text(json.dumps([[list(k), v] for k, v in results], indent=2))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="triode bench throughput", description=__doc__)
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default model)")
@@ -184,7 +263,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
+    parser.add_argument("--layouts", default=None, help="TPxPP list to compare, e.g. 1x1,2x1,1x2")
     args = parser.parse_args(argv)
+    layouts = _layouts(args)
+    if len(layouts) > 1:
+        _bench_layouts(args, layouts)
+        return
 
     async def ours_and_agreement() -> tuple[dict, Agreement, list[list[int]]]:
         texts = _prompt_texts(args.concurrency)

@@ -1,0 +1,248 @@
+"""A model worker: one process per tensor x pipeline parallel rank.
+
+The engine core's executor (or, on other nodes, `triode serve --headless`) starts it as a child
+actor (`triode.gpu.worker:serve_worker`). It joins the torch.distributed world, loads its shard of
+its pipeline stage, says READY with the KV block count every rank agreed on, and then runs the
+step loop: each broadcast `SchedulerOutput` (from the shared-memory ring, or over ZMQ on a node
+other than the engine core's) goes through `ModelRunner.execute` on every rank, and the driver
+rank (TP rank 0 of the last stage) sends the `ModelRunnerOutput` back on a ZMQ PUSH socket.
+
+The step loop runs in a thread, so the trio loop stays free to notice SHUTDOWN and a parent
+that died while a collective blocks. A broadcast message that does not decode is counted and
+skipped. Anything that goes wrong inside a step (a collective that timed out because a peer
+died or hangs, a model error) ends the process with the error, which the supervisor turns into
+the engine's failure: a rank that no longer steps in lockstep with the others cannot recover.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+import trio
+import zmq
+
+from triode.wire import (
+    Decoder,
+    Encoder,
+    ProtocolError,
+    Ready,
+    SchedulerOutput,
+    WorkerMessageType,
+)
+from triode.wire.shm_ring import RingClosed, RingHandle, RingTimeout, ShmRingReader
+
+from . import parallel_state
+from .loader import resolve_model
+from .model_runner import ModelRunner
+from .parallel_state import ParallelLayout
+
+log = logging.getLogger(__name__)
+
+# where rank 0 publishes the executor's addresses for ranks on other nodes
+CLUSTER_KEY = "triode/cluster"
+# how often an idle rank on another node checks that the world (rank 0's store) is still there
+_IDLE_CHECK = 1.0
+
+
+class WorkerOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What a worker is started with (the `options` of its CONFIG)."""
+
+    engine_args: dict[str, Any]
+    rank: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    collective_timeout: float
+    # the executor's "ring" (a RingHandle) and "result" address: given to the ranks on the
+    # engine core's node; the others read it from the rendezvous store
+    cluster: dict[str, Any] | None = None
+    device: str | None = None
+
+    @property
+    def local(self) -> bool:
+        """On the engine core's node, which hosts ranks 0 .. local_world_size - 1."""
+        return self.rank < self.local_world_size
+
+
+class Worker:
+    """One rank's model and its line to the executor; built in a thread (it blocks)."""
+
+    def __init__(self, options: WorkerOptions, zmq_context: zmq.Context) -> None:
+        self.options = options
+        self.protocol_errors = 0
+        self.steps = 0
+        self.layout = ParallelLayout(
+            options.tensor_parallel_size, options.pipeline_parallel_size, options.rank
+        )
+        self.device = torch.device(options.device or _default_device(options))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.state = parallel_state.init_distributed(
+            self.layout,
+            master_addr=options.master_addr,
+            master_port=options.master_port,
+            device=self.device,
+            collective_timeout=options.collective_timeout,
+        )
+        cluster = self._cluster()
+        args = options.engine_args
+        model_dir = resolve_model(args.get("model"))
+        self.runner = ModelRunner(
+            model_dir,
+            dtype=args.get("dtype", "auto"),
+            quantization=args.get("quantization", "auto"),
+            kv_cache_memory=int(args["kv_cache_memory"]),
+            block_size=args.get("block_size", 16),
+            max_model_len=args.get("max_model_len"),
+            max_num_batched_tokens=args.get("max_num_batched_tokens", 2048),
+            max_num_seqs=args.get("max_num_seqs", 256),
+            seed=args.get("seed", 0),
+            device=str(self.device),
+            num_threads=parallel_state.threads_per_rank(options.local_world_size),
+            agree_num_blocks=self._agree,
+        )
+        # a ring's local readers are this node's ranks; the remote ones are numbered from 0
+        # over the ranks of every other node
+        self.remote = not options.local
+        index = options.rank - options.local_world_size if self.remote else options.rank
+        handle = msgspec.convert(cluster["ring"], RingHandle)
+        self.reader = ShmRingReader(handle, index, zmq_context=zmq_context, remote=self.remote)
+        self.result_address: str = cluster["result"]
+        self.zmq_context = zmq_context
+
+    def _cluster(self) -> dict[str, Any]:
+        """The executor's addresses: given to the engine core's node, shared through the
+        rendezvous store with the others."""
+        store = self.state.store
+        assert store is not None
+        if self.options.cluster is not None:
+            if self.layout.rank == 0:
+                store.set(CLUSTER_KEY, json.dumps(self.options.cluster))
+            return self.options.cluster
+        return json.loads(store.get(CLUSTER_KEY))
+
+    def _agree(self, num_blocks: int) -> int:
+        """The smallest KV block count over all ranks: each has its own shard's geometry."""
+        count = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MIN)
+        return int(count.item())
+
+    def ready(self) -> Ready:
+        runner = self.runner
+        return Ready(
+            num_kv_blocks=runner.num_kv_blocks,
+            block_size=runner.block_size,
+            max_model_len=runner.max_model_len,
+            info={
+                "model_dir": str(runner.model_dir),
+                "eos_token_id": runner.eos_token_id,
+                "extra_eos_token_ids": runner.extra_eos_token_ids,
+                "vocab_size": runner.vocab_size,
+                "dtype": str(runner.dtype).removeprefix("torch."),
+                "rank": self.layout.rank,
+                "pid": os.getpid(),
+            },
+        )
+
+    def run(self, stop: threading.Event) -> None:
+        """The step loop, until SHUTDOWN on the broadcast or `stop`. Blocks; run in a thread."""
+        decoder = Decoder(SchedulerOutput)
+        encoder = Encoder()
+        results = None
+        if self.layout.is_driver:
+            results = self.zmq_context.socket(zmq.PUSH)
+            results.setsockopt(zmq.LINGER, 1000)
+            results.setsockopt(zmq.SNDHWM, 0)
+            results.connect(self.result_address)
+        try:
+            while not stop.is_set():
+                try:
+                    frames = self.reader.read(timeout=_IDLE_CHECK, cancelled=stop)
+                except RingTimeout:
+                    self._check_world()
+                    continue
+                except RingClosed:
+                    return
+                except ProtocolError as e:
+                    self._protocol_error(e)
+                    continue
+                kind = bytes(frames[0]) if frames else b""
+                if kind == WorkerMessageType.SHUTDOWN.value:
+                    log.info("rank %d: shutdown after %d steps", self.layout.rank, self.steps)
+                    return
+                try:
+                    if kind != WorkerMessageType.EXECUTE.value:
+                        raise ProtocolError(f"unknown worker message type {kind[:4]!r}")
+                    sched = decoder.decode(frames[1:])
+                except ProtocolError as e:
+                    self._protocol_error(e)
+                    continue
+                output = self.runner.execute(sched)
+                self.steps += 1
+                if results is not None:
+                    output.protocol_errors = self.protocol_errors
+                    results.send_multipart(encoder.encode(output), copy=False)
+        finally:
+            if results is not None:
+                results.close()
+
+    def _protocol_error(self, error: ProtocolError) -> None:
+        self.protocol_errors += 1
+        rank = self.layout.rank
+        log.warning("rank %d: dropped an undecodable broadcast message: %s", rank, error)
+
+    def _check_world(self) -> None:
+        """An idle rank on another node has no parent to watch: it leaves when rank 0's store,
+        the world's rendezvous, is gone."""
+        if not self.remote:
+            return
+        store = self.state.store
+        assert store is not None
+        try:
+            store.check([CLUSTER_KEY])
+        except Exception as e:
+            raise RuntimeError(f"rank {self.layout.rank}: the world's rank 0 is gone ({e})") from e
+
+    def close(self) -> None:
+        self.reader.close()
+        parallel_state.destroy_distributed()
+
+
+def _default_device(options: WorkerOptions) -> str:
+    if torch.cuda.is_available():
+        return f"cuda:{options.rank % options.local_world_size}"
+    return "cpu"
+
+
+async def serve_worker(ctx: Any) -> None:
+    """The worker actor's entry (`triode.gpu.worker:serve_worker`); `ctx` is the child actor's
+    context (`triode.actors.ChildContext`)."""
+    options = msgspec.convert(ctx.options["worker"], WorkerOptions)
+    started = time.perf_counter()
+    worker = await trio.to_thread.run_sync(Worker, options, ctx.zmq_context, abandon_on_cancel=True)
+    log.info(
+        "rank %d of %d ready in %.1fs: %d KV blocks",
+        options.rank,
+        worker.layout.world_size,
+        time.perf_counter() - started,
+        worker.runner.num_kv_blocks,
+    )
+    stop = threading.Event()
+    try:
+        await ctx.ready(worker.ready())
+        # abandoned on cancellation: a thread blocked in a collective cannot be interrupted,
+        # and the process is about to exit anyway
+        await trio.to_thread.run_sync(worker.run, stop, abandon_on_cancel=True)
+    finally:
+        stop.set()
+        worker.close()

@@ -1,0 +1,219 @@
+"""Tensor and pipeline parallelism end to end on the default model: worker processes on gloo,
+through the embedding API, `triode serve`, and two `triode serve` "nodes" on loopback.
+
+Greedy float32 output must equal a world of one token for token (the world of one is pinned to
+Hugging Face transformers by test_engine.py, so the reference here is transformers itself).
+SmolLM2-135M has 9 query and 3 KV heads: over two ranks they split 6 + 3 and 2 + 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trio
+from reference import Reference
+from server import free_port, running_server
+
+from triode.actors import SamplingParams, open_engine
+from triode.edge.sse import SSEParser
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a land far away, there lived a dragon who",
+]
+NEW_TOKENS = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+F32 = ["--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", "256MiB"]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, children found through each of its threads."""
+    found: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return found
+    for task in tasks:
+        try:
+            children = (task / "children").read_text().split()
+        except FileNotFoundError:
+            continue
+        for child in map(int, children):
+            found += [child, *descendants(child)]
+    return found
+
+
+def actors(pids: list[int]) -> dict[str, int]:
+    """The triode actor processes among `pids` by actor name (not, say, multiprocessing's
+    resource tracker, which unlinks the broadcast ring's shared memory should its creator be
+    killed). An actor runs as `python -m triode.actors UP DOWN TARGET NAME PPID`."""
+    found = {}
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            continue
+        if b"triode.actors" in argv:
+            found[argv[argv.index(b"triode.actors") + 4].decode()] = pid
+    return found
+
+
+def alive(pids: list[int]) -> list[int]:
+    left = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if state != "Z":
+            left.append(pid)
+    return left
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive(pids)
+
+
+@pytest.fixture(scope="module")
+def expected(reference: Reference) -> list[list[int]]:
+    return [reference.greedy(tuple(reference.encode(p)), NEW_TOKENS) for p in PROMPTS]
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
+async def test_greedy_equals_a_world_of_one_through_the_embedding_api(
+    model_dir: Path, reference: Reference, expected: list[list[int]], tp: int, pp: int
+) -> None:
+    results: dict[int, list[int]] = {}
+
+    async def one(engine: object, i: int) -> None:
+        async for out in engine.generate(reference.encode(PROMPTS[i]), GREEDY):  # type: ignore[attr-defined]
+            results[i] = out.outputs[0].token_ids
+
+    async with open_engine(
+        str(model_dir),
+        dtype="float32",
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        max_model_len=1024,
+        kv_cache_memory="256MiB",
+    ) as engine:
+        pids = engine.worker_pids
+        assert len(pids) == tp * pp
+        async with trio.open_nursery() as nursery:  # batched: one step carries all three
+            for i in range(len(PROMPTS)):
+                nursery.start_soon(one, engine, i)
+        stats = await engine.get_stats()
+    assert [results[i] for i in range(len(PROMPTS))] == expected
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert not wait_gone(pids, 2.0)
+
+
+def _completions(url: str, reference: Reference) -> list[str]:
+    texts = []
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        model = client.models.list().data[0].id
+        for prompt in PROMPTS:
+            reply = client.completions.create(
+                model=model,
+                prompt=reference.encode(prompt),
+                max_tokens=NEW_TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            texts.append(reply.choices[0].text)
+    return texts
+
+
+def test_serve_with_tp2_x_pp2_matches_and_leaves_no_process(
+    model_dir: Path, reference: Reference, expected: list[list[int]], tmp_path: Path
+) -> None:
+    args = [*F32, "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]
+    with running_server(args, tmp_path / "serve.log") as server:
+        processes = descendants(server.process.pid)
+        assert len(actors(processes)) == 1 + 4  # the engine core and its four ranks
+        texts = _completions(server.url, reference)
+        assert httpx.get(f"{server.url}/health", timeout=2).status_code == 200
+    assert texts == [reference.tokenizer.decode(e) for e in expected]
+    assert server.process.returncode == 0
+    assert not wait_gone(processes, 2.0)
+
+
+def test_a_killed_worker_ends_the_stream_with_an_error_fast(tmp_path: Path) -> None:
+    args = ["--tensor-parallel-size", "2", "--max-model-len", "2048"]
+    with running_server(args, tmp_path / "serve.log") as server:
+        engine = server.engine_pid()
+        workers = actors(descendants(engine))
+        assert sorted(workers) == ["worker-0", "worker-1"]
+        url = f"{server.url}/v1/completions"
+        body = {"prompt": "Count to a thousand:", "max_tokens": 1500, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        with httpx.stream("POST", url, json=body, timeout=30) as response:
+            parser = SSEParser()
+            stream = response.iter_bytes()
+            events = parser.feed(next(stream))
+            os.kill(workers["worker-1"], signal.SIGKILL)
+            killed = time.monotonic()
+            for chunk in stream:
+                events += parser.feed(chunk)
+            ended = time.monotonic() - killed
+        assert ended < 2.0
+        assert events[-1] == b"[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == 503
+        # the engine core took the other rank down with it, and is gone itself
+        assert not wait_gone([engine, *workers.values()], 2.0)
+        assert httpx.get(f"{server.url}/health", timeout=2).status_code == 503
+        assert "worker rank 1 died" in server.output()
+
+
+def test_two_nodes_on_loopback_match_a_world_of_one(
+    model_dir: Path, reference: Reference, expected: list[list[int]], tmp_path: Path
+) -> None:
+    port = str(free_port())
+    world = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+             "--master-port", port]  # fmt: skip
+    with (tmp_path / "node1.log").open("wb") as log:
+        node1 = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "triode.edge.cli",
+                "serve",
+                "--headless",
+                *F32,
+                *world,
+                "--node-rank",
+                "1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        with running_server([*F32, *world, "--node-rank", "0"], tmp_path / "node0.log") as server:
+            remote = descendants(node1.pid)
+            assert len(actors(remote)) == 1  # node 1 hosts rank 1
+            assert len(actors(descendants(server.engine_pid()))) == 1  # node 0 hosts rank 0
+            texts = _completions(server.url, reference)
+        assert texts == [reference.tokenizer.decode(e) for e in expected]
+        # the engine's SHUTDOWN reaches node 1's worker over ZMQ: that node ends by itself
+        assert node1.wait(timeout=15) == 0, (tmp_path / "node1.log").read_text()
+        assert not wait_gone(remote, 2.0)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
