@@ -13,6 +13,7 @@ BENCHMARKS = {
     "wire": "triode.wire.bench",
     "throughput": "triode.edge.bench_throughput",
     "serve": "triode.edge.bench_serve",
+    "collectives": "triode.gpu.bench_collectives",
 }
 
 
@@ -78,8 +79,34 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
     engine.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None
     )
-    engine.add_argument("--tensor-parallel-size", type=int, default=None)
     engine.add_argument("--seed", type=int, default=None)
+    parallel = serve.add_argument_group("parallelism (one worker process per rank)")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
+    parallel.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
+    parallel.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "inproc"],
+        default=None,
+        help="mp: a worker process per rank; inproc: the model in the engine core (world of "
+        "one only; the default there)",
+    )
+    parallel.add_argument("--nnodes", type=int, default=None, help="nodes the ranks span")
+    parallel.add_argument("--node-rank", type=int, default=None, help="this node's index")
+    parallel.add_argument(
+        "--master-addr", default=None, help="rendezvous host: node 0 (default 127.0.0.1)"
+    )
+    parallel.add_argument("--master-port", type=int, default=None, help="rendezvous port")
+    parallel.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=None,
+        help="seconds a collective waits for a peer before the engine fails (default 30)",
+    )
+    parallel.add_argument(
+        "--headless",
+        action="store_true",
+        help="run only this node's model workers (nodes other than 0), no API server",
+    )
 
 
 ENGINE_FLAGS = (
@@ -92,6 +119,13 @@ ENGINE_FLAGS = (
     "enable_prefix_caching",
     "tensor_parallel_size",
     "seed",
+    "pipeline_parallel_size",
+    "distributed_executor_backend",
+    "nnodes",
+    "node_rank",
+    "master_addr",
+    "master_port",
+    "distributed_timeout",
 )
 
 
@@ -109,8 +143,12 @@ def _run_serve(args: argparse.Namespace) -> int:
     )
     # the engine core process logs (model loading, its progress) at the same level
     os.environ.setdefault("TRIODE_LOG_LEVEL", args.log_level.upper())
-    keys = keys_from(args.api_key, os.environ)
     engine_args = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    if args.headless:
+        return _run_headless(args.model, engine_args)
+    if engine_args.get("node_rank", 0) != 0:
+        raise SystemExit("triode serve: --node-rank other than 0 runs with --headless")
+    keys = keys_from(args.api_key, os.environ)
     max_body = parse_size(args.max_body_size)
 
     def settings(engine: object) -> Settings:
@@ -132,6 +170,20 @@ def _run_serve(args: argparse.Namespace) -> int:
         graceful_timeout=args.graceful_timeout,
     )
     trio.run(serve, options, settings, engine_args)
+    return 0
+
+
+def _run_headless(model: str | None, engine_args: dict[str, object]) -> int:
+    import trio
+
+    from triode.actors.config import EngineArgs
+    from triode.actors.headless import serve_headless
+
+    try:
+        args = EngineArgs(model=model, **engine_args)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"triode serve --headless: {e}") from None
+    trio.run(serve_headless, args)
     return 0
 
 
