@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -29,6 +30,7 @@ from triode.wire import (
     ModelRunnerOutput,
     ProtocolError,
     Ready,
+    SchedulerOutput,
     Socket,
     UtilityCall,
     UtilityOutput,
@@ -59,6 +61,7 @@ class EngineCore:
         self.executor = executor
         self.protocol_errors = 0
         self.steps = 0
+        self.overlapped_steps = 0  # steps submitted while an earlier one was in flight
         self.sleeping = False
         self._work = trio.Event()
         self._outbox, self._publisher_inbox = trio.open_memory_channel[
@@ -72,22 +75,54 @@ class EngineCore:
             await self._step_loop()
 
     async def _step_loop(self) -> None:
+        """Schedule, execute, publish. With pipeline parallelism the executor takes up to one
+        step per stage at a time (vLLM's batch queue): while stage 1 computes step N, stage 0
+        computes step N + 1 over the requests that step N does not hold, so the running
+        requests go through the pipeline as micro-batches."""
+        depth = self.executor.max_concurrent_batches
+        in_flight: deque[SchedulerOutput] = deque()
         while True:
-            while self.sleeping or not self.scheduler.has_unfinished_requests():
-                await self._wait_for_input()
-            scheduler_output = self.scheduler.schedule()
-            if not scheduler_output.requests:
+            if not in_flight:
+                while self.sleeping or not self.scheduler.has_unfinished_requests():
+                    await self._wait_for_input()
+            if len(in_flight) < depth and not self.sleeping:
+                scheduler_output = self.scheduler.schedule(
+                    max_requests=self._micro_batch(depth), preempt=not in_flight
+                )
+                if scheduler_output.requests:
+                    if depth == 1:
+                        output = await self.executor.execute(scheduler_output)
+                        await self._publish_step(scheduler_output, output)
+                        continue
+                    await self.executor.submit(scheduler_output)
+                    self.overlapped_steps += bool(in_flight)
+                    in_flight.append(scheduler_output)
+                    if len(in_flight) < depth:
+                        continue  # fill the pipeline first
+            if not in_flight:
                 # Nothing could be scheduled (e.g. all waiting requests are blocked); wait for
                 # an input to change that rather than spin.
                 await self._wait_for_input()
                 continue
-            runner_output: ModelRunnerOutput = await self.executor.execute(scheduler_output)
-            self.steps += 1
-            per_client = self.scheduler.update_from_output(scheduler_output, runner_output)
-            stats = self.scheduler.get_stats()
-            for client, outputs in per_client.items():
-                outputs.scheduler_stats = stats
-                await self._outbox.send((client, outputs))
+            scheduler_output = in_flight.popleft()
+            output = await self.executor.receive(scheduler_output)
+            await self._publish_step(scheduler_output, output)
+
+    def _micro_batch(self, depth: int) -> int | None:
+        """The most requests one step takes: an equal share of the live ones per stage."""
+        if depth == 1:
+            return None
+        return max(1, -(-len(self.scheduler.requests) // depth))
+
+    async def _publish_step(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> None:
+        self.steps += 1
+        per_client = self.scheduler.update_from_output(scheduler_output, runner_output)
+        stats = self.scheduler.get_stats()
+        for client, outputs in per_client.items():
+            outputs.scheduler_stats = stats
+            await self._outbox.send((client, outputs))
 
     async def _wait_for_input(self) -> None:
         await self._work.wait()
@@ -171,6 +206,7 @@ class EngineCore:
             "protocol_errors": self.protocol_errors,
             "worker_protocol_errors": self.executor.protocol_errors,
             "steps": self.steps,
+            "overlapped_steps": self.overlapped_steps,
         }
 
     def sleep(self, level: int = 1) -> None:

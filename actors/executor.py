@@ -34,17 +34,28 @@ class Executor(Protocol):
     vocab_size: int
     dtype: str
     protocol_errors: int  # broadcast messages the workers could not decode
+    # how many steps may be in flight at once: one per pipeline stage
+    max_concurrent_batches: int
 
     async def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. A checkpoint; cancelling it leaves the step's effect on the KV cache
         undefined, which only happens when the engine stops."""
         ...
 
+    async def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Start a step without waiting for it (only where `max_concurrent_batches` > 1)."""
+        ...
+
+    async def receive(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The result of the oldest submitted step, which must be `scheduler_output`."""
+        ...
+
 
 class InProcessExecutor:
-    """Runs the model in this process, on one thread beside the trio loop."""
+    """Runs the model in this process, on one thread beside the trio loop, a step at a time."""
 
     protocol_errors = 0
+    max_concurrent_batches = 1
 
     def __init__(self, args: EngineArgs) -> None:
         from triode.gpu.loader import resolve_model
@@ -88,6 +99,12 @@ class InProcessExecutor:
         return await trio.to_thread.run_sync(
             self._runner.execute, scheduler_output, limiter=self._thread
         )
+
+    async def submit(self, scheduler_output: SchedulerOutput) -> None:
+        raise RuntimeError("the in-process executor runs one step at a time: call execute")
+
+    async def receive(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        raise RuntimeError("the in-process executor runs one step at a time: call execute")
 
     def shutdown(self) -> None:
         self._runner = None  # type: ignore[assignment]

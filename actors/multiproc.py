@@ -150,8 +150,14 @@ class MultiprocExecutor:
     """The engine core's side of the workers: broadcast a step, await the driver's answer."""
 
     def __init__(
-        self, ring: ShmRingWriter, results: Socket, group: WorkerGroup, ready: Ready
+        self,
+        ring: ShmRingWriter,
+        results: Socket,
+        group: WorkerGroup,
+        ready: Ready,
+        max_concurrent_batches: int = 1,
     ) -> None:
+        self.max_concurrent_batches = max_concurrent_batches
         self._ring = ring
         self._results = results
         self._encoder = Encoder()
@@ -174,8 +180,16 @@ class MultiprocExecutor:
         return self.group.pids
 
     async def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        await self.submit(scheduler_output)
+        return await self.receive(scheduler_output)
+
+    async def submit(self, scheduler_output: SchedulerOutput) -> None:
         frames = self._encoder.encode(scheduler_output)
         await self.broadcast([WorkerMessageType.EXECUTE.value, *frames])
+
+    async def receive(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The driver answers steps in the order they were broadcast: every stage takes them
+        in that order."""
         reply = await self._results.recv_multipart()
         try:
             output = self._decoder.decode([f.buffer for f in reply])
@@ -239,7 +253,9 @@ async def open_multiproc_executor(args: EngineArgs) -> AsyncIterator[MultiprocEx
                 )
             first = group.children[0].ready
             assert first is not None
-            executor = MultiprocExecutor(ring, results, group, first)
+            executor = MultiprocExecutor(
+                ring, results, group, first, max_concurrent_batches=args.pipeline_parallel_size
+            )
             log.info(
                 "%d model workers ready (tensor parallel %d x pipeline parallel %d, %d nodes)",
                 world,

@@ -132,15 +132,23 @@ class Scheduler:
 
     # The step
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, *, max_requests: int | None = None, preempt: bool = True) -> SchedulerOutput:
         """Pick this step's tokens under the token budget and `max_num_seqs`, allocating their
-        blocks; each picked request's `num_computed_tokens` already counts them on return."""
+        blocks; each picked request's `num_computed_tokens` already counts them on return.
+
+        A request whose last step is still in flight has no token to compute and is skipped,
+        so steps can be scheduled while earlier ones run (the pipeline-parallel batch queue);
+        `max_requests` caps this step's requests, which splits the running ones into
+        micro-batches. Without `preempt`, a request that finds no free block waits for one
+        instead of preempting: a request in flight must keep its blocks.
+        """
         budget = self.config.max_num_batched_tokens
+        room = max_requests if max_requests is not None else self.config.max_num_seqs
         scheduled: list[tuple[Request, int]] = []
         preempted = False
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < room:
             req = self.running[i]
             num_new = min(
                 req.num_tokens - req.num_computed_tokens,
@@ -150,6 +158,9 @@ class Scheduler:
             if num_new <= 0:  # still waiting for the token it sampled last step
                 i += 1
                 continue
+            if not preempt and self.kv_cache.allocate_slots(req, num_new) is None:
+                preempted = True  # as good as: no admissions either, blocks are short
+                break
             while self.kv_cache.allocate_slots(req, num_new) is None:
                 victim = self.running.pop()  # never scheduled yet: it comes after `req`
                 self._preempt(victim)
@@ -167,6 +178,7 @@ class Scheduler:
             and self.waiting
             and len(self.running) < self.config.max_num_seqs
             and budget > 0
+            and len(scheduled) < room
         ):
             req = self.waiting[0]
             hit_blocks = self.kv_cache.get_computed_blocks(req)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import zlib
 from array import array
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -613,3 +613,61 @@ def test_stats_report_queues_and_cache() -> None:
     # 8 prompt tokens computed in 2 blocks; the sampled 9th gets its block when scheduled
     assert (stats.num_free_blocks, stats.num_total_blocks) == (8, 10)
     assert stats.kv_cache_usage == pytest.approx(0.2)
+
+
+def _finish(h: Harness, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+    for outputs in h.sched.update_from_output(out, result).values():
+        for output in outputs.outputs:
+            h.outputs[output.request_id].append(output)
+
+
+def test_steps_in_flight_split_the_requests_and_give_the_reference_tokens() -> None:
+    """The pipeline-parallel batch queue: two steps in flight at once, the runner computing
+    them in order and its results arriving a step late."""
+    h = Harness(max_num_batched_tokens=16)  # long prompts take several chunks
+    for i in range(5):
+        h.add(f"r{i}", prompt_of(i, 6 + 7 * i), max_tokens=10, ignore_eos=True)
+    pending: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+    sizes = []
+    while h.sched.has_unfinished_requests():
+        while len(pending) < 2:
+            share = -(-len(h.sched.requests) // 2)
+            out = h.sched.schedule(max_requests=share, preempt=not pending)
+            if not out.requests:
+                break
+            assert len(out.requests) <= share
+            for earlier, _ in pending:
+                for r in earlier.requests:
+                    # only a prompt chunk that does not sample lets its request go on
+                    if r.request_id in {x.request_id for x in out.requests}:
+                        assert not r.sample
+            sizes.append(len(out.requests))
+            pending.append((out, h.runner(out)))
+        assert pending, "nothing in flight and nothing to schedule"
+        _finish(h, *pending.popleft())
+    for i in range(5):
+        assert h.tokens(f"r{i}") == reference(h.prompts[f"r{i}"], 10)
+    assert max(sizes) == 3  # micro-batches of at most half the requests, rounded up
+    assert h.sched.kv_cache.pool.num_free == h.config.num_blocks
+
+
+def test_a_step_scheduled_beside_one_in_flight_never_preempts() -> None:
+    # 6 blocks of 4 tokens, all taken by two prompts of 10 and 11 tokens
+    h = Harness(num_blocks=6, max_model_len=24)
+    h.add("a", prompt_of(1, 10), max_tokens=8, ignore_eos=True)
+    h.add("b", prompt_of(2, 11), max_tokens=8, ignore_eos=True)
+    h.step()
+    h.step()  # a holds 12 tokens (its blocks have room for one more), b 13 (b's are full)
+    assert h.sched.kv_cache.pool.num_free == 0
+    first = h.sched.schedule(max_requests=1)
+    assert [r.request_id for r in first.requests] == ["a"]
+    in_flight = (first, h.runner(first))
+    # b needs a block; the only way to one is preempting a, whose step is in flight
+    second = h.sched.schedule(preempt=False)
+    assert second.requests == []
+    assert h.sched.num_preemptions == 0
+    _finish(h, *in_flight)
+    h.run()  # nothing in flight: now preemption may free blocks
+    assert h.sched.num_preemptions > 0
+    assert h.tokens("a") == reference(h.prompts["a"], 8)
+    assert h.tokens("b") == reference(h.prompts["b"], 8)

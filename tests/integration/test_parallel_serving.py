@@ -120,6 +120,8 @@ async def test_greedy_equals_a_world_of_one_through_the_embedding_api(
         stats = await engine.get_stats()
     assert [results[i] for i in range(len(PROMPTS))] == expected
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    # two pipeline stages keep two micro-batches in flight
+    assert (stats["overlapped_steps"] > 0) == (pp > 1)
     assert not wait_gone(pids, 2.0)
 
 
