@@ -339,6 +339,11 @@ def _malloc_env(environ: Mapping[str, str]) -> dict[str, str]:
 _MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
+def model_process_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a process that runs the model (the engine core, a worker) adds to `environ`."""
+    return _openmp_env(environ) | _malloc_env(environ)
+
+
 @asynccontextmanager
 async def open_engine(model: str | None = None, **engine_args: Any) -> AsyncIterator[Engine]:
     """Start an engine core process for `model` and yield an `Engine` once it is ready.
@@ -361,7 +366,7 @@ async def open_engine(model: str | None = None, **engine_args: Any) -> AsyncIter
             addresses=addresses,
             options={"engine_args": msgspec.to_builtins(args), "num_clients": 1},
             raise_on_death=False,
-            env=_openmp_env(os.environ) | _malloc_env(os.environ),
+            env=model_process_env(os.environ),
             ready_timeout=float(os.environ.get("TRIODE_ENGINE_READY_TIMEOUT", 900)),
         ) as child:
             assert child.ready is not None

@@ -13,11 +13,13 @@ rank 0 disappears), with an error as soon as one of them dies, having killed the
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 import trio
 
 from .config import EngineArgs
+from .engine import model_process_env
 from .multiproc import WorkerGroup, ready_timeout, worker_options
 
 log = logging.getLogger(__name__)
@@ -35,7 +37,9 @@ async def serve_headless(
     local = args.world_size // args.nnodes
     ranks = list(range(args.node_rank * local, (args.node_rank + 1) * local))
     options = {rank: worker_options(args, rank, args.master_port) for rank in ranks}
-    group = WorkerGroup(ranks, ready_timeout(), clean_exit=True)
+    # what the engine core's environment gives its workers on node 0
+    env = model_process_env(os.environ)
+    group = WorkerGroup(ranks, ready_timeout(), clean_exit=True, env=env)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signals, group, nursery.cancel_scope)
         async with trio.open_nursery() as workers:

@@ -89,11 +89,19 @@ class WorkerGroup:
     other, so none can be ready alone), and turns any death into `WorkerDied` after killing
     the rest."""
 
-    def __init__(self, ranks: list[int], ready_timeout: float, *, clean_exit: bool = False) -> None:
+    def __init__(
+        self,
+        ranks: list[int],
+        ready_timeout: float,
+        *,
+        clean_exit: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> None:
         """`clean_exit`: a worker that exits with status 0 (after the engine's SHUTDOWN) has
-        ended, not died (a headless node's workers)."""
+        ended, not died (a headless node's workers). `env` adds to the workers' environment."""
         self.ranks = ranks
         self.clean_exit = clean_exit
+        self.env = env
         self.children: dict[int, Child] = {}
         self.ready = trio.Event()
         self.stopping = False
@@ -118,6 +126,7 @@ class WorkerGroup:
                 ready_timeout=self._ready_timeout,
                 shutdown_timeout=2.0,
                 terminate_timeout=1.0,
+                env=self.env,
             ) as child:
                 self.children[rank] = child
                 if len(self.children) == len(self.ranks):
