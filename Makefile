@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 FUZZ_SECONDS ?= 120
 FUZZ_ARGS ?=
 
-.PHONY: setup test serve lint format bench-wire fuzz model clean
+.PHONY: setup test serve lint format bench-wire device-check fuzz model clean
 
 setup: $(INSTALLED) $(MODEL)
 
@@ -65,6 +65,11 @@ format: $(INSTALLED)
 
 bench-wire: $(INSTALLED)
 	$(PY) -m triode.wire.bench
+
+# NCCL collectives, gloo for comparison, and tensor-parallel greedy decoding on this machine's
+# GPUs; without a GPU it says so and succeeds.
+device-check: setup
+	$(PY) -m triode.gpu.device_check
 
 # Every fuzz harness for FUZZ_SECONDS each; FUZZ_ARGS="--atheris" uses libFuzzer (the fuzz
 # extra). A failing input lands in fuzz/crashes/.

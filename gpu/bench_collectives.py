@@ -5,6 +5,8 @@ p99 in µs of what the parallel engine sends:
 
 - all_reduce of a [tokens, 576] hidden state (float32 and bfloat16; 1 and 64 tokens): the
   row-parallel linear layers' sum, twice a layer under tensor parallelism.
+- the same sums through `shm_allreduce.ShmAllReduce`, which replaces gloo's for them when a
+  tensor-parallel group's ranks share a host.
 - send/recv of a hidden state and its float32 residual, 1 and 64 tokens: what one pipeline
   stage hands the next.
 - all_gather of a [tokens, 49152 / 2] float32 logit shard: the vocabulary-parallel logits.
@@ -41,6 +43,7 @@ from triode.wire import Buffer, Decoder, Encoder, ScheduledRequest, SchedulerOut
 from triode.wire.bench import percentile
 
 from .local_group import Rank, run_ranks
+from .shm_allreduce import ShmAllReduce
 
 HIDDEN = 576  # the default model's hidden size
 TOKENS = (1, 64)
@@ -51,6 +54,8 @@ WORLD = 2
 TIMEOUT = 600.0
 SHM_RING = "triode.wire.shm_ring"
 SHM_RING_OP = "ShmRingWriter -> ShmRingReader"
+SHM_ALL_REDUCE_OP = "shm all_reduce"
+SHM_MAX_BYTES = 1 << 20  # parallel_state's default limit
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,14 @@ def _bench_rank(me: Rank, iterations: int, ipc_dir: str) -> _Samples:
             x = torch.zeros(tokens, HIDDEN, dtype=dtype)
             payload = f"[{tokens}, {HIDDEN}] {_name(dtype)}"
             measure("all_reduce", payload, functools.partial(dist.all_reduce, x), one_way=False)
+    with ShmAllReduce.create(dist.group.WORLD, max_bytes=SHM_MAX_BYTES, timeout=TIMEOUT) as shm:
+        for dtype in DTYPES:
+            for tokens in TOKENS:
+                x = torch.zeros(tokens, HIDDEN, dtype=dtype)
+                payload = f"[{tokens}, {HIDDEN}] {_name(dtype)}"
+                measure(
+                    SHM_ALL_REDUCE_OP, payload, functools.partial(shm.all_reduce, x), one_way=False
+                )
     for dtype in DTYPES:
         for tokens in TOKENS:
             pair = [torch.zeros(tokens, HIDDEN, dtype=dtype), torch.zeros(tokens, HIDDEN)]

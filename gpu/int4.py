@@ -58,6 +58,18 @@ class Int4Weight(NamedTuple):
         codes = self.unpacked_codes().view(rows, cols // GROUP, GROUP).float()
         return (self.scale[..., None] * codes + self.minimum[..., None]).view(rows, cols)
 
+    def rows(self, start: int, size: int) -> Int4Weight:
+        """Rows [start, start + size): a column-parallel rank's output features."""
+        return Int4Weight(*(t[start : start + size] for t in self))
+
+    def columns(self, start: int, size: int) -> Int4Weight:
+        """Columns [start, start + size), whole blocks only: a row-parallel rank's inputs."""
+        if start % GROUP or size % GROUP:
+            raise ValueError(f"columns {start}..{start + size} cut a block of {GROUP}")
+        codes = self.codes[:, start // 2 : (start + size) // 2]
+        blocks = slice(start // GROUP, (start + size) // GROUP)
+        return Int4Weight(codes, self.scale[:, blocks], self.minimum[:, blocks])
+
     @staticmethod
     def cat(parts: list[Int4Weight]) -> Int4Weight:
         """Row blocks stacked, as merged projections (q, k, v; gate, up) stack them."""

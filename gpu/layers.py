@@ -122,6 +122,22 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._matmul(x, self.bias)
 
+    def int4_part(self, weight: Int4Weight, shard_id: str | int | None = None) -> Int4Weight:
+        """This rank's part of a checkpoint's whole 4-bit weight (one shard of a merged
+        projection), cut where `weight_loader` cuts the dense one. ValueError where the cut
+        falls inside a block of 32 inputs."""
+        if self.tp_size == 1 or self.tp_dim is None:
+            return weight
+        if self.tp_dim == 0:
+            return weight.rows(*self._output_rows(shard_id, weight.shape[0]))
+        size = weight.shape[1] // self.tp_size
+        return weight.columns(*(self.shard or (self.tp_rank * size, size)))
+
+    def _output_rows(self, shard_id: str | int | None, rows: int) -> tuple[int, int]:
+        """(start, size) of this rank's rows in a checkpoint tensor of `rows` output rows."""
+        size = rows // self.tp_size
+        return self.tp_rank * size, size
+
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.int4 is not None and self.rows.int4:
             n = self.rows.int4
@@ -217,6 +233,11 @@ class QKVParallelLinear(LinearBase):
         shard = loaded_weight.narrow(0, start * self.head_dim, size)
         default_weight_loader(param.data.narrow(0, offset, size), shard)  # type: ignore[arg-type]
 
+    def _output_rows(self, shard_id: str | int | None, rows: int) -> tuple[int, int]:
+        if shard_id == "q":
+            return self.heads.q_start * self.head_dim, self.num_heads * self.head_dim
+        return self.heads.kv_start * self.head_dim, self.num_kv_heads * self.head_dim
+
 
 @dataclass(frozen=True)
 class HeadShard:
@@ -273,7 +294,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
-            dist.all_reduce(y, group=tp_group())
+            parallel_state.tp_all_reduce(y)
         return y
 
 
@@ -302,7 +323,7 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(input_ids, self.weight)
         mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         y = F.embedding((input_ids - self.vocab_start) * mine, self.weight) * mine.unsqueeze(-1)
-        dist.all_reduce(y, group=tp_group())
+        parallel_state.tp_all_reduce(y)
         return y
 
 

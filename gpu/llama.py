@@ -28,7 +28,6 @@ from .layers import (
     SiluAndMul,
     VocabParallelEmbedding,
     default_weight_loader,
-    tp_size,
 )
 
 
@@ -274,10 +273,9 @@ class LlamaForCausalLM(nn.Module):
         """Give each projection whose every shard `weights` holds (by Hugging Face name) its
         4-bit codes, merged like the dense weights; returns how many projections got them.
 
-        Only at tensor-parallel size 1: a rank's shard of merged 4-bit rows is not cut yet.
+        At tensor-parallel sizes above 1 each rank takes its part of every shard, cut as the
+        dense weights are; a projection whose cut would split a block of 32 inputs stays dense.
         """
-        if tp_size() != 1:
-            return 0
         modules = dict(self.named_modules())
         merged: dict[str, dict[str | int, Int4Weight]] = {}
         for name, weight in weights.items():
@@ -294,7 +292,11 @@ class LlamaForCausalLM(nn.Module):
             order = self._shard_order(module)
             if set(shards) != set(order):
                 continue  # a shard stayed dense: so does the whole projection
-            module.attach_int4(Int4Weight.cat([shards[s] for s in order]))
+            try:
+                parts = [module.int4_part(shards[s], s) for s in order]
+            except ValueError:
+                continue
+            module.attach_int4(Int4Weight.cat(parts))
             attached += 1
         return attached
 

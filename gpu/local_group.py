@@ -129,7 +129,8 @@ def _rank_main(rank: int, spec: _Spec, outdir: str) -> None:
         with _traceback_to(failure):
             result = spec.target(Rank(rank, spec.world, device), *spec.args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # the target may have torn its world down itself
+            dist.destroy_process_group()
     Path(outdir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
 
 

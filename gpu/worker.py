@@ -84,15 +84,23 @@ class Worker:
         self.layout = ParallelLayout(
             options.tensor_parallel_size, options.pipeline_parallel_size, options.rank
         )
+        local_world = options.local_world_size
+        self.local_rank = options.rank % local_world
         self.device = torch.device(options.device or _default_device(options))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        # a rank's threads: an equal share of the node's cores (binding each rank to its share
+        # measured no faster on 2 cores, so the scheduler places them)
+        cpus = parallel_state.cpu_share(self.local_rank, local_world)
         self.state = parallel_state.init_distributed(
             self.layout,
             master_addr=options.master_addr,
             master_port=options.master_port,
             device=self.device,
             collective_timeout=options.collective_timeout,
+            # a node hosts consecutive ranks: a TP group shares a host when its size divides
+            # the node's
+            same_host_tp=local_world % options.tensor_parallel_size == 0,
         )
         cluster = self._cluster()
         args = options.engine_args
@@ -108,7 +116,7 @@ class Worker:
             max_num_seqs=args.get("max_num_seqs", 256),
             seed=args.get("seed", 0),
             device=str(self.device),
-            num_threads=parallel_state.threads_per_rank(options.local_world_size),
+            num_threads=len(cpus),
             agree_num_blocks=self._agree,
         )
         # a ring's local readers are this node's ranks; the remote ones are numbered from 0

@@ -17,6 +17,8 @@ from triode.gpu import int4
 from triode.gpu.int4 import INT4_MAX_ROWS, Int4Linear, Int4Weight, _from_blocks
 from triode.gpu.layers import (
     ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
     pack_cpu_weights,
@@ -219,3 +221,50 @@ def test_a_decode_computes_the_same_whether_or_not_a_prompt_shares_its_step(
         assert result.request_id == "a" and result.logprobs is not None
         outputs.append(result.logprobs.logprobs)
     np.testing.assert_array_equal(outputs[1], outputs[0])
+
+
+def _random_int4(rows: int, cols: int, seed: int) -> Int4Weight:
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (rows, cols // 2), generator=g, dtype=torch.uint8)
+    scale = torch.rand(rows, cols // 32, generator=g) + 0.1
+    minimum = torch.randn(rows, cols // 32, generator=g)
+    return Int4Weight(codes, scale, minimum)
+
+
+@pytest.mark.parametrize(
+    ("build", "shards"),
+    [
+        (lambda: ColumnParallelLinear(64, 96), {None: (96, 64)}),
+        (lambda: RowParallelLinear(128, 48), {None: (48, 128)}),
+        (lambda: MergedColumnParallelLinear(64, [96, 96]), {0: (96, 64), 1: (96, 64)}),
+        # 6 query and 3 KV heads of 32 over 2 ranks: 4 + 2 and 2 + 1, uneven like SmolLM2's
+        (lambda: QKVParallelLinear(64, 32, 6, 3, bias=False), {"q": (192, 64), "k": (96, 64),
+                                                              "v": (96, 64)}),
+    ],
+)  # fmt: skip
+def test_a_ranks_int4_part_is_its_dense_shard(
+    monkeypatch: pytest.MonkeyPatch, build: object, shards: dict[object, tuple[int, int]]
+) -> None:
+    from triode.gpu import layers
+
+    for rank in range(2):
+        monkeypatch.setattr(layers, "tp_rank", lambda rank=rank: rank)
+        monkeypatch.setattr(layers, "tp_size", lambda: 2)
+        layer = build()  # type: ignore[operator]
+        parts = []
+        for i, (shard_id, shape) in enumerate(shards.items()):
+            whole = _random_int4(*shape, seed=i)
+            args = () if shard_id is None else (shard_id,)
+            layer.weight.weight_loader(layer.weight, whole.dequantize(), *args)
+            parts.append(layer.int4_part(whole, shard_id).dequantize())
+        torch.testing.assert_close(torch.cat(parts), layer.weight.data, rtol=0, atol=0)
+
+
+def test_an_int4_cut_inside_a_block_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triode.gpu import layers
+
+    monkeypatch.setattr(layers, "tp_rank", lambda: 1)
+    monkeypatch.setattr(layers, "tp_size", lambda: 2)
+    layer = RowParallelLinear(96, 8)  # 48 inputs a rank: a block and a half
+    with pytest.raises(ValueError, match="block"):
+        layer.int4_part(_random_int4(8, 96, seed=0))
