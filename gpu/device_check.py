@@ -31,7 +31,7 @@ from .collective_check import CheckRow, check_collectives
 from .loader import resolve_model
 from .local_group import RankError
 from .parallel_check import check_parallel_greedy, greedy_row
-from .testing import build_tiny_model
+from .testing import build_uneven_tiny_model
 
 CPU_SHAPES = ((2, 1), (1, 2), (2, 2))
 EXIT_NO_GPU = 2
@@ -122,16 +122,7 @@ def _model(model: str | None, tmp: Path) -> tuple[Path, str]:
         return resolve_model(None), "the default model"
     except FileNotFoundError:
         pass
-    # 3 KV heads split 2 + 1 and 3 layers 2 + 1, as the default model's heads split 2 ways
-    tiny = build_tiny_model(
-        tmp / "tiny",
-        architecture="qwen2",
-        hidden_size=96,
-        num_heads=6,
-        num_kv_heads=3,
-        num_layers=3,
-        tie_word_embeddings=False,
-    )
+    tiny = build_uneven_tiny_model(tmp / "tiny")
     return tiny, "a random tiny model (the default model is missing: make model)"
 
 

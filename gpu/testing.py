@@ -94,6 +94,21 @@ def build_tiny_model(
     return path
 
 
+def build_uneven_tiny_model(path: str | Path) -> Path:
+    """A tiny Qwen2 (Q/K/V biases, untied LM head) that parallelism splits unevenly, as it
+    splits SmolLM2-135M: 3 KV heads over 2 tensor-parallel ranks go 2 + 1, and 3 layers over 2
+    pipeline stages go 2 + 1."""
+    return build_tiny_model(
+        path,
+        architecture="qwen2",
+        hidden_size=96,
+        num_heads=6,
+        num_kv_heads=3,
+        num_layers=3,
+        tie_word_embeddings=False,
+    )
+
+
 def _byte_tokenizer() -> Any:
     """Byte-level BPE with no merges: every byte a token, plus ChatML's special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from triode.gpu.collective_check import check_collectives
 from triode.gpu.local_group import Rank, RankError, run_ranks
 from triode.gpu.parallel_check import MAX_TOKENS, Decoded, compare
-from triode.gpu.testing import build_tiny_model
+from triode.gpu.testing import build_uneven_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -89,16 +89,7 @@ def test_device_check_requiring_a_gpu_exits_2_without_one() -> None:
 
 
 def test_device_check_on_cpu_passes_every_parallel_world_of_a_tiny_model(tmp_path: Path) -> None:
-    # 3 KV heads over 2 ranks (2 + 1) and 3 layers over 2 stages (2 + 1), as the default model's
-    tiny = build_tiny_model(
-        tmp_path / "tiny",
-        architecture="qwen2",
-        hidden_size=96,
-        num_heads=6,
-        num_kv_heads=3,
-        num_layers=3,
-        tie_word_embeddings=False,
-    )
+    tiny = build_uneven_tiny_model(tmp_path / "tiny")
     result = _device_check("--cpu", "--model", str(tiny))
 
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| greedy")]

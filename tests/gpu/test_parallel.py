@@ -149,22 +149,13 @@ def _assert_same(expected: list[object], got: list[object]) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from triode.gpu.testing import build_tiny_model
+    from triode.gpu.testing import build_tiny_model, build_uneven_tiny_model
 
     root = tmp_path_factory.mktemp("parallel-models")
     return {
         # grouped-query attention, 4 layers: two stages of two
         "even": build_tiny_model(root / "even", num_heads=4, num_kv_heads=2, num_layers=4),
-        # 3 KV heads over 2 ranks (2 + 1, as SmolLM2-135M's) and 3 layers over 2 stages (2 + 1)
-        "uneven": build_tiny_model(
-            root / "uneven",
-            architecture="qwen2",
-            hidden_size=96,
-            num_heads=6,
-            num_kv_heads=3,
-            num_layers=3,
-            tie_word_embeddings=False,
-        ),
+        "uneven": build_uneven_tiny_model(root / "uneven"),
     }
 
 

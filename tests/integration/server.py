@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 
+from triode.edge.sse import SSEParser
+
 START_TIMEOUT = 180.0
 
 
@@ -32,6 +34,22 @@ class Server:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
+
+
+def stream_and_kill(server: Server, pid: int) -> tuple[list[bytes], float]:
+    """Start a long streamed completion, SIGKILL `pid` once its first chunk arrived, and read
+    the stream to its end: (its SSE events, seconds from the kill to the end)."""
+    body = {"prompt": "Count to a thousand:", "max_tokens": 1500, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+        parser = SSEParser()
+        stream = response.iter_bytes()
+        events = parser.feed(next(stream))
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        for chunk in stream:
+            events += parser.feed(chunk)
+        return events, time.monotonic() - killed
 
 
 def free_port() -> int:

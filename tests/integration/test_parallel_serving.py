@@ -21,10 +21,9 @@ import openai
 import pytest
 import trio
 from reference import Reference
-from server import free_port, running_server
+from server import free_port, running_server, stream_and_kill
 
 from triode.actors import SamplingParams, open_engine
-from triode.edge.sse import SSEParser
 
 pytestmark = pytest.mark.slow
 
@@ -161,18 +160,7 @@ def test_a_killed_worker_ends_the_stream_with_an_error_fast(tmp_path: Path) -> N
         engine = server.engine_pid()
         workers = actors(descendants(engine))
         assert sorted(workers) == ["worker-0", "worker-1"]
-        url = f"{server.url}/v1/completions"
-        body = {"prompt": "Count to a thousand:", "max_tokens": 1500, "ignore_eos": True,
-                "stream": True}  # fmt: skip
-        with httpx.stream("POST", url, json=body, timeout=30) as response:
-            parser = SSEParser()
-            stream = response.iter_bytes()
-            events = parser.feed(next(stream))
-            os.kill(workers["worker-1"], signal.SIGKILL)
-            killed = time.monotonic()
-            for chunk in stream:
-                events += parser.feed(chunk)
-            ended = time.monotonic() - killed
+        events, ended = stream_and_kill(server, workers["worker-1"])
         assert ended < 2.0
         assert events[-1] == b"[DONE]"
         error = json.loads(events[-2])["error"]
@@ -215,6 +203,42 @@ def test_two_nodes_on_loopback_match_a_world_of_one(
         # the engine's SHUTDOWN reaches node 1's worker over ZMQ: that node ends by itself
         assert node1.wait(timeout=15) == 0, (tmp_path / "node1.log").read_text()
         assert not wait_gone(remote, 2.0)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+
+
+def test_a_headless_node_ends_when_node_0_dies(tmp_path: Path) -> None:
+    port = str(free_port())
+    world = ["tiny-random", "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr",
+             "127.0.0.1", "--master-port", port]  # fmt: skip
+    with (tmp_path / "node1.log").open("wb") as log:
+        node1 = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "triode.edge.cli",
+                "serve",
+                "--headless",
+                *world,
+                "--node-rank",
+                "1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        with running_server([*world, "--node-rank", "0"], tmp_path / "node0.log") as server:
+            remote = list(actors(descendants(node1.pid)).values())
+            engine = server.engine_pid()
+            os.kill(engine, signal.SIGKILL)
+            killed = time.monotonic()
+            # rank 0 goes with its engine core, and with it the rendezvous store: node 1's
+            # idle worker sees the store gone within a second and the node fails
+            assert node1.wait(timeout=10) != 0
+            assert time.monotonic() - killed < 5
+            assert not wait_gone(remote, 2.0)
     finally:
         if node1.poll() is None:
             node1.kill()

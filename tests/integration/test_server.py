@@ -4,7 +4,6 @@ official `openai` client and by raw HTTP for streams that disconnect or outlive 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ import httpx
 import openai
 import pytest
 from conftest import API_KEYS, SERVED_NAME
-from server import Server, running_server
+from server import Server, running_server, stream_and_kill
 
 from triode.edge.sse import SSEParser
 
@@ -217,17 +216,7 @@ def test_disconnect_while_waiting_for_a_whole_answer(server: Server) -> None:
 def test_engine_death_fails_requests_fast(model_dir: Path, tmp_path: Path) -> None:
     with running_server(["--max-model-len", "2048"], tmp_path / "serve.log") as server:
         url = f"{server.url}/v1/completions"
-        body = {"prompt": "Count to a thousand:", "max_tokens": 1500, "ignore_eos": True,
-                "stream": True}  # fmt: skip
-        with httpx.stream("POST", url, json=body, timeout=30) as response:
-            parser = SSEParser()
-            stream = response.iter_bytes()
-            events = parser.feed(next(stream))
-            os.kill(server.engine_pid(), signal.SIGKILL)
-            killed = time.monotonic()
-            for chunk in stream:
-                events += parser.feed(chunk)
-            ended = time.monotonic() - killed
+        events, ended = stream_and_kill(server, server.engine_pid())
         assert ended < 2.0
         assert events[-1] == b"[DONE]"
         error = json.loads(events[-2])["error"]
