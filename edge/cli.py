@@ -183,6 +183,8 @@ def _run_headless(model: str | None, engine_args: dict[str, object]) -> int:
         args = EngineArgs(model=model, **engine_args)  # type: ignore[arg-type]
     except (TypeError, ValueError) as e:
         raise SystemExit(f"triode serve --headless: {e}") from None
+    if args.node_rank == 0:
+        raise SystemExit("triode serve --headless: node 0 runs the engine core; give --node-rank")
     trio.run(serve_headless, args)
     return 0
 

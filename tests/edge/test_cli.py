@@ -55,3 +55,46 @@ def test_quantization_is_auto_or_none_on_the_command_line_and_in_engine_args() -
     assert EngineArgs().quantization == "auto"
     with pytest.raises(ValueError, match="quantization"):
         EngineArgs(quantization="gptq")
+
+
+def test_parallel_flags_reach_the_engine_args() -> None:
+    from triode.actors.config import EngineArgs
+
+    args = _serve("-tp", "2", "--pipeline-parallel-size", "2", "--nnodes", "2", "--node-rank",
+                  "1", "--master-addr", "10.0.0.1", "--master-port", "29500",
+                  "--distributed-timeout", "5", "--headless")  # fmt: skip
+    given = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    engine = EngineArgs(**given)
+    assert (engine.world_size, engine.executor_backend, engine.node_rank) == (4, "mp", 1)
+    assert (engine.master_addr, engine.master_port, engine.distributed_timeout) == (
+        "10.0.0.1", 29500, 5.0
+    )  # fmt: skip
+    assert args.headless
+    assert EngineArgs().executor_backend == "inproc"
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "complaint"),
+    [
+        ({"tensor_parallel_size": 2, "distributed_executor_backend": "inproc"}, "world of one"),
+        ({"tensor_parallel_size": 3, "nnodes": 2, "master_port": 1234}, "evenly"),
+        ({"nnodes": 2, "tensor_parallel_size": 2}, "master-port"),
+        ({"node_rank": 1}, "node_rank"),
+        ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
+        ({"distributed_executor_backend": "ray"}, "mp or inproc"),
+    ],
+)
+def test_inconsistent_parallel_args_are_refused(engine_args: dict, complaint: str) -> None:
+    from triode.actors.config import EngineArgs
+
+    with pytest.raises(ValueError, match=complaint):
+        EngineArgs(**engine_args)
+
+
+def test_a_headless_node_0_and_a_bare_node_rank_are_refused() -> None:
+    from triode.edge.cli import main
+
+    with pytest.raises(SystemExit, match="node-rank"):
+        main(["serve", "--nnodes", "2", "--node-rank", "1", "--master-port", "29500"])
+    with pytest.raises(SystemExit, match="node 0"):
+        main(["serve", "--headless", "-tp", "2", "--nnodes", "2", "--master-port", "29500"])
