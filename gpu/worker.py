@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 CLUSTER_KEY = "triode/cluster"
 # how often an idle rank on another node checks that the world (rank 0's store) is still there
 _IDLE_CHECK = 1.0
+# how long a stopping worker waits for its step loop to finish before it exits without it
+_CLOSE_WAIT = 1.0
 
 
 class WorkerOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -245,12 +247,23 @@ async def serve_worker(ctx: Any) -> None:
         time.perf_counter() - started,
         worker.runner.num_kv_blocks,
     )
-    stop = threading.Event()
+    stop, done = threading.Event(), threading.Event()
+
+    def run() -> None:
+        try:
+            worker.run(stop)
+        finally:
+            done.set()
+
     try:
         await ctx.ready(worker.ready())
-        # abandoned on cancellation: a thread blocked in a collective cannot be interrupted,
-        # and the process is about to exit anyway
-        await trio.to_thread.run_sync(worker.run, stop, abandon_on_cancel=True)
+        # abandoned on cancellation: a thread blocked in a collective cannot be interrupted
+        await trio.to_thread.run_sync(run, abandon_on_cancel=True)
     finally:
-        stop.set()
-        worker.close()
+        stop.set()  # a step loop between steps leaves at once
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(done.wait, _CLOSE_WAIT)
+        # the groups are torn down only under a finished step loop, never under a collective
+        # (and without a teardown, gloo's exit can wait out its timeouts)
+        if done.is_set():
+            worker.close()
