@@ -8,12 +8,14 @@ SmolLM2-135M has 9 query and 3 KV heads: over two ranks they split 6 + 3 and 2 +
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -173,30 +175,34 @@ def test_a_killed_worker_ends_the_stream_with_an_error_fast(tmp_path: Path) -> N
         assert "worker rank 1 died" in server.output()
 
 
+def two_nodes(*args: str) -> list[str]:
+    """The flags of a TP=2 world over two nodes on loopback, with a fresh master port."""
+    return [*args, "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr",
+            "127.0.0.1", "--master-port", str(free_port())]  # fmt: skip
+
+
+@contextlib.contextmanager
+def headless_node(world: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`triode serve --headless` as node 1 of `world`; killed on the way out if still up."""
+    command = [sys.executable, "-m", "triode.edge.cli", "serve", "--headless", *world]
+    with log.open("wb") as out:
+        node = subprocess.Popen(
+            [*command, "--node-rank", "1"], stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        yield node
+    finally:
+        if node.poll() is None:
+            node.kill()
+            node.wait()
+
+
 def test_two_nodes_on_loopback_match_a_world_of_one(
     model_dir: Path, reference: Reference, expected: list[list[int]], tmp_path: Path
 ) -> None:
-    port = str(free_port())
-    world = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
-             "--master-port", port]  # fmt: skip
-    with (tmp_path / "node1.log").open("wb") as log:
-        node1 = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "triode.edge.cli",
-                "serve",
-                "--headless",
-                *F32,
-                *world,
-                "--node-rank",
-                "1",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        with running_server([*F32, *world, "--node-rank", "0"], tmp_path / "node0.log") as server:
+    world = two_nodes(*F32)
+    with headless_node(world, tmp_path / "node1.log") as node1:
+        with running_server([*world, "--node-rank", "0"], tmp_path / "node0.log") as server:
             remote = descendants(node1.pid)
             assert len(actors(remote)) == 1  # node 1 hosts rank 1
             assert len(actors(descendants(server.engine_pid()))) == 1  # node 0 hosts rank 0
@@ -205,43 +211,17 @@ def test_two_nodes_on_loopback_match_a_world_of_one(
         # the engine's SHUTDOWN reaches node 1's worker over ZMQ: that node ends by itself
         assert node1.wait(timeout=15) == 0, (tmp_path / "node1.log").read_text()
         assert not wait_gone(remote, 2.0)
-    finally:
-        if node1.poll() is None:
-            node1.kill()
-            node1.wait()
 
 
 def test_a_headless_node_ends_when_node_0_dies(tmp_path: Path) -> None:
-    port = str(free_port())
-    world = ["tiny-random", "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr",
-             "127.0.0.1", "--master-port", port]  # fmt: skip
-    with (tmp_path / "node1.log").open("wb") as log:
-        node1 = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "triode.edge.cli",
-                "serve",
-                "--headless",
-                *world,
-                "--node-rank",
-                "1",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
+    world = two_nodes("tiny-random")
+    with headless_node(world, tmp_path / "node1.log") as node1:
         with running_server([*world, "--node-rank", "0"], tmp_path / "node0.log") as server:
             remote = list(actors(descendants(node1.pid)).values())
-            engine = server.engine_pid()
-            os.kill(engine, signal.SIGKILL)
+            os.kill(server.engine_pid(), signal.SIGKILL)
             killed = time.monotonic()
             # rank 0 goes with its engine core, and with it the rendezvous store: node 1's
             # idle worker sees the store gone within a second and the node fails
             assert node1.wait(timeout=10) != 0
             assert time.monotonic() - killed < 5
             assert not wait_gone(remote, 2.0)
-    finally:
-        if node1.poll() is None:
-            node1.kill()
-            node1.wait()
