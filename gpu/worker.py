@@ -264,6 +264,12 @@ async def serve_worker(ctx: Any) -> None:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(done.wait, _CLOSE_WAIT)
         # the groups are torn down only under a finished step loop, never under a collective
-        # (and without a teardown, gloo's exit can wait out its timeouts)
         if done.is_set():
             worker.close()
+        else:
+            # and without that teardown, the interpreter's exit can block in gloo's destructors
+            # for good (seen: orphans whose parent had gone): leave without the interpreter's
+            # own clean-up, which has nothing left to do for this process
+            log.error("rank %d: the step loop is stuck in a step; exiting", options.rank)
+            logging.shutdown()
+            os._exit(1)

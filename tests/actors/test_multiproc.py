@@ -140,3 +140,19 @@ async def test_a_worker_that_cannot_start_fails_the_executor(tmp_path: Path) -> 
         ):
             pass
     assert caught.group_contains(WorkerDied)
+
+
+async def test_stopping_while_a_step_is_stuck_in_a_collective_leaves_no_process(
+    tiny_model: Path,
+) -> None:
+    args = _args(tiny_model, tensor_parallel_size=2, distributed_timeout=60.0)
+    async with open_multiproc_executor(args) as ex:
+        await ex.execute(_prefill())
+        pids = ex.worker_pids
+        os.kill(pids[1], signal.SIGSTOP)
+        await ex.submit(_prefill(step=1))  # rank 0 now waits for rank 1 at an all-reduce
+        await trio.sleep(0.5)
+        started = time.monotonic()
+    # rank 0 leaves although its step never ends; rank 1 is killed by the escalation
+    assert time.monotonic() - started < 6
+    assert not [pid for pid in pids if _alive(pid)]
