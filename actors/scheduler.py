@@ -158,10 +158,10 @@ class Scheduler:
             if num_new <= 0:  # still waiting for the token it sampled last step
                 i += 1
                 continue
-            if not preempt and self.kv_cache.allocate_slots(req, num_new) is None:
-                preempted = True  # as good as: no admissions either, blocks are short
-                break
             while self.kv_cache.allocate_slots(req, num_new) is None:
+                if not preempt:
+                    # wait for blocks to come free, admitting nobody who would take them
+                    return self._build_output(scheduled)
                 victim = self.running.pop()  # never scheduled yet: it comes after `req`
                 self._preempt(victim)
                 preempted = True
