@@ -339,6 +339,12 @@ def _malloc_env(environ: Mapping[str, str]) -> dict[str, str]:
 _MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
+def ready_timeout() -> float:
+    """How long a process that loads the model may take to say READY (TRIODE_ENGINE_READY_TIMEOUT
+    seconds, 900 by default: a first start converts the GGUF file)."""
+    return float(os.environ.get("TRIODE_ENGINE_READY_TIMEOUT", 900))
+
+
 def model_process_env(environ: Mapping[str, str]) -> dict[str, str]:
     """What a process that runs the model (the engine core, a worker) adds to `environ`."""
     return _openmp_env(environ) | _malloc_env(environ)
@@ -367,7 +373,7 @@ async def open_engine(model: str | None = None, **engine_args: Any) -> AsyncIter
             options={"engine_args": msgspec.to_builtins(args), "num_clients": 1},
             raise_on_death=False,
             env=model_process_env(os.environ),
-            ready_timeout=float(os.environ.get("TRIODE_ENGINE_READY_TIMEOUT", 900)),
+            ready_timeout=ready_timeout(),
         ) as child:
             assert child.ready is not None
             tokenizer = await trio.to_thread.run_sync(

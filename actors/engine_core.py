@@ -270,7 +270,7 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                     "dtype": executor.dtype,
                     "tensor_parallel_size": args.tensor_parallel_size,
                     "pipeline_parallel_size": args.pipeline_parallel_size,
-                    "worker_pids": getattr(executor, "worker_pids", []),
+                    "worker_pids": executor.worker_pids,
                 },
             )
         )

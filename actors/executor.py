@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
 import trio
 
 from triode.wire import ModelRunnerOutput, SchedulerOutput
@@ -36,6 +37,7 @@ class Executor(Protocol):
     protocol_errors: int  # broadcast messages the workers could not decode
     # how many steps may be in flight at once: one per pipeline stage
     max_concurrent_batches: int
+    worker_pids: list[int]  # this node's model worker processes
 
     async def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. A checkpoint; cancelling it leaves the step's effect on the KV cache
@@ -56,25 +58,15 @@ class InProcessExecutor:
 
     protocol_errors = 0
     max_concurrent_batches = 1
+    worker_pids: list[int] = []  # the model runs in this process
 
     def __init__(self, args: EngineArgs) -> None:
-        from triode.gpu.loader import resolve_model
         from triode.gpu.model_runner import ModelRunner
 
         started = time.perf_counter()
-        self.model_dir = resolve_model(args.model)
-        log.info("loading %s (dtype %s)", self.model_dir, args.dtype)
-        self._runner = ModelRunner(
-            self.model_dir,
-            dtype=args.dtype,
-            quantization=args.quantization,
-            kv_cache_memory=int(args.kv_cache_memory),
-            block_size=args.block_size,
-            max_model_len=args.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            seed=args.seed,
-        )
+        log.info("loading %s (dtype %s)", args.model or "the default model", args.dtype)
+        self._runner = ModelRunner.from_engine_args(msgspec.to_builtins(args))
+        self.model_dir = self._runner.model_dir
         self.num_kv_blocks = self._runner.num_kv_blocks
         self.block_size = self._runner.block_size
         self.max_model_len = self._runner.max_model_len

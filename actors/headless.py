@@ -20,7 +20,7 @@ import trio
 
 from .config import EngineArgs
 from .engine import model_process_env
-from .multiproc import WorkerGroup, ready_timeout, worker_options
+from .multiproc import WorkerGroup, worker_options
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ async def serve_headless(
     options = {rank: worker_options(args, rank, args.master_port) for rank in ranks}
     # what the engine core's environment gives its workers on node 0
     env = model_process_env(os.environ)
-    group = WorkerGroup(ranks, ready_timeout(), clean_exit=True, env=env)
+    group = WorkerGroup(ranks, clean_exit=True, env=env)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signals, group, nursery.cancel_scope)
         async with trio.open_nursery() as workers:

@@ -46,6 +46,7 @@ from triode.wire import (
 from triode.wire.shm_ring import RingTimeout, ShmRingWriter
 
 from .config import EngineArgs
+from .engine import ready_timeout
 from .errors import ActorDied
 from .process import Child, open_child
 
@@ -92,7 +93,6 @@ class WorkerGroup:
     def __init__(
         self,
         ranks: list[int],
-        ready_timeout: float,
         *,
         clean_exit: bool = False,
         env: dict[str, str] | None = None,
@@ -106,7 +106,6 @@ class WorkerGroup:
         self.ready = trio.Event()
         self.stopping = False
         self.failed: int | None = None  # the first rank that died
-        self._ready_timeout = ready_timeout
 
     @property
     def pids(self) -> list[int]:
@@ -123,7 +122,7 @@ class WorkerGroup:
                 name=f"worker-{rank}",
                 options=options,
                 raise_on_death=False,
-                ready_timeout=self._ready_timeout,
+                ready_timeout=ready_timeout(),
                 shutdown_timeout=2.0,
                 terminate_timeout=1.0,
                 env=self.env,
@@ -250,7 +249,7 @@ async def open_multiproc_executor(args: EngineArgs) -> AsyncIterator[MultiprocEx
     options = {
         rank: worker_options(args, rank, master_port, cluster=cluster) for rank in range(local)
     }
-    group = WorkerGroup(list(range(local)), ready_timeout())
+    group = WorkerGroup(list(range(local)))
     try:
         async with trio.open_nursery() as nursery:
             group.start(nursery, options)
@@ -286,10 +285,6 @@ async def open_multiproc_executor(args: EngineArgs) -> AsyncIterator[MultiprocEx
         ring.close()
         zctx.term()
         shutil.rmtree(tmpdir, ignore_errors=True)
-
-
-def ready_timeout() -> float:
-    return float(os.environ.get("TRIODE_ENGINE_READY_TIMEOUT", 900))
 
 
 def _zmq_host(host: str) -> str:

@@ -215,7 +215,6 @@ class QKVParallelLinear(LinearBase):
         self.head_dim = head_dim
         self.heads = head_shard(num_heads, num_kv_heads, tp_size(), tp_rank())
         self.num_heads, self.num_kv_heads = self.heads.q_count, self.heads.kv_count
-        self.kv_replicas = max(1, tp_size() // num_kv_heads)
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden_size, output_size, bias, tp_dim=0)
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ from . import cpu_kernels, int4, parallel_state
 from .attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from .layers import cpu_weight_packing_supported, pack_cpu_weights, share_row_paths
 from .llama import head_dim, model_class
+from .loader import resolve_model
 from .sampler import Sampler, SamplingState, compute_logprobs
 
 # what steps with prompt tokens pad their dense products to (see layers.RowPaths.dense_min)
@@ -77,8 +79,8 @@ class ModelRunner:
     stage: every rank runs `execute` on the same `SchedulerOutput`; a later stage receives the
     previous stage's hidden states and residual, an earlier one sends them on, and only the
     driver rank (TP rank 0 of the last stage) samples and returns results; the others return an
-    empty `ModelRunnerOutput`. `agree_num_blocks` turns this rank's KV block count into the
-    world's (the smallest), so every rank's cache has the scheduler's geometry.
+    empty `ModelRunnerOutput`. Every rank's KV cache takes the world's smallest block count, so
+    all have the scheduler's geometry.
 
     `execute` is not thread-safe; the engine calls it from one thread.
     """
@@ -97,7 +99,6 @@ class ModelRunner:
         seed: int = 0,
         device: str | None = None,
         num_threads: int | None = None,
-        agree_num_blocks: Callable[[int], int] | None = None,
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.parallel = parallel_state.layout()
@@ -128,7 +129,7 @@ class ModelRunner:
         # oneDNN's bfloat16 products are where a row's result depends on the row count
         self._pad_prompts = self.device.type == "cpu" and self.dtype == torch.bfloat16
         self.model.eval()
-        self.num_kv_blocks = self._allocate_kv_cache(kv_cache_memory, agree_num_blocks)
+        self.num_kv_blocks = self._allocate_kv_cache(kv_cache_memory)
         # decode attention from the paged cache in place, where the C kernel is built (CPU,
         # bfloat16); float32 stays on torch's attention, which the reference comparisons pin
         kernel = None
@@ -143,13 +144,29 @@ class ModelRunner:
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
 
-    def _allocate_kv_cache(self, memory: int, agree: Callable[[int], int] | None) -> int:
+    @classmethod
+    def from_engine_args(cls, engine_args: Mapping[str, Any], **placement: Any) -> ModelRunner:
+        """The runner an engine's arguments (`EngineArgs` as builtins: every field present)
+        ask for, its model resolved; `placement` adds `device` and `num_threads`."""
+        return cls(
+            resolve_model(engine_args["model"]),
+            dtype=engine_args["dtype"],
+            quantization=engine_args["quantization"],
+            kv_cache_memory=int(engine_args["kv_cache_memory"]),
+            block_size=engine_args["block_size"],
+            max_model_len=engine_args["max_model_len"],
+            max_num_batched_tokens=engine_args["max_num_batched_tokens"],
+            max_num_seqs=engine_args["max_num_seqs"],
+            seed=engine_args["seed"],
+            **placement,
+        )
+
+    def _allocate_kv_cache(self, memory: int) -> int:
         layers = [layer.self_attn.attn for layer in self.model.model.stage_layers]
         kv_heads, dim = layers[0].num_kv_heads, head_dim(self.config)
         per_block = 2 * len(layers) * self.block_size * kv_heads * dim * self.dtype.itemsize
-        num_blocks = memory // per_block
-        if agree is not None:
-            num_blocks = agree(num_blocks)
+        # each rank sizes its own shard's cache; the scheduler's blocks must fit in every one
+        num_blocks = parallel_state.world_min(memory // per_block, self.device)
         if num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"kv_cache_memory of {memory} bytes holds {num_blocks * self.block_size} tokens, "

@@ -171,11 +171,6 @@ def _rank_decode(me: Rank, tp: int, pp: int, model: str, prompts: list[list[int]
 
 def _steps(me: Rank, layout: ParallelLayout, model: str, prompts: list[list[int]]) -> object:
 
-    def agree(num_blocks: int) -> int:
-        count = torch.tensor([num_blocks], dtype=torch.int64, device=me.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MIN)
-        return int(count.item())
-
     runner = ModelRunner(
         Path(model),
         dtype="float32",
@@ -185,7 +180,6 @@ def _steps(me: Rank, layout: ParallelLayout, model: str, prompts: list[list[int]
         max_model_len=MAX_MODEL_LEN,
         device=str(me.device),
         num_threads=torch.get_num_threads(),
-        agree_num_blocks=agree,
     )
     per_request = -(-MAX_MODEL_LEN // BLOCK_SIZE)
     if runner.num_kv_blocks < per_request * len(prompts):

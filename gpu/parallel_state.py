@@ -261,6 +261,15 @@ def destroy_distributed() -> None:
     _state = ParallelState()
 
 
+def world_min(value: int, device: torch.device) -> int:
+    """The smallest of every rank's `value`; `value` itself outside a parallel world."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    count = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MIN)
+    return int(count.item())
+
+
 def cpu_share(local_rank: int, local_world_size: int) -> list[int]:
     """The CPUs of a node's rank: an equal, contiguous share of those this process may run on
     (all of them where there are fewer CPUs than ranks)."""

@@ -25,7 +25,6 @@ from typing import Any
 
 import msgspec
 import torch
-import torch.distributed as dist
 import trio
 import zmq
 
@@ -40,7 +39,6 @@ from triode.wire import (
 from triode.wire.shm_ring import RingClosed, RingHandle, RingTimeout, ShmRingReader
 
 from . import parallel_state
-from .loader import resolve_model
 from .model_runner import ModelRunner
 from .parallel_state import ParallelLayout
 
@@ -105,21 +103,10 @@ class Worker:
             same_host_tp=local_world % options.tensor_parallel_size == 0,
         )
         cluster = self._cluster()
-        args = options.engine_args
-        model_dir = resolve_model(args.get("model"))
-        self.runner = ModelRunner(
-            model_dir,
-            dtype=args.get("dtype", "auto"),
-            quantization=args.get("quantization", "auto"),
-            kv_cache_memory=int(args["kv_cache_memory"]),
-            block_size=args.get("block_size", 16),
-            max_model_len=args.get("max_model_len"),
-            max_num_batched_tokens=args.get("max_num_batched_tokens", 2048),
-            max_num_seqs=args.get("max_num_seqs", 256),
-            seed=args.get("seed", 0),
+        self.runner = ModelRunner.from_engine_args(
+            options.engine_args,
             device=str(self.device),
             num_threads=len(cpus),
-            agree_num_blocks=self._agree,
         )
         # a ring's local readers are this node's ranks; the remote ones are numbered from 0
         # over the ranks of every other node
@@ -140,12 +127,6 @@ class Worker:
                 store.set(CLUSTER_KEY, json.dumps(self.options.cluster))
             return self.options.cluster
         return json.loads(store.get(CLUSTER_KEY))
-
-    def _agree(self, num_blocks: int) -> int:
-        """The smallest KV block count over all ranks: each has its own shard's geometry."""
-        count = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MIN)
-        return int(count.item())
 
     def ready(self) -> Ready:
         runner = self.runner

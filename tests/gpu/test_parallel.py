@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
-import socket
 from pathlib import Path
 
 import pytest
 
+from triode.gpu.local_group import free_port
 from triode.gpu.parallel_state import ParallelLayout, partition
 from triode.wire import NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
 
@@ -23,12 +23,6 @@ pytestmark = pytest.mark.slow
 PROMPTS = {"a": [5, 17, 42, 9, 100, 3, 77, 12, 8, 61, 33], "b": [250, 4, 19, 7, 88]}
 DECODE_STEPS = 6
 BLOCK = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _first_step() -> tuple[SchedulerOutput, dict[str, list[int]]]:
@@ -58,11 +52,6 @@ def _rank_main(layout: ParallelLayout, port: int, model_dir: str, out: str) -> N
         collective_timeout=60,
     )
 
-    def agree(n: int) -> int:
-        t = torch.tensor([n])
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return int(t.item())
-
     runner = ModelRunner(
         Path(model_dir),
         dtype="float32",
@@ -71,7 +60,6 @@ def _rank_main(layout: ParallelLayout, port: int, model_dir: str, out: str) -> N
         max_model_len=64,
         device="cpu",
         num_threads=1,
-        agree_num_blocks=agree,
     )
     first, blocks = _first_step()
     outputs = [runner.execute(first)]
@@ -110,7 +98,7 @@ def _plain(output: object) -> list[tuple[str, int | None, object, object]]:
 
 def _run_world(model_dir: Path, tp: int, pp: int, tmp_path: Path) -> list[object]:
     ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     out = tmp_path / f"tp{tp}-pp{pp}.pkl"
     procs = [
         ctx.Process(

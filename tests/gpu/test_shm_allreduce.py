@@ -11,7 +11,6 @@ import multiprocessing
 import os
 import pickle
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -21,18 +20,14 @@ from typing import Any
 import pytest
 import torch
 
+from triode.gpu.local_group import free_port
+
 pytestmark = pytest.mark.slow
 
 CASES = [(1, 576), (64, 576), (7, 13), (5,), (), (0, 576)]
 DTYPES = [torch.float32, torch.bfloat16]
 CONSECUTIVE = 100
 JOIN_TIMEOUT = 120.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _input(rank: int, case: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -222,7 +217,7 @@ def _run(
 ) -> list[Any]:
     """Every rank's result (None for a rank that was killed), once every rank is gone."""
     ctx = multiprocessing.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     out = str(tmp_path)
     procs = [
         ctx.Process(target=_rank_main, args=(scenario, r, world, port, out, join, extra))
