@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import msgspec
+
+from triode.wire.kv_transfer import parse_kv_transfer_config
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -43,9 +46,15 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     master_port: int | None = None  # None: a free port (one node only)
     # seconds a collective of the forward pass may wait for a peer before the engine fails
     distributed_timeout: float = 30.0
+    # the KV connector (disaggregated prefill), vLLM's `--kv-transfer-config`: JSON text or
+    # its dict; kept as the dict with defaults filled in (`wire.KVTransferConfig`)
+    kv_transfer_config: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        if self.kv_transfer_config is not None:
+            config = parse_kv_transfer_config(self.kv_transfer_config)
+            self.kv_transfer_config = msgspec.to_builtins(config)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}"

@@ -37,10 +37,12 @@ from triode.wire import (
     encode_output,
     topic_for,
 )
+from triode.wire.kv_transfer import parse_kv_transfer_config
 
 from .child import ChildContext
 from .config import EngineArgs
 from .executor import Executor, open_executor
+from .kv_connector import KVConnectorScheduler
 from .scheduler import Scheduler, SchedulerConfig
 from .vocabulary import out_of_vocabulary
 
@@ -50,6 +52,9 @@ log = logging.getLogger(__name__)
 # and sequence numbers catch the rest.
 OUTPUT_HWM = 100_000
 SUBSCRIBE_TIMEOUT = 30.0
+# how often an engine with nothing to compute steps while a KV transfer is outstanding, to
+# hear of its end from the workers
+KV_POLL_INTERVAL = 0.005
 
 
 class EngineCore:
@@ -83,30 +88,37 @@ class EngineCore:
         in_flight: deque[SchedulerOutput] = deque()
         while True:
             if not in_flight:
-                while self.sleeping or not self.scheduler.has_unfinished_requests():
+                while self.sleeping or not (
+                    self.scheduler.has_unfinished_requests()
+                    or self.scheduler.has_pending_transfers()
+                ):
                     await self._wait_for_input()
             if len(in_flight) < depth and not self.sleeping:
                 scheduler_output = self.scheduler.schedule(
                     max_requests=self._micro_batch(depth), preempt=not in_flight
                 )
-                if scheduler_output.requests:
+                if scheduler_output.requests or scheduler_output.kv_connector_metadata:
                     if depth == 1:
                         output = await self.executor.execute(scheduler_output)
                         await self._publish_step(scheduler_output, output)
+                        if not scheduler_output.requests:  # the KV connector's poll
+                            await self._idle()
                         continue
                     await self.executor.submit(scheduler_output)
                     self.overlapped_steps += bool(in_flight)
                     in_flight.append(scheduler_output)
-                    if len(in_flight) < depth:
+                    if len(in_flight) < depth and scheduler_output.requests:
                         continue  # fill the pipeline first
             if not in_flight:
                 # Nothing could be scheduled (e.g. all waiting requests are blocked); wait for
                 # an input to change that rather than spin.
-                await self._wait_for_input()
+                await self._idle()
                 continue
             scheduler_output = in_flight.popleft()
             output = await self.executor.receive(scheduler_output)
             await self._publish_step(scheduler_output, output)
+            if not scheduler_output.requests and not in_flight:
+                await self._idle()
 
     def _micro_batch(self, depth: int) -> int | None:
         """The most requests one step takes: an equal share of the live ones per stage."""
@@ -123,6 +135,14 @@ class EngineCore:
         for client, outputs in per_client.items():
             outputs.scheduler_stats = stats
             await self._outbox.send((client, outputs))
+
+    async def _idle(self) -> None:
+        """Wait for an input, or only a moment while KV transfers are outstanding."""
+        if self.scheduler.has_pending_transfers():
+            with trio.move_on_after(KV_POLL_INTERVAL):
+                await self._wait_for_input()
+        else:
+            await self._wait_for_input()
 
     async def _wait_for_input(self) -> None:
         await self._work.wait()
@@ -245,6 +265,15 @@ async def serve_engine_core(ctx: ChildContext) -> None:
         ctx.zmq_context, zmq.XPUB, bind=ctx.addresses["output"], hwm=OUTPUT_HWM
     )
     async with input_socket, output_socket, open_executor(args) as executor:
+        connector = None
+        if args.kv_transfer_config is not None:
+            connector = KVConnectorScheduler(
+                parse_kv_transfer_config(args.kv_transfer_config),
+                block_size=executor.block_size,
+                endpoints=executor.kv_endpoints,
+                tensor_parallel_size=args.tensor_parallel_size,
+                pipeline_parallel_size=args.pipeline_parallel_size,
+            )
         scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=executor.num_kv_blocks,
@@ -253,7 +282,8 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=executor.max_model_len,
                 enable_prefix_caching=args.enable_prefix_caching,
-            )
+            ),
+            connector,
         )
         await _await_subscribers(output_socket, ctx.options.get("num_clients", 1))
         await ctx.ready(
@@ -271,6 +301,7 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                     "tensor_parallel_size": args.tensor_parallel_size,
                     "pipeline_parallel_size": args.pipeline_parallel_size,
                     "worker_pids": executor.worker_pids,
+                    "kv_endpoints": executor.kv_endpoints,
                 },
             )
         )

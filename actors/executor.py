@@ -38,6 +38,7 @@ class Executor(Protocol):
     # how many steps may be in flight at once: one per pipeline stage
     max_concurrent_batches: int
     worker_pids: list[int]  # this node's model worker processes
+    kv_endpoints: list[str]  # each rank's KV server, with a KV connector; else empty
 
     async def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. A checkpoint; cancelling it leaves the step's effect on the KV cache
@@ -74,6 +75,7 @@ class InProcessExecutor:
         self.extra_eos_token_ids = self._runner.extra_eos_token_ids
         self.vocab_size = self._runner.vocab_size
         self.dtype = str(self._runner.dtype).removeprefix("torch.")
+        self.kv_endpoints = self._runner.kv_endpoints
         log.info(
             "model loaded in %.1fs: %s%s, %d KV blocks of %d tokens",
             time.perf_counter() - started,
@@ -99,6 +101,7 @@ class InProcessExecutor:
         raise RuntimeError("the in-process executor runs one step at a time: call execute")
 
     def shutdown(self) -> None:
+        self._runner.shutdown()
         self._runner = None  # type: ignore[assignment]
 
 

@@ -176,6 +176,8 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
+        *,
+        cache: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones and the prefix hit
         `new_computed_blocks`; None (and nothing changed) when too few blocks are free.
@@ -183,6 +185,8 @@ class KVCacheManager:
         Blocks that the scheduled tokens fill are registered in the prefix cache right away,
         like vLLM: a request admitted later in the same step may hit them, which is sound
         because the runner writes a layer's K/V for the whole batch before attention reads it.
+        Without `cache` they are not: their content comes from elsewhere (a KV transfer) and
+        `cache_blocks` registers it once it is there.
         """
         blocks = self.req_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
@@ -199,15 +203,29 @@ class KVCacheManager:
         blocks.extend(new_computed_blocks)
         blocks.extend(new_blocks)
         self.req_blocks[request.request_id] = blocks
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and cache:
             self._cache_full_blocks(request, blocks, num_total)
         return new_blocks
 
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the full blocks of the request's first `num_tokens` tokens, whose K/V are
+        now in place, in the prefix cache."""
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, self.req_blocks[request.request_id], num_tokens)
+
     def free(self, request: Request) -> None:
-        """Release the request's blocks. Tail first, so that among the cached ones its later
-        blocks are evicted before its prefix, which other requests are likelier to share."""
-        blocks = self.req_blocks.pop(request.request_id, [])
+        """Release the request's blocks."""
+        self.release(self.detach(request))
+
+    def detach(self, request: Request) -> list[KVCacheBlock]:
+        """Take the request's block table away from it, blocks still held: for a finished
+        request whose blocks outlive it (until `release`)."""
         self._num_cached_blocks.pop(request.request_id, None)
+        return self.req_blocks.pop(request.request_id, [])
+
+    def release(self, blocks: list[KVCacheBlock]) -> None:
+        """Free a block table. Tail first, so that among the cached ones its later blocks are
+        evicted before its prefix, which other requests are likelier to share."""
         self.pool.free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:

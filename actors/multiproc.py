@@ -181,6 +181,7 @@ class MultiprocExecutor:
         self.extra_eos_token_ids: list[int] = list(info.get("extra_eos_token_ids") or [])
         self.vocab_size: int = info["vocab_size"]
         self.dtype: str = info.get("dtype", "")
+        self.kv_endpoints: list[str] = list(info.get("kv_endpoints") or [])
 
     @property
     def worker_pids(self) -> list[int]:

@@ -6,12 +6,13 @@ Pure data with a few derived properties; the scheduler and the KV cache manager 
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from triode.wire.messages import EngineCoreRequest, FinishReason, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
-    """Where a request is in its life. Every status from FINISHED_STOPPED on is final."""
+    """Where a request is in its life. The FINISHED_ ones are final."""
 
     WAITING = 0
     RUNNING = 1
@@ -20,10 +21,12 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
     FINISHED_ERROR = 6
+    # holding blocks for a prompt whose KV a KV connector is loading from another instance
+    WAITING_FOR_REMOTE_KVS = 7
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ERROR
 
     @property
     def finish_reason(self) -> FinishReason | None:
@@ -53,6 +56,9 @@ class Request:
         "block_hashes",
         "client_index",
         "eos_token_id",
+        "kv_load_tried",
+        "kv_transfer_params",
+        "kv_transfer_params_out",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
@@ -80,6 +86,7 @@ class Request:
         priority: int = 0,
         client_index: int = 0,
         seq: int = 0,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -106,6 +113,11 @@ class Request:
         # Prompt positions 1..k whose logprobs went out already, so a recompute after
         # preemption does not send them twice.
         self.num_prompt_logprobs_sent = 0
+        # the KV connector's: the request's params, whether a load was tried (it is tried
+        # once; a failure recomputes), and the params its finish hands on
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_load_tried = False
+        self.kv_transfer_params_out: dict[str, Any] | None = None
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest, seq: int) -> Request:
@@ -118,6 +130,7 @@ class Request:
             priority=request.priority,
             client_index=request.client_index,
             seq=seq,
+            kv_transfer_params=request.kv_transfer_params,
         )
 
     @property

@@ -3,8 +3,10 @@
 vLLM V1's rule: there is no prefill or decode phase, only requests whose computed tokens lag
 behind their known tokens. Each step spends a token budget catching them up: running requests
 first (preempting the lowest-priority, newest one by recompute when blocks run out), then
-waiting ones, whose prompts are cut into budget-sized chunks. Pure Python; the runner and the
-engine loop live elsewhere.
+waiting ones, whose prompts are cut into budget-sized chunks. With a KV connector
+(`kv_connector.py`) a waiting request may instead load its prompt's KV from another instance,
+and a finished one may keep its blocks until another instance has read them. Pure Python; the
+runner and the engine loop live elsewhere.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable
 
+from triode.wire.kv_transfer import KVConnectorOutput
 from triode.wire.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -30,7 +33,8 @@ from triode.wire.step import (
     SchedulerOutput,
 )
 
-from .kv_cache import KVCacheManager
+from .kv_cache import KVCacheBlock, KVCacheManager
+from .kv_connector import KVConnectorScheduler
 from .request import Request, RequestStatus
 
 
@@ -55,8 +59,11 @@ class Scheduler:
     """Owns the requests and the KV block accounting of one engine core. Not thread-safe: the
     engine calls it from one thread, and the runner works only on the `SchedulerOutput`."""
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(
+        self, config: SchedulerConfig, connector: KVConnectorScheduler | None = None
+    ) -> None:
         self.config = config
+        self.connector = connector
         self.kv_cache = KVCacheManager(
             config.num_blocks,
             config.block_size,
@@ -77,6 +84,15 @@ class Scheduler:
         self._runner_forget: list[str] = []  # for the next SchedulerOutput that has work
         self._aborted: defaultdict[int, list[str]] = defaultdict(list)  # for the next update
         self._in_flight: dict[int, dict[str, tuple[Request, ScheduledRequest]]] = {}
+        # The KV connector's: requests whose prompt KV is loading (aborted ones too, until
+        # every rank is through with their blocks), and finished requests' blocks kept for
+        # another instance to read.
+        self.loading: dict[str, Request] = {}
+        self.held: dict[str, list[KVCacheBlock]] = {}
+        self.prompt_tokens_computed = 0  # prompt positions scheduled for the forward
+        self.prompt_tokens_transferred = 0  # prompt positions loaded from another instance
+        self.kv_load_failures = 0
+        self.kv_protocol_errors = 0
 
     # Intake
 
@@ -95,8 +111,10 @@ class Scheduler:
         return None
 
     def _admission_error(self, request: EngineCoreRequest) -> str | None:
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self.held:
             return f"request id {request.request_id!r} is already in use by a live request"
+        if request.request_id in self.loading:  # aborted, its blocks still being written
+            return f"request id {request.request_id!r} is still in use by an aborted request"
         num_prompt = len(request.prompt_token_ids)
         if num_prompt >= self.config.max_model_len:
             return (
@@ -117,18 +135,38 @@ class Scheduler:
         for request_id in request_ids:
             req = self.requests.get(request_id)
             if req is None:
+                # finished, its blocks kept for another instance: abort frees them too
+                if self.connector is not None and self.connector.drop_hold(request_id):
+                    self._free_held(request_id)
                 continue
-            queue = self.running if req.status is RequestStatus.RUNNING else self.waiting
-            queue.remove(req)
-            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # its blocks stay until every rank is through writing them (`_loaded`)
+                req.status = RequestStatus.FINISHED_ABORTED
+                del self.requests[request_id]
+            else:
+                queue = self.running if req.status is RequestStatus.RUNNING else self.waiting
+                queue.remove(req)
+                self._finish(req, RequestStatus.FINISHED_ABORTED)
             self._aborted[req.client_index].append(request_id)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         del self.requests[req.request_id]
-        self.kv_cache.free(req)
+        delay_free = False
+        if self.connector is not None:
+            block_ids = self.kv_cache.block_ids(req.request_id)
+            delay_free, req.kv_transfer_params_out = self.connector.request_finished(req, block_ids)
+        if delay_free:
+            self.held[req.request_id] = self.kv_cache.detach(req)
+        else:
+            self.kv_cache.free(req)
         if req.runner_knows:
             self._runner_forget.append(req.request_id)
+
+    def _free_held(self, request_id: str) -> None:
+        blocks = self.held.pop(request_id, None)
+        if blocks is not None:
+            self.kv_cache.release(blocks)
 
     # The step
 
@@ -142,6 +180,9 @@ class Scheduler:
         micro-batches. Without `preempt`, a request that finds no free block waits for one
         instead of preempting: a request in flight must keep its blocks.
         """
+        if self.connector is not None:
+            for request_id in self.connector.expired_holds():
+                self._free_held(request_id)
         budget = self.config.max_num_batched_tokens
         room = max_requests if max_requests is not None else self.config.max_num_seqs
         scheduled: list[tuple[Request, int]] = []
@@ -181,8 +222,17 @@ class Scheduler:
             and len(scheduled) < room
         ):
             req = self.waiting[0]
-            hit_blocks = self.kv_cache.get_computed_blocks(req)
-            num_hit = len(hit_blocks) * self.config.block_size
+            if req.num_computed_tokens:  # its prompt's KV was loaded into blocks it holds
+                hit_blocks, num_hit = [], req.num_computed_tokens
+            else:
+                hit_blocks = self.kv_cache.get_computed_blocks(req)
+                num_hit = len(hit_blocks) * self.config.block_size
+                if self.connector is not None:
+                    num_external, load = self.connector.get_num_new_matched_tokens(req, num_hit)
+                    if num_external and load:
+                        if not self._start_load(req, hit_blocks, num_external):
+                            break
+                        continue
             num_new = min(req.num_tokens - num_hit, budget)
             if self.kv_cache.allocate_slots(req, num_new, hit_blocks) is None:
                 break  # head-of-line blocking keeps the order fair
@@ -197,6 +247,48 @@ class Scheduler:
 
         return self._build_output(scheduled)
 
+    def _start_load(self, req: Request, hit_blocks: list[KVCacheBlock], num_external: int) -> bool:
+        """Allocate the blocks of a prompt whose KV loads from another instance and park the
+        request until it is there; False (nothing changed) when too few blocks are free."""
+        assert self.connector is not None
+        if self.kv_cache.allocate_slots(req, num_external, hit_blocks, cache=False) is None:
+            return False
+        self.waiting.pop(0)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        num_hit = len(hit_blocks) * self.config.block_size
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
+        self.loading[req.request_id] = req
+        self.connector.update_state_after_alloc(
+            req, self.kv_cache.block_ids(req.request_id), num_external
+        )
+        return True
+
+    def _loaded(self, request_id: str, ok: bool) -> None:
+        """Every rank is through with a request's load: it continues after the prompt's
+        last token, or, when the load failed, computes its prompt like any other."""
+        assert self.connector is not None
+        self.connector.load_done(request_id)
+        req = self.loading.pop(request_id, None)
+        if req is None:
+            return
+        if req.is_finished:  # aborted while loading
+            self.kv_cache.free(req)
+            return
+        if ok:
+            self.kv_cache.cache_blocks(req, req.num_prompt_tokens)
+            loaded = req.num_prompt_tokens - max(0, req.num_cached_tokens)
+            self.prompt_tokens_transferred += loaded
+            # the last prompt token is computed here: its logits sample the first token
+            req.num_computed_tokens = req.num_prompt_tokens - 1
+        else:
+            self.kv_load_failures += 1
+            self.kv_cache.free(req)
+            req.num_computed_tokens = 0
+            req.num_cached_tokens = -1
+        req.status = RequestStatus.WAITING
+        bisect.insort(self.waiting, req, key=_sort_key)
+
     def _preempt(self, req: Request) -> None:
         """Recompute-only preemption: drop the request's KV cache and queue it again."""
         self.kv_cache.free(req)
@@ -209,6 +301,8 @@ class Scheduler:
     def _build_output(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
         self._step += 1
         out = SchedulerOutput(step=self._step)
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta()
         if scheduled:
             # An engine may skip the runner for an empty step; the ids must not get lost there.
             out.finished_request_ids, self._runner_forget = self._runner_forget, []
@@ -227,6 +321,9 @@ class Scheduler:
                 req.runner_knows = True
             # Advance now, so a chunked prefill goes on next step without waiting for results.
             req.num_computed_tokens = start + num_new
+            self.prompt_tokens_computed += max(
+                0, min(start + num_new, req.num_prompt_tokens) - start
+            )
             out.requests.append(entry)
             in_flight[req.request_id] = (req, entry)
         if in_flight:
@@ -239,6 +336,8 @@ class Scheduler:
         """Take one step's results: append sampled tokens, apply stop conditions, finish and
         free what stopped. Returns what to publish, per client index."""
         in_flight = self._in_flight.pop(scheduler_output.step, {})
+        if runner_output.kv_connector_output is not None:
+            self._update_transfers(runner_output.kv_connector_output)
         outputs: defaultdict[int, list[EngineCoreOutput]] = defaultdict(list)
         finished: defaultdict[int, list[str]] = self._aborted
         self._aborted = defaultdict(list)
@@ -259,6 +358,16 @@ class Scheduler:
             )
             for client in outputs.keys() | finished.keys()
         }
+
+    def _update_transfers(self, report: KVConnectorOutput) -> None:
+        assert self.connector is not None
+        for request_id in report.finished_recving:
+            self._loaded(request_id, ok=True)
+        for request_id in report.failed_recving:
+            self._loaded(request_id, ok=False)
+        for request_id in self.connector.sent(report.finished_sending):
+            self._free_held(request_id)
+        self.kv_protocol_errors += report.protocol_errors
 
     def _apply_result(
         self, req: Request, entry: ScheduledRequest, result: RequestStepResult
@@ -281,6 +390,7 @@ class Scheduler:
             stop_reason=req.stop_reason,
             new_logprobs=result.logprobs if new_token_ids else None,
             new_prompt_logprobs=prompt_logprobs,
+            kv_transfer_params=req.kv_transfer_params_out,
             num_cached_tokens=max(0, req.num_cached_tokens),
         )
 
@@ -305,6 +415,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_pending_transfers(self) -> bool:
+        """Whether a KV transfer is outstanding: steps must go on, empty or not, for the
+        workers to report it."""
+        return self.connector is not None and self.connector.pending
+
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; False while any request holds blocks."""
         return self.kv_cache.reset_prefix_cache()
@@ -321,6 +436,12 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            num_loading_reqs=len(self.loading),
+            num_held_reqs=len(self.held),
+            prompt_tokens_computed=self.prompt_tokens_computed,
+            prompt_tokens_transferred=self.prompt_tokens_transferred,
+            kv_load_failures=self.kv_load_failures,
+            kv_protocol_errors=self.kv_protocol_errors,
         )
 
 

@@ -32,6 +32,7 @@ from triode.wire import (
 
 from . import cpu_kernels, int4, parallel_state
 from .attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from .kv_connector import FinishedTransfers, KVConnectorWorker
 from .layers import cpu_weight_packing_supported, pack_cpu_weights, share_row_paths
 from .llama import head_dim, model_class
 from .loader import resolve_model
@@ -99,6 +100,7 @@ class ModelRunner:
         seed: int = 0,
         device: str | None = None,
         num_threads: int | None = None,
+        kv_transfer_config: dict[str, Any] | None = None,
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.parallel = parallel_state.layout()
@@ -129,7 +131,17 @@ class ModelRunner:
         # oneDNN's bfloat16 products are where a row's result depends on the row count
         self._pad_prompts = self.device.type == "cpu" and self.dtype == torch.bfloat16
         self.model.eval()
+        self.kv_connector: KVConnectorWorker | None = None
+        if kv_transfer_config is not None:
+            self.kv_connector = KVConnectorWorker(kv_transfer_config, self.parallel.rank)
         self.num_kv_blocks = self._allocate_kv_cache(kv_cache_memory)
+        # each rank's KV server, in rank order (every rank takes part in the gather)
+        self.kv_endpoints: list[str] = []
+        self._transfers = FinishedTransfers(self.parallel.world_size)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_cache)
+            endpoints = parallel_state.all_gather_object(self.kv_connector.endpoint)
+            self.kv_endpoints = [e for e in endpoints if e is not None]
         # decode attention from the paged cache in place, where the C kernel is built (CPU,
         # bfloat16); float32 stays on torch's attention, which the reference comparisons pin
         kernel = None
@@ -158,6 +170,7 @@ class ModelRunner:
             max_num_batched_tokens=engine_args["max_num_batched_tokens"],
             max_num_seqs=engine_args["max_num_seqs"],
             seed=engine_args["seed"],
+            kv_transfer_config=engine_args.get("kv_transfer_config"),
             **placement,
         )
 
@@ -176,14 +189,42 @@ class ModelRunner:
             )
         # zeros, not empty: padded reads must see finite values, or 0 * NaN poisons attention
         shape = (len(layers), 2, num_blocks, self.block_size, kv_heads, dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.kv_connector is not None:
+            self.kv_cache = self.kv_connector.allocate(shape, self.dtype, self.device)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(layers):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
         return num_blocks
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. Raises KeyError for a request scheduled without ever being announced."""
+        """Run one step. Raises KeyError for a request scheduled without ever being announced.
+
+        With a KV connector, the step's metadata is bound before the forward and, when it asks,
+        every rank's finished transfers are gathered after it (a collective, so every rank
+        takes part) and the driver reports those every rank is through with.
+        """
+        metadata = sched.kv_connector_metadata
+        connector = self.kv_connector
+        if connector is None or metadata is None:
+            return self._execute(sched)
+        connector.bind_connector_metadata(metadata)
+        connector.start_load_kv()
+        try:
+            output = self._execute(sched)
+            connector.wait_for_save()
+        finally:
+            connector.clear_connector_metadata()
+        self._transfers.forget(metadata.release)
+        if metadata.sync:
+            reports = parallel_state.all_gather_object(connector.get_finished())
+            finished = self._transfers.add(reports)
+            if self.parallel.is_driver:
+                output.kv_connector_output = finished
+        return output
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in sched.finished_request_ids:
             self._requests.pop(request_id, None)
         for r in sched.requests:
@@ -239,6 +280,12 @@ class ModelRunner:
         if not self.parallel.is_driver:
             return ModelRunnerOutput(step=sched.step)
         return ModelRunnerOutput(step=sched.step, results=results)
+
+    def shutdown(self) -> None:
+        """Stop the KV connector's threads; the runner steps no more."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+            self.kv_connector = None
 
     def _state(self, request_id: str) -> SamplingState:
         state = self._requests[request_id].sampling

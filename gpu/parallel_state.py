@@ -23,6 +23,7 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -268,6 +269,15 @@ def world_min(value: int, device: torch.device) -> int:
     count = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MIN)
     return int(count.item())
+
+
+def all_gather_object(value: Any) -> list[Any]:
+    """Every rank's picklable `value`, in rank order; `[value]` outside a parallel world."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def cpu_share(local_rank: int, local_world_size: int) -> list[int]:

@@ -142,6 +142,7 @@ class Worker:
                 "dtype": str(runner.dtype).removeprefix("torch."),
                 "rank": self.layout.rank,
                 "pid": os.getpid(),
+                "kv_endpoints": runner.kv_endpoints,
             },
         )
 
@@ -205,6 +206,7 @@ class Worker:
             raise RuntimeError(f"rank {self.layout.rank}: the world's rank 0 is gone ({e})") from e
 
     def close(self) -> None:
+        self.runner.shutdown()
         self.reader.close()
         parallel_state.destroy_distributed()
 

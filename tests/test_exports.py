@@ -13,7 +13,8 @@ WIRE = {
     "SchedulerStats", "Shutdown", "Socket", "UtilityCall", "UtilityOutput", "encode_input",
     "encode_output", "topic_for", "ModelRunnerOutput", "NewRequestData", "RequestStepResult",
     "ScheduledRequest", "SchedulerOutput", "WorkerMessageType", "RingClosed", "RingHandle",
-    "RingTimeout", "ShmRingReader", "ShmRingWriter",
+    "RingTimeout", "ShmRingReader", "ShmRingWriter", "KVConnectorMetadata", "KVConnectorOutput",
+    "KVExpose", "KVGeometry", "KVLoad", "KVReply", "KVRequest", "KVShmRef", "KVTransferConfig",
 }  # fmt: skip
 ACTORS = {
     "ActorDied", "ActorError", "Child", "ChildContext", "HandshakeError", "RemoteError",

@@ -2,7 +2,8 @@
 
 Message types, the codec (out-of-band array frames), framing for the engine's sockets, control
 (handshake) messages, the trio adapter for pyzmq sockets, and the shared-memory ring that
-broadcasts each step to the model workers. Nothing here imports torch.
+broadcasts each step to the model workers, and the KV connector's messages (disaggregated
+prefill). Nothing here imports torch.
 """
 
 from .codec import DEFAULT_AUX_THRESHOLD as DEFAULT_AUX_THRESHOLD
@@ -23,6 +24,15 @@ from .handshake import Error as Error
 from .handshake import Hello as Hello
 from .handshake import Ready as Ready
 from .handshake import Shutdown as Shutdown
+from .kv_transfer import KVConnectorMetadata as KVConnectorMetadata
+from .kv_transfer import KVConnectorOutput as KVConnectorOutput
+from .kv_transfer import KVExpose as KVExpose
+from .kv_transfer import KVGeometry as KVGeometry
+from .kv_transfer import KVLoad as KVLoad
+from .kv_transfer import KVReply as KVReply
+from .kv_transfer import KVRequest as KVRequest
+from .kv_transfer import KVShmRef as KVShmRef
+from .kv_transfer import KVTransferConfig as KVTransferConfig
 from .messages import EngineCoreOutput as EngineCoreOutput
 from .messages import EngineCoreOutputs as EngineCoreOutputs
 from .messages import EngineCoreRequest as EngineCoreRequest

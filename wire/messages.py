@@ -214,6 +214,13 @@ class SchedulerStats(msgspec.Struct, **_HOT):
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    # the KV connector's (disaggregated prefill); the token counters are cumulative
+    num_loading_reqs: int = 0  # waiting for their prompt's KV from another instance
+    num_held_reqs: int = 0  # finished, their blocks kept for another instance to read
+    prompt_tokens_computed: int = 0  # prompt positions this instance's forward computed
+    prompt_tokens_transferred: int = 0  # prompt positions loaded from another instance
+    kv_load_failures: int = 0  # loads that failed or timed out (the prompt recomputed)
+    kv_protocol_errors: int = 0  # KV transfer messages refused as malformed
 
 
 class UtilityCall(msgspec.Struct, **_HOT):

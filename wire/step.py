@@ -12,6 +12,7 @@ import enum
 
 import msgspec
 
+from .kv_transfer import KVConnectorMetadata, KVConnectorOutput
 from .messages import _HOT, Logprobs, SamplingParams
 
 
@@ -44,6 +45,7 @@ class SchedulerOutput(msgspec.Struct, **_HOT):
     step: int
     requests: list[ScheduledRequest] = []
     finished_request_ids: list[str] = []  # the runner forgets their state
+    kv_connector_metadata: KVConnectorMetadata | None = None  # with a KV connector only
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -76,6 +78,7 @@ class ModelRunnerOutput(msgspec.Struct, **_HOT):
     step: int
     results: list[RequestStepResult] = []
     protocol_errors: int = 0
+    kv_connector_output: KVConnectorOutput | None = None  # when the step's metadata asked
 
 
 class WorkerMessageType(enum.Enum):
