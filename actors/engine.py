@@ -110,6 +110,7 @@ class Engine:
         request_id: str | None = None,
         *,
         delta: bool = False,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Generate for one prompt, yielding cumulative `RequestOutput`s until it finishes.
 
@@ -118,8 +119,13 @@ class Engine:
         checkpoint. Cancelling the consumer, or closing the generator early,
         aborts the request in the engine and frees its KV blocks. Raises `RequestError` if the
         engine refuses the request and `EngineDeadError` if the engine dies.
+
+        `kv_transfer_params` go to the engine's KV connector (disaggregated prefill, `n` = 1
+        only); what it hands on comes back in the last output's `kv_transfer_params`.
         """
         params = params or SamplingParams()
+        if kv_transfer_params and params.n != 1:
+            raise RequestError("kv_transfer_params work with n = 1 only")
         prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode(prompt)
         if not prompt_ids:
             raise RequestError("the prompt is empty")
@@ -129,7 +135,7 @@ class Engine:
                 f"{self.max_model_len - 1} so that one can be generated"
             )
         request_id = request_id or uuid.uuid4().hex
-        run = _Run(self, request_id, prompt, prompt_ids, params)
+        run = _Run(self, request_id, prompt, prompt_ids, params, kv_transfer_params)
         try:
             await run.start()
             while not run.finished:
@@ -174,8 +180,10 @@ class _Run:
         prompt: str | list[int],
         prompt_ids: list[int],
         params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         self.engine = engine
+        self.kv_transfer_params = kv_transfer_params
         self.stream = RequestStream()
         self.params = params
         self.prompt_ids = prompt_ids
@@ -207,7 +215,12 @@ class _Run:
         now = time.time()
         for cid, p in zip(self.child_ids, self.child_params, strict=True):
             request = EngineCoreRequest(
-                cid, self.prompt_ids, p, self.engine.eos_token_id, arrival_time=now
+                cid,
+                self.prompt_ids,
+                p,
+                self.engine.eos_token_id,
+                arrival_time=now,
+                kv_transfer_params=self.kv_transfer_params,
             )
             await self.engine._client.add_request(request, self.stream)
 
@@ -226,6 +239,8 @@ class _Run:
             raise RequestError(str(out.stop_reason or "the engine failed the request"))
         if out.num_cached_tokens:
             self.output.num_cached_tokens = out.num_cached_tokens
+        if out.kv_transfer_params is not None:
+            self.output.kv_transfer_params = out.kv_transfer_params
         if out.new_prompt_logprobs is not None and self.output.prompt_logprobs is not None:
             self.output.prompt_logprobs.extend(token_logprobs(out.new_prompt_logprobs))
         completion.token_ids.extend(out.new_token_ids)
@@ -280,6 +295,7 @@ class _Run:
             out.finished,
             out.num_cached_tokens,
             prompt_logprobs,
+            out.kv_transfer_params,
         )
 
     def unfinished_ids(self) -> list[str]:

@@ -102,7 +102,7 @@ class EngineCore:
                         output = await self.executor.execute(scheduler_output)
                         await self._publish_step(scheduler_output, output)
                         if not scheduler_output.requests:  # the KV connector's poll
-                            await self._idle()
+                            await self._poll_pause()
                         continue
                     await self.executor.submit(scheduler_output)
                     self.overlapped_steps += bool(in_flight)
@@ -118,7 +118,7 @@ class EngineCore:
             output = await self.executor.receive(scheduler_output)
             await self._publish_step(scheduler_output, output)
             if not scheduler_output.requests and not in_flight:
-                await self._idle()
+                await self._poll_pause()
 
     def _micro_batch(self, depth: int) -> int | None:
         """The most requests one step takes: an equal share of the live ones per stage."""
@@ -135,6 +135,12 @@ class EngineCore:
         for client, outputs in per_client.items():
             outputs.scheduler_stats = stats
             await self._outbox.send((client, outputs))
+
+    async def _poll_pause(self) -> None:
+        """After a step that only polled the KV connector: a moment, or less if an input
+        comes. Not longer: the poll may have made a request runnable (its KV loaded)."""
+        with trio.move_on_after(KV_POLL_INTERVAL):
+            await self._wait_for_input()
 
     async def _idle(self) -> None:
         """Wait for an input, or only a moment while KV transfers are outstanding."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from triode.wire import Logprobs
 
@@ -41,6 +42,8 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] | None = None  # for prompt tokens 1.. (token 0 has none)
+    # a KV connector's params for another instance (disaggregated prefill), on the last output
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 def token_logprobs(logprobs: Logprobs) -> list[TokenLogprob]:

@@ -171,6 +171,7 @@ class App:
         if self.engine.dead is None:
             with trio.move_on_after(STATS_TIMEOUT), contextlib.suppress(EngineDeadError):
                 fresh = await self.engine.get_stats()
+                self.metrics.update_engine(fresh)
                 gauges = (
                     fresh["num_running_reqs"], fresh["num_waiting_reqs"], fresh["kv_cache_usage"]
                 )  # fmt: skip

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "throughput": "triode.edge.bench_throughput",
     "serve": "triode.edge.bench_serve",
     "collectives": "triode.gpu.bench_collectives",
+    "kv-transfer": "triode.gpu.bench_kv_transfer",
 }
 
 
@@ -102,6 +103,14 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
         default=None,
         help="seconds a collective waits for a peer before the engine fails (default 30)",
     )
+    serve.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        metavar="JSON",
+        help='disaggregated prefill, as vLLM spells it: \'{"kv_connector": "TriodeConnector", '
+        '"kv_role": "kv_producer|kv_consumer|kv_both", "kv_port": 0, '
+        '"kv_connector_extra_config": {"transport": "tcp|shm"}}\'',
+    )
     parallel.add_argument(
         "--headless",
         action="store_true",
@@ -126,6 +135,7 @@ ENGINE_FLAGS = (
     "master_addr",
     "master_port",
     "distributed_timeout",
+    "kv_transfer_config",
 )
 
 
@@ -189,6 +199,88 @@ def _run_headless(model: str | None, engine_args: dict[str, object]) -> int:
     return 0
 
 
+def _proxy_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    proxy = commands.add_parser(
+        "proxy",
+        help="route requests over prefill and decode instances (disaggregated prefill)",
+        description="Serve the OpenAI API by prefilling each request on a prefill instance and "
+        "decoding it, with the prefill's KV, on a decode instance; each kind in turn.",
+    )
+    for kind, port in (("prefill", 8100), ("decode", 8200)):
+        proxy.add_argument(
+            f"--{kind}",
+            action="extend",
+            nargs="+",
+            required=True,
+            metavar="URL",
+            help=f"a {kind} instance's base URL, e.g. http://127.0.0.1:{port} (repeatable)",
+        )
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=8000)
+    proxy.add_argument(
+        "--api-key",
+        action="extend",
+        nargs="+",
+        default=None,
+        help="accept this key (repeatable; also TRIODE_API_KEY, comma-separated)",
+    )
+    proxy.add_argument(
+        "--backend-api-key",
+        default=None,
+        help="the key sent to the instances (default: the client's Authorization, as given)",
+    )
+    proxy.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for each read from an instance (connecting: 5)",
+    )
+    proxy.add_argument("--max-body-size", default="16MiB", help="request body limit (413 above)")
+    proxy.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish on shutdown",
+    )
+    proxy.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
+    )
+
+
+def _run_proxy(args: argparse.Namespace) -> int:
+    import trio
+
+    from triode.actors.config import parse_size
+
+    from .auth import ApiKeys, keys_from
+    from .proxy import ProxyOptions, serve_proxy
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.log_level != "debug":  # httpx logs every request to an instance at info
+        logging.getLogger("httpx").setLevel(logging.WARNING)
+    keys = keys_from(args.api_key, os.environ)
+    try:
+        options = ProxyOptions(
+            prefill=args.prefill,
+            decode=args.decode,
+            host=args.host,
+            port=args.port,
+            api_keys=ApiKeys(keys),
+            backend_api_key=args.backend_api_key,
+            timeout=args.timeout,
+            max_body_size=parse_size(args.max_body_size),
+            graceful_timeout=args.graceful_timeout,
+        )
+    except ValueError as e:
+        raise SystemExit(f"triode proxy: {e}") from None
+    if keys:
+        logging.getLogger("triode.proxy").info("API keys required: %d configured", len(keys))
+    trio.run(serve_proxy, options)
+    return 0
+
+
 def _default_name(model: str | None, engine: object) -> str:
     """The name the API answers to: what was given on the command line, else the model's."""
     if model is None:
@@ -201,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"triode {version('triode')}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _serve_parser(commands)
+    _proxy_parser(commands)
     bench = commands.add_parser("bench", help="run a benchmark and print its table")
     bench.add_argument("which", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
@@ -221,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         args.served_model_names = args.served_model_name
         return _run_serve(args)
+    if args.command == "proxy":
+        return _run_proxy(args)
     if args.command == "fuzz":
         return importlib.import_module("triode.fuzz.live").main([args.mode, *args.args])
     if args.command == "bench":

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -12,6 +13,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from triode.wire import FinishReason
 
@@ -73,6 +76,8 @@ class Metrics:
         self._itl = histogram(
             "triode:inter_token_latency_seconds", "Time between output tokens.", INTER_TOKEN_BUCKETS
         )
+        self.engine = _EngineCollector(model_name)
+        r.register(self.engine)
         self._e2e = histogram(
             "triode:e2e_request_latency_seconds",
             "Request latency, arrival to finish.",
@@ -104,6 +109,49 @@ class Metrics:
             self._itl.observe(latency)
         self._e2e.observe(e2e)
 
+    def update_engine(self, stats: Mapping[str, Any]) -> None:
+        """Take the engine core's counters (its `get_stats`), exposed from then on."""
+        self.engine.stats = dict(stats)
+
     def render(self) -> tuple[bytes, bytes]:
         """The exposition text and its content type, for `GET /metrics`."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST.encode()
+
+
+class _EngineCollector(Collector):
+    """Counters the engine core keeps (cumulative there), exposed as of its last `get_stats`:
+    where prompt tokens came from (vLLM's `prompt_tokens_by_source`) and the KV connector's
+    transfers."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: dict[str, Any] = {}
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats, labels = self.stats, ["model_name"]
+        by_source = CounterMetricFamily(
+            "triode:prompt_tokens_by_source",
+            "Prompt tokens by where their KV came from.",
+            labels=[*labels, "source"],
+        )
+        for source, key in (
+            ("local_compute", "prompt_tokens_computed"),
+            ("local_cache_hit", "prefix_cache_hits"),
+            ("external_kv_transfer", "prompt_tokens_transferred"),
+        ):
+            by_source.add_metric([self.model_name, source], stats.get(key, 0))
+        yield by_source
+        for name, key, doc in (
+            ("triode:kv_transfer_failures", "kv_load_failures", "KV loads that failed."),
+            ("triode:kv_transfer_protocol_errors", "kv_protocol_errors", "Malformed KV messages."),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric([self.model_name], stats.get(key, 0))
+            yield counter
+        for name, key, doc in (
+            ("triode:kv_transfer_loading_reqs", "num_loading_reqs", "Requests loading KV."),
+            ("triode:kv_transfer_held_reqs", "num_held_reqs", "Finished requests holding KV."),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric([self.model_name], stats.get(key, 0))
+            yield gauge

@@ -487,6 +487,7 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     usage: UsageInfo
     system_fingerprint: str | None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(msgspec.Struct, kw_only=True):
@@ -537,6 +538,7 @@ class CompletionResponse(msgspec.Struct, kw_only=True):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionResponseStreamChoice(msgspec.Struct, kw_only=True):

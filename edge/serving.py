@@ -22,6 +22,7 @@ import msgspec
 import trio
 
 from triode.actors import CompletionOutput, Engine, EngineDeadError, RequestError, RequestOutput
+from triode.actors.kv_connector import transfer_params_error
 from triode.actors.outputs import TokenLogprob
 from triode.actors.vocabulary import out_of_vocabulary
 from triode.wire import SamplingParams
@@ -69,6 +70,7 @@ class _Prompt:
     choices: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    kv_transfer_params: dict[str, Any] | None = None
     # timing, for the metrics
     start: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
@@ -83,6 +85,8 @@ class _Prompt:
                 for c in out.outputs
             ]
         self.num_cached_tokens = out.num_cached_tokens
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params
         if out.prompt_logprobs:
             self.prompt_logprobs += out.prompt_logprobs
         new_tokens = 0
@@ -152,12 +156,15 @@ class Serving:
         )
         self.check_token_ids(params=params)
         prompts = [_Prompt(token_ids, None)]
+        _check_transfer_params(req.kv_transfer_params, prompts, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             chat_stream = _ChatStream(self, req, request_id, prompts[0])
-            await self._stream(request, prompts, params, request_id, chat_stream)
+            await self._stream(
+                request, prompts, params, request_id, chat_stream, req.kv_transfer_params
+            )
             return
-        await self._generate(request, prompts, params, request_id, None)
+        await self._generate(request, prompts, params, request_id, None, req.kv_transfer_params)
         prompt = prompts[0]
         choices = [
             ChatCompletionResponseChoice(
@@ -174,6 +181,7 @@ class Serving:
             model=self.model_name,
             choices=choices,
             usage=_usage(prompts),
+            kv_transfer_params=prompt.kv_transfer_params,
         )
         await respond_json(request.send, response)
 
@@ -226,6 +234,7 @@ class Serving:
             req, prompt_len=len(longest.token_ids), max_model_len=self.engine.max_model_len
         )
         self.check_token_ids(params=params)
+        _check_transfer_params(req.kv_transfer_params, prompts, params)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if req.echo:
             for p in prompts:
@@ -233,9 +242,11 @@ class Serving:
                     p.text = await intake.decode(p.token_ids, skip_special_tokens=False)
         if req.stream:
             completion_stream = _CompletionStream(self, req, request_id, prompts)
-            await self._stream(request, prompts, params, request_id, completion_stream)
+            await self._stream(
+                request, prompts, params, request_id, completion_stream, req.kv_transfer_params
+            )
             return
-        await self._generate(request, prompts, params, request_id, None)
+        await self._generate(request, prompts, params, request_id, None, req.kv_transfer_params)
         choices = []
         for i, prompt in enumerate(prompts):
             for c in prompt.choices:
@@ -250,7 +261,11 @@ class Serving:
                     )
                 )
         response = CompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=_usage(prompts)
+            id=request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=_usage(prompts),
+            kv_transfer_params=prompts[0].kv_transfer_params,
         )
         await respond_json(request.send, response)
 
@@ -299,6 +314,7 @@ class Serving:
         params: SamplingParams,
         request_id: str,
         on_output: Callable[[int, RequestOutput], Awaitable[None]] | None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         """Run every prompt's generation to its end (or the client's disconnect), folding each
         delta into its `_Prompt` and then calling `on_output(prompt index, delta)`.
@@ -316,7 +332,13 @@ class Serving:
             rid = request_id if len(prompts) == 1 else f"{request_id}-{index}"
             async with channel:
                 try:
-                    generation = self.engine.generate(prompt.token_ids, params, rid, delta=True)
+                    generation = self.engine.generate(
+                        prompt.token_ids,
+                        params,
+                        rid,
+                        delta=True,
+                        kv_transfer_params=kv_transfer_params,
+                    )
                     async with aclosing(generation) as outputs:
                         async for out in outputs:
                             await channel.send((index, out))
@@ -383,6 +405,7 @@ class Serving:
         params: SamplingParams,
         request_id: str,
         formatter: _StreamFormatter,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         send = request.send
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
@@ -398,7 +421,9 @@ class Serving:
 
         await write(formatter.opening())
         try:
-            await self._generate(request, prompts, params, request_id, on_output)
+            await self._generate(
+                request, prompts, params, request_id, on_output, kv_transfer_params
+            )
         except APIError as e:
             await write([event(error_body(e))])
         else:
@@ -539,6 +564,20 @@ def _usage(prompts: list[_Prompt]) -> UsageInfo:
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached) if cached else None,
     )
+
+
+def _check_transfer_params(
+    params: dict[str, Any] | None, prompts: list[_Prompt], sampling: SamplingParams
+) -> None:
+    """A 400 for `kv_transfer_params` of the wrong shape, or on a request that is not one
+    generation (one prompt, n = 1): a transfer hands on one sequence's KV."""
+    if not params:
+        return
+    problem = transfer_params_error(params)
+    if problem is None and (len(prompts) != 1 or sampling.n != 1):
+        problem = "kv_transfer_params: work with one prompt and n = 1 only"
+    if problem is not None:
+        raise APIError(400, problem, param="kv_transfer_params")
 
 
 def _api_error(error: BaseException) -> APIError:
