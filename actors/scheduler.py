@@ -277,7 +277,9 @@ class Scheduler:
             return
         if ok:
             self.kv_cache.cache_blocks(req, req.num_prompt_tokens)
-            loaded = req.num_prompt_tokens - max(0, req.num_cached_tokens)
+            # counted apart from the local hit and the last token, recomputed here: the three
+            # sources add up to the prompt
+            loaded = req.num_prompt_tokens - 1 - max(0, req.num_cached_tokens)
             self.prompt_tokens_transferred += loaded
             # the last prompt token is computed here: its logits sample the first token
             req.num_computed_tokens = req.num_prompt_tokens - 1

@@ -137,7 +137,7 @@ def test_decode_loads_the_prompt_and_matches_a_colocated_run(
         assert consumer.tokens("d") == reference
         # only the prompt's last token was computed here; the rest came over
         assert consumer.scheduler.prompt_tokens_computed - computed_before == 1
-        assert consumer.scheduler.prompt_tokens_transferred == len(PROMPT)
+        assert consumer.scheduler.prompt_tokens_transferred == len(PROMPT) - 1
         # the producer frees its blocks once the decode said DONE
         producer.run(producer.idle)
         assert producer.scheduler.kv_cache.usage == 0.0

@@ -191,34 +191,6 @@ def test_an_aborted_decode_frees_both_sides(instances: dict[str, Server], proxy:
     _settle(instances["tcp"], instances["shm"], instances["decode"])
 
 
-def test_a_prefill_killed_before_the_transfer_makes_the_decode_recompute(
-    instances: dict[str, Server], tmp_path: Path, expected: list[str]
-) -> None:
-    decode = instances["decode"]
-    with running_server([*F32, *_kv("kv_producer")], tmp_path / "p.log") as prefill:
-        first = httpx.post(
-            f"{prefill.url}/v1/completions",
-            json={"prompt": PROMPTS[2], "max_tokens": 1,
-                  "kv_transfer_params": {"do_remote_decode": True}},
-            timeout=60,
-        ).json()  # fmt: skip
-        params = first["kv_transfer_params"]
-        assert params["do_remote_prefill"] and params["remote_block_ids"]
-        os.kill(prefill.engine_pid(), signal.SIGKILL)
-        prefill.process.kill()
-        prefill.process.wait()
-    failures = _metrics(decode)["triode:kv_transfer_failures_total"]
-    answer = httpx.post(
-        f"{decode.url}/v1/completions",
-        json={"prompt": PROMPTS[2], "max_tokens": NEW_TOKENS, "temperature": 0,
-              "ignore_eos": True, "kv_transfer_params": params},
-        timeout=60,
-    ).json()  # fmt: skip
-    assert answer["choices"][0]["text"] == expected[2]
-    assert _metrics(decode)["triode:kv_transfer_failures_total"] == failures + 1
-    _settle(decode)
-
-
 def test_bad_transfer_params_are_a_400(instances: dict[str, Server]) -> None:
     decode = instances["decode"]
     for params, field in [
@@ -234,3 +206,35 @@ def test_bad_transfer_params_are_a_400(instances: dict[str, Server]) -> None:
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert field in error["message"] and error["param"] == "kv_transfer_params"
+
+
+def test_a_prefill_killed_before_the_transfer_makes_the_decode_recompute(
+    instances: dict[str, Server], expected: list[str]
+) -> None:
+    """Last in the module: it kills the TCP prefill instance."""
+    prefill, decode = instances["tcp"], instances["decode"]
+    first = httpx.post(
+        f"{prefill.url}/v1/completions",
+        json={
+            "prompt": PROMPTS[2],
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True},
+        },
+        timeout=60,
+    ).json()
+    params = first["kv_transfer_params"]
+    assert params["do_remote_prefill"] and params["remote_block_ids"]
+    engine = prefill.engine_pid()
+    prefill.process.kill()
+    os.kill(engine, signal.SIGKILL)
+    prefill.process.wait()
+    failures = _metrics(decode)["triode:kv_transfer_failures_total"]
+    answer = httpx.post(
+        f"{decode.url}/v1/completions",
+        json={"prompt": PROMPTS[2], "max_tokens": NEW_TOKENS, "temperature": 0,
+              "ignore_eos": True, "kv_transfer_params": params},
+        timeout=60,
+    ).json()  # fmt: skip
+    assert answer["choices"][0]["text"] == expected[2]
+    assert _metrics(decode)["triode:kv_transfer_failures_total"] == failures + 1
+    _settle(decode)
