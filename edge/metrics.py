@@ -118,6 +118,15 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST.encode()
 
 
+# two counters, then two gauges: (name, the engine's stat, help)
+_KV_TRANSFER_METRICS = (
+    ("triode:kv_transfer_failures", "kv_load_failures", "KV loads that failed."),
+    ("triode:kv_transfer_protocol_errors", "kv_protocol_errors", "Malformed KV messages."),
+    ("triode:kv_transfer_loading_reqs", "num_loading_reqs", "Requests loading KV."),
+    ("triode:kv_transfer_held_reqs", "num_held_reqs", "Finished requests holding KV."),
+)
+
+
 class _EngineCollector(Collector):
     """Counters the engine core keeps (cumulative there), exposed as of its last `get_stats`:
     where prompt tokens came from (vLLM's `prompt_tokens_by_source`) and the KV connector's
@@ -141,17 +150,8 @@ class _EngineCollector(Collector):
         ):
             by_source.add_metric([self.model_name, source], stats.get(key, 0))
         yield by_source
-        for name, key, doc in (
-            ("triode:kv_transfer_failures", "kv_load_failures", "KV loads that failed."),
-            ("triode:kv_transfer_protocol_errors", "kv_protocol_errors", "Malformed KV messages."),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=labels)
-            counter.add_metric([self.model_name], stats.get(key, 0))
-            yield counter
-        for name, key, doc in (
-            ("triode:kv_transfer_loading_reqs", "num_loading_reqs", "Requests loading KV."),
-            ("triode:kv_transfer_held_reqs", "num_held_reqs", "Finished requests holding KV."),
-        ):
-            gauge = GaugeMetricFamily(name, doc, labels=labels)
-            gauge.add_metric([self.model_name], stats.get(key, 0))
-            yield gauge
+        families = (CounterMetricFamily, CounterMetricFamily, GaugeMetricFamily, GaugeMetricFamily)
+        for family, (name, key, doc) in zip(families, _KV_TRANSFER_METRICS, strict=True):
+            metric = family(name, doc, labels=labels)
+            metric.add_metric([self.model_name], stats.get(key, 0))
+            yield metric

@@ -26,8 +26,6 @@ from typing import Any
 import httpx
 import msgspec
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve as hypercorn_serve
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from .app import _allow, _lifespan, _method_not_allowed, routed_path
@@ -45,7 +43,7 @@ from .http import (
     respond,
     respond_error,
 )
-from .server import _host, _on_signals
+from .server import serve_asgi
 
 log = logging.getLogger("triode.proxy")
 
@@ -445,33 +443,19 @@ async def serve_proxy(
     # trust_env=False: the instances are addressed directly, never through an HTTP(S)_PROXY.
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         proxy = Proxy(options, client)
-        config = Config()
-        config.bind = [f"{_host(options.host)}:{options.port}"]
-        config.graceful_timeout = options.graceful_timeout
-        config.accesslog = None
-        config.errorlog = logging.getLogger("hypercorn.error")
-        shutdown = trio.Event()
-        async with trio.open_nursery() as nursery:
-
-            async def run_server(task_status: trio.TaskStatus[list[str]]) -> None:
-                await hypercorn_serve(
-                    proxy,  # type: ignore[arg-type]
-                    config,
-                    shutdown_trigger=shutdown.wait,  # type: ignore[arg-type]
-                    task_status=task_status,
-                )
-                nursery.cancel_scope.cancel()  # drained: stop watching for signals
-
-            nursery.start_soon(_on_signals, shutdown, nursery.cancel_scope)
-            binds = await nursery.start(run_server)
-            for url in binds:
-                log.info(
-                    "proxying the OpenAI API on %s/v1: prefill on %s, decode on %s",
-                    url,
-                    ", ".join(options.prefill),
-                    ", ".join(options.decode),
-                )
-            task_status.started(binds)
+        await serve_asgi(
+            proxy,
+            host=options.host,
+            port=options.port,
+            graceful_timeout=options.graceful_timeout,
+            announce=lambda url: log.info(
+                "proxying the OpenAI API on %s/v1: prefill on %s, decode on %s",
+                url,
+                ", ".join(options.prefill),
+                ", ".join(options.decode),
+            ),
+            task_status=task_status,
+        )
     log.info("proxy stopped")
 
 

@@ -59,30 +59,56 @@ async def serve(
             engine.block_size,
         )
         app = App(engine, settings(engine))
-        config = Config()
-        config.bind = [f"{_host(options.host)}:{options.port}"]
-        config.root_path = options.root_path
-        config.graceful_timeout = options.graceful_timeout
-        config.accesslog = None
-        config.errorlog = logging.getLogger("hypercorn.error")
-        shutdown = trio.Event()
-        async with trio.open_nursery() as nursery:
-
-            async def run_server(task_status: trio.TaskStatus[list[str]]) -> None:
-                await hypercorn_serve(
-                    app,  # type: ignore[arg-type]
-                    config,
-                    shutdown_trigger=shutdown.wait,  # type: ignore[arg-type]
-                    task_status=task_status,
-                )
-                nursery.cancel_scope.cancel()  # drained: stop watching for signals
-
-            nursery.start_soon(_on_signals, shutdown, nursery.cancel_scope)
-            binds = await nursery.start(run_server)
-            for url in binds:
-                log.info("serving the OpenAI API on %s%s/v1", url, options.root_path)
-            task_status.started(binds)
+        await serve_asgi(
+            app,
+            host=options.host,
+            port=options.port,
+            root_path=options.root_path,
+            graceful_timeout=options.graceful_timeout,
+            announce=lambda url: log.info(
+                "serving the OpenAI API on %s%s/v1", url, options.root_path
+            ),
+            task_status=task_status,
+        )
         log.info("server stopped; stopping the engine core")
+
+
+async def serve_asgi(
+    app: Any,
+    *,
+    host: str,
+    port: int,
+    graceful_timeout: float,
+    root_path: str = "",
+    announce: Callable[[str], None] = lambda url: None,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the ASGI `app` in hypercorn's trio worker until SIGINT/SIGTERM (see
+    `_on_signals`) or cancellation; `announce(url)` for each bound URL, which `task_status`
+    gets too."""
+    config = Config()
+    config.bind = [f"{_host(host)}:{port}"]
+    config.root_path = root_path
+    config.graceful_timeout = graceful_timeout
+    config.accesslog = None
+    config.errorlog = logging.getLogger("hypercorn.error")
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+
+        async def run_server(task_status: trio.TaskStatus[list[str]]) -> None:
+            await hypercorn_serve(
+                app,
+                config,
+                shutdown_trigger=shutdown.wait,  # type: ignore[arg-type]
+                task_status=task_status,
+            )
+            nursery.cancel_scope.cancel()  # drained: stop watching for signals
+
+        nursery.start_soon(_on_signals, shutdown, nursery.cancel_scope)
+        binds = await nursery.start(run_server)
+        for url in binds:
+            announce(url)
+        task_status.started(binds)
 
 
 async def _on_signals(shutdown: trio.Event, scope: trio.CancelScope) -> None:
