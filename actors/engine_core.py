@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -44,6 +45,7 @@ from .config import EngineArgs
 from .executor import Executor, open_executor
 from .kv_connector import KVConnectorScheduler
 from .scheduler import Scheduler, SchedulerConfig
+from .structured_output import StructuredOutputManager
 from .vocabulary import out_of_vocabulary
 
 log = logging.getLogger(__name__)
@@ -64,6 +66,9 @@ class EngineCore:
     def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
         self.scheduler = scheduler
         self.executor = executor
+        self.structured = scheduler.structured
+        self._compiling: set[str] = set()  # constrained requests whose grammar is compiling
+        self.grammar_errors = 0
         self.protocol_errors = 0
         self.steps = 0
         self.overlapped_steps = 0  # steps submitted while an earlier one was in flight
@@ -75,6 +80,7 @@ class EngineCore:
 
     async def run(self, input_socket: Socket, output_socket: Socket) -> None:
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self._publish, output_socket)
             nursery.start_soon(self._receive, input_socket)
             await self._step_loop()
@@ -169,6 +175,7 @@ class EngineCore:
                 await self._add(payload)
             elif kind is EngineCoreRequestType.ABORT_REQUEST:
                 assert isinstance(payload, list)
+                self._compiling.difference_update(payload)
                 self.scheduler.abort_requests(payload)
             else:
                 assert isinstance(payload, UtilityCall)
@@ -183,6 +190,15 @@ class EngineCore:
             prompt=request.prompt_token_ids,
             params=request.sampling_params,
         )
+        if problem is None and request.sampling_params.structured_outputs is not None:
+            if self.structured is None:
+                problem = "structured_outputs: this model has no tokenizer.json to build grammars"
+            elif request.request_id in self._compiling:
+                problem = f"request id {request.request_id!r} is already in use"
+            else:
+                self._compiling.add(request.request_id)
+                self._nursery.start_soon(self._compile_then_add, request)
+                return
         rejected = (
             EngineCoreOutput(
                 request.request_id, finish_reason=FinishReason.ERROR, stop_reason=problem
@@ -190,6 +206,30 @@ class EngineCore:
             if problem
             else self.scheduler.add_request(request)
         )
+        await self._reject(request, rejected)
+
+    async def _compile_then_add(self, request: EngineCoreRequest) -> None:
+        """Compile a constrained request's grammar off the step loop, then queue the request;
+        one aborted meanwhile is dropped."""
+        assert self.structured is not None and request.sampling_params.structured_outputs
+        try:
+            grammar = await self.structured.compile(request.sampling_params.structured_outputs)
+        except ValueError as e:
+            self.grammar_errors += 1
+            rejected = EngineCoreOutput(
+                request.request_id, finish_reason=FinishReason.ERROR, stop_reason=str(e)
+            )
+        else:
+            rejected = None
+        if request.request_id not in self._compiling:  # aborted while compiling
+            return
+        self._compiling.discard(request.request_id)
+        if rejected is None:
+            rejected = self.scheduler.add_request(request, grammar)
+        await self._reject(request, rejected)
+        self._work.set()
+
+    async def _reject(self, request: EngineCoreRequest, rejected: EngineCoreOutput | None) -> None:
         if rejected is not None:
             outputs = EngineCoreOutputs(
                 outputs=[rejected],
@@ -280,6 +320,13 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                 tensor_parallel_size=args.tensor_parallel_size,
                 pipeline_parallel_size=args.pipeline_parallel_size,
             )
+        tokenizer_file = Path(executor.model_dir) / "tokenizer.json"
+        structured = None
+        if tokenizer_file.is_file():
+            eos_ids = [executor.eos_token_id, *executor.extra_eos_token_ids]
+            structured = StructuredOutputManager(
+                tokenizer_file, executor.vocab_size, [t for t in eos_ids if t is not None]
+            )
         scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=executor.num_kv_blocks,
@@ -290,6 +337,7 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                 enable_prefix_caching=args.enable_prefix_caching,
             ),
             connector,
+            structured,
         )
         await _await_subscribers(output_socket, ctx.options.get("num_clients", 1))
         await ctx.ready(

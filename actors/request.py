@@ -56,6 +56,7 @@ class Request:
         "block_hashes",
         "client_index",
         "eos_token_id",
+        "grammar",
         "kv_load_tried",
         "kv_transfer_params",
         "kv_transfer_params_out",
@@ -118,6 +119,8 @@ class Request:
         self.kv_transfer_params = kv_transfer_params
         self.kv_load_tried = False
         self.kv_transfer_params_out: dict[str, Any] | None = None
+        # the structured-output matcher (`structured_output.Grammar`) of a constrained request
+        self.grammar: Any = None
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest, seq: int) -> Request:

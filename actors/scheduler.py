@@ -15,6 +15,7 @@ import bisect
 import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from triode.wire.kv_transfer import KVConnectorOutput
 from triode.wire.messages import (
@@ -36,6 +37,9 @@ from triode.wire.step import (
 from .kv_cache import KVCacheBlock, KVCacheManager
 from .kv_connector import KVConnectorScheduler
 from .request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from .structured_output import Grammar, StructuredOutputManager
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,10 +64,14 @@ class Scheduler:
     engine calls it from one thread, and the runner works only on the `SchedulerOutput`."""
 
     def __init__(
-        self, config: SchedulerConfig, connector: KVConnectorScheduler | None = None
+        self,
+        config: SchedulerConfig,
+        connector: KVConnectorScheduler | None = None,
+        structured: StructuredOutputManager | None = None,
     ) -> None:
         self.config = config
         self.connector = connector
+        self.structured = structured
         self.kv_cache = KVCacheManager(
             config.num_blocks,
             config.block_size,
@@ -96,15 +104,24 @@ class Scheduler:
 
     # Intake
 
-    def add_request(self, request: EngineCoreRequest) -> EngineCoreOutput | None:
+    def add_request(
+        self, request: EngineCoreRequest, grammar: Grammar | None = None
+    ) -> EngineCoreOutput | None:
         """Queue a request, or return the error output that finishes it at once when it could
-        never run: a queued request that can never be scheduled would wait forever."""
+        never run: a queued request that can never be scheduled would wait forever.
+
+        A request with structured outputs comes with its compiled `grammar`."""
         error = self._admission_error(request)
+        if error is None and (request.sampling_params.structured_outputs is None) != (
+            grammar is None
+        ):
+            error = "structured_outputs: the request and its compiled grammar must come together"
         if error is not None:
             return EngineCoreOutput(
                 request.request_id, finish_reason=FinishReason.ERROR, stop_reason=error
             )
         req = Request.from_engine_core_request(request, self._seq)
+        req.grammar = grammar
         self._seq += 1
         self.requests[req.request_id] = req
         bisect.insort(self.waiting, req, key=_sort_key)
@@ -309,6 +326,7 @@ class Scheduler:
             # An engine may skip the runner for an empty step; the ids must not get lost there.
             out.finished_request_ids, self._runner_forget = self._runner_forget, []
         in_flight = {}
+        constrained: list[Request] = []
         for req, num_new in scheduled:
             start = req.num_computed_tokens
             entry = ScheduledRequest(
@@ -328,6 +346,12 @@ class Scheduler:
             )
             out.requests.append(entry)
             in_flight[req.request_id] = (req, entry)
+            if entry.sample and req.grammar is not None:
+                constrained.append(req)
+        if constrained:
+            assert self.structured is not None
+            out.grammar_request_ids = [req.request_id for req in constrained]
+            out.grammar_bitmask = self.structured.bitmask([req.grammar for req in constrained])
         if in_flight:
             self._in_flight[out.step] = in_flight
         return out
@@ -380,6 +404,8 @@ class Scheduler:
             req.append_output_token(result.token_id)
             new_token_ids.append(result.token_id)
             stop = self._check_stop(req)
+            if req.grammar is not None and stop is None:
+                stop = self._check_grammar(req, result.token_id)
             if stop is not None:
                 self.running.remove(req)
                 self._finish(req, stop)
@@ -410,6 +436,20 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         if req.num_tokens >= self.max_len:
             return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _check_grammar(self, req: Request, token_id: int) -> RequestStatus | None:
+        """Advance a constrained request's grammar; a token it refuses (its mask allowed only
+        the others) finishes the request with an error.
+
+        At the grammar's end the mask allows only end-of-sequence tokens, so the request stops
+        on one of those the next step, like any other; only an EOS that `ignore_eos` let
+        through stops it here."""
+        if not req.grammar.accept(token_id):
+            req.stop_reason = f"the output left its grammar: {req.grammar.error}"
+            return RequestStatus.FINISHED_ERROR
+        if req.grammar.finished and token_id == req.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
         return None
 
     # Queries

@@ -17,7 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from triode.edge.errors import APIError, validation_error
-from triode.wire import SamplingParams
+from triode.wire import SamplingParams, StructuredOutputsParams
 
 _MAX_TOKEN_ID = 2**31  # token ids are below this, on the wire and in every vocabulary
 _TokenId = Annotated[int, Meta(ge=0)]
@@ -31,7 +31,6 @@ _Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
 # Values of refused fields that ask for nothing beyond what triode does.
 _ACCEPTED: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
     # Without tools, "auto" means no tool calls: the same as "none".
     "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"),
@@ -128,15 +127,16 @@ class _GenerationRequest(_Body, kw_only=True):
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
     length_penalty: Any = None
-    # Accepted, refused when set (see `unsupported`).
+    # Structured output (see edge/structured.py).
     response_format: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: triode has one engine
+    # Accepted, refused when set (see `unsupported`).
     use_beam_search: Any = None
     truncate_prompt_tokens: Any = None
     bad_words: Any = None
@@ -147,14 +147,6 @@ class _GenerationRequest(_Body, kw_only=True):
     vllm_xargs: Any = None
 
     _REFUSED = {
-        "response_format": "structured output (response_format)",
-        "structured_outputs": "structured output",
-        "guided_json": "guided decoding",
-        "guided_regex": "guided decoding",
-        "guided_choice": "guided decoding",
-        "guided_grammar": "guided decoding",
-        "guided_decoding_backend": "guided decoding",
-        "guided_whitespace_pattern": "guided decoding",
         "use_beam_search": "beam search",
         "truncate_prompt_tokens": "prompt truncation",
         "bad_words": "bad_words",
@@ -334,7 +326,11 @@ def _decoder(kind: type[_RequestT]) -> msgspec.json.Decoder[_RequestT]:
 
 
 def sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, *, prompt_len: int, max_model_len: int
+    req: ChatCompletionRequest | CompletionRequest,
+    *,
+    prompt_len: int,
+    max_model_len: int,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """The engine's sampling parameters for `req`, whose prompt is `prompt_len` tokens long.
 
@@ -393,6 +389,7 @@ def sampling_params(
             allowed_token_ids=req.allowed_token_ids,
             skip_special_tokens=req.skip_special_tokens,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
+            structured_outputs=structured_outputs,
         )
     except ValueError as e:
         raise validation_error(e) from e

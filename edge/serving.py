@@ -25,7 +25,7 @@ from triode.actors import CompletionOutput, Engine, EngineDeadError, RequestErro
 from triode.actors.kv_connector import transfer_params_error
 from triode.actors.outputs import TokenLogprob
 from triode.actors.vocabulary import out_of_vocabulary
-from triode.wire import SamplingParams
+from triode.wire import SamplingParams, StructuredOutputsParams
 
 from .errors import APIError, error_body, validation_error
 from .http import ClientDisconnected, Request, encode_json, respond_json
@@ -53,6 +53,7 @@ from .protocol import (
     sampling_params,
 )
 from .sse import DONE, KEEPALIVE, SSE_HEADERS, event
+from .structured import check_structured, structured_outputs_of
 
 if TYPE_CHECKING:
     from .app import Settings
@@ -152,7 +153,10 @@ class Serving:
         except ValueError as e:
             raise validation_error(e) from e
         params = sampling_params(
-            req, prompt_len=len(token_ids), max_model_len=self.engine.max_model_len
+            req,
+            prompt_len=len(token_ids),
+            max_model_len=self.engine.max_model_len,
+            structured_outputs=await _structured(req),
         )
         self.check_token_ids(params=params)
         prompts = [_Prompt(token_ids, None)]
@@ -231,7 +235,10 @@ class Serving:
             raise APIError(400, "prompt: must not be empty", param="prompt")
         longest = max(prompts, key=lambda p: len(p.token_ids))
         params = sampling_params(
-            req, prompt_len=len(longest.token_ids), max_model_len=self.engine.max_model_len
+            req,
+            prompt_len=len(longest.token_ids),
+            max_model_len=self.engine.max_model_len,
+            structured_outputs=await _structured(req),
         )
         self.check_token_ids(params=params)
         _check_transfer_params(req.kv_transfer_params, prompts, params)
@@ -564,6 +571,17 @@ def _usage(prompts: list[_Prompt]) -> UsageInfo:
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached) if cached else None,
     )
+
+
+async def _structured(
+    req: ChatCompletionRequest | CompletionRequest,
+) -> StructuredOutputsParams | None:
+    found = structured_outputs_of(req)
+    if found is None:
+        return None
+    field, so = found
+    await check_structured(so, param=field)
+    return so
 
 
 def _check_transfer_params(

@@ -36,7 +36,7 @@ from .kv_connector import FinishedTransfers, KVConnectorWorker
 from .layers import cpu_weight_packing_supported, pack_cpu_weights, share_row_paths
 from .llama import head_dim, model_class
 from .loader import resolve_model
-from .sampler import Sampler, SamplingState, compute_logprobs
+from .sampler import Sampler, SamplingState, apply_token_bitmask, compute_logprobs
 
 # what steps with prompt tokens pad their dense products to (see layers.RowPaths.dense_min)
 DENSE_MIN_ROWS = 64
@@ -260,7 +260,12 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             if logits is not None:
                 states = [self._state(r.request_id) for r in sampling]
-                sampled = self.sampler(logits.float().cpu(), states)  # sampling is on the CPU
+                logits = logits.float().cpu()  # sampling is on the CPU
+                if sched.grammar_bitmask is not None:
+                    row_of = {r.request_id: i for i, r in enumerate(sampling)}
+                    rows = [row_of[request_id] for request_id in sched.grammar_request_ids]
+                    apply_token_bitmask(logits, rows, sched.grammar_bitmask)
+                sampled = self.sampler(logits, states)
                 picks = zip(sampled.token_ids, sampled.logprobs, strict=True)
                 tokens = dict(zip((r.request_id for r in sampling), picks, strict=True))
         results = []

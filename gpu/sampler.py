@@ -190,6 +190,26 @@ def compute_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, num_top: in
     return _gather_logprobs(torch.log_softmax(logits.float(), dim=-1), target_ids, num_top)
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
+    """Disallow, in place, the tokens a structured output's grammar does not allow next.
+
+    Row j of `bitmask` (int32 [len(rows), ceil(V / 32)], bit t of word w allowing token
+    32 w + t) constrains `logits[rows[j]]`; the runner applies it before sampling, so logprobs
+    describe the constrained distribution, as in vLLM.
+    """
+    if len(rows) != len(bitmask):
+        raise ValueError(f"{len(bitmask)} bitmask rows for {len(rows)} constrained rows")
+    vocab = logits.shape[1]
+    words = torch.from_numpy(bitmask).to(logits.device)
+    bits = (words.unsqueeze(-1) >> _BIT_SHIFTS.to(logits.device)) & 1
+    allowed = bits.view(len(rows), -1)[:, :vocab].bool()
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill_(~allowed, -math.inf)
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
 def process_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     """Apply allowed_token_ids, logit_bias, min_tokens and penalties to `logits`, in place.
 

@@ -41,6 +41,7 @@ from .messages import FinishReason as FinishReason
 from .messages import Logprobs as Logprobs
 from .messages import SamplingParams as SamplingParams
 from .messages import SchedulerStats as SchedulerStats
+from .messages import StructuredOutputsParams as StructuredOutputsParams
 from .messages import UtilityCall as UtilityCall
 from .messages import UtilityOutput as UtilityOutput
 from .shm_ring import RingClosed as RingClosed

@@ -42,6 +42,35 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
+class StructuredOutputsParams(msgspec.Struct, **_HOT):
+    """A constraint on a request's output: exactly one of the fields is set.
+
+    `json` is a JSON schema (as JSON text, so equal schemas compare equal as strings);
+    `grammar` is Lark, or GBNF when it contains `::=`; `json_object` asks for any JSON object.
+    """
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        chosen = [
+            self.json is not None,
+            self.regex is not None,
+            self.choice is not None,
+            self.grammar is not None,
+            self.json_object,
+        ]
+        _check(sum(chosen) == 1, "structured_outputs", "exactly one constraint must be set")
+        _check(
+            self.choice is None or (bool(self.choice) and all(self.choice)),
+            "choice",
+            "must be a non-empty list of non-empty strings",
+        )
+
+
 class SamplingParams(msgspec.Struct, **_HOT):
     """How to pick tokens for one request. Validated on construction and on decode."""
 
@@ -66,6 +95,7 @@ class SamplingParams(msgspec.Struct, **_HOT):
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # One chained test on the hot path (NaN fails every comparison); the field-by-field

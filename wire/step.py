@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 
 import msgspec
+import numpy as np
 
 from .kv_transfer import KVConnectorMetadata, KVConnectorOutput
 from .messages import _HOT, Logprobs, SamplingParams
@@ -46,6 +47,10 @@ class SchedulerOutput(msgspec.Struct, **_HOT):
     requests: list[ScheduledRequest] = []
     finished_request_ids: list[str] = []  # the runner forgets their state
     kv_connector_metadata: KVConnectorMetadata | None = None  # with a KV connector only
+    # Structured output: row i of the packed int32 bitmask [n, ceil(vocab / 32)] allows the
+    # next tokens of `grammar_request_ids[i]` (bit t of the row: token t).
+    grammar_request_ids: list[str] = []
+    grammar_bitmask: np.ndarray | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

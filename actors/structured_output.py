@@ -1,0 +1,165 @@
+"""Constrained decoding with llguidance: a request's `StructuredOutputsParams` become a grammar,
+the grammar a per-request matcher, and the matchers one token bitmask per step.
+
+The grammar is compiled off the step loop, in a worker thread, and cached by its text: an
+equal schema sent again copies a compiled matcher (`LLMatcher.deep_copy`) instead of building
+one. The scheduler asks for the bitmask of the requests that sample in a step (one packed row of
+`ceil(vocab / 32)` int32 words each, bit t of a row allowing token t), the runner applies it
+to the logits before sampling, and the scheduler feeds every sampled token back. A matcher that
+has reached the end of its grammar stops the request.
+
+llguidance was measured against xgrammar on the default model's vocabulary (`triode bench
+structured`): it compiles a schema in well under a millisecond where xgrammar takes tens, and
+fills masks in comparable time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+import trio
+
+from triode.wire.messages import StructuredOutputsParams
+
+log = logging.getLogger(__name__)
+
+# Compiled matchers kept for copying; a schema is a few KiB, a matcher about as much again.
+CACHE_SIZE = 256
+
+# JSON is generated compactly ("a": 1, "b": 2) rather than with free whitespace: a model that
+# may emit any whitespace can stall in it, and every byte of it costs a token.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+_JSON_OBJECT = '{"type": "object"}'
+
+
+def grammar_of(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar (its JSON form) for `params`. Raises ValueError("field: why")
+    for a constraint that cannot be parsed; whether it compiles is `check_grammar`'s job."""
+    try:
+        if params.json is not None or params.json_object:
+            schema = params.json if params.json is not None else _JSON_OBJECT
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        if params.regex is not None:
+            return llguidance.LLMatcher.grammar_from_regex(params.regex)
+        if params.choice is not None:
+            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+            return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        assert params.grammar is not None
+        lark = params.grammar
+        if "::=" in lark:  # GBNF, as llama.cpp and xgrammar take it
+            lark = llguidance.gbnf_to_lark.gbnf_to_lark(lark)
+        return llguidance.LLMatcher.grammar_from_lark(lark)
+    except (ValueError, TypeError, llguidance.gbnf_to_lark.GbnfToLarkError) as e:
+        raise ValueError(f"{_field(params)}: {e}") from e
+
+
+def check_grammar(params: StructuredOutputsParams) -> None:
+    """Raise ValueError("field: why") unless `params` compiles. CPU work proportional to the
+    schema: callers on an event loop run it in a thread."""
+    grammar = grammar_of(params)
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
+    if failed:
+        raise ValueError(f"{_field(params)}: {messages[0] if messages else 'invalid'}")
+
+
+def _field(params: StructuredOutputsParams) -> str:
+    for name in ("json", "regex", "choice", "grammar"):
+        if getattr(params, name) is not None:
+            return name
+    return "json_object"
+
+
+class Grammar:
+    """One request's matcher: the tokens it allows next, and where the output stands."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; False if the grammar does not allow it."""
+        return self.matcher.consume_token(token_id)
+
+    @property
+    def finished(self) -> bool:
+        """The grammar has ended (it allows nothing more, or an end-of-sequence token came)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str | None:
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+
+class StructuredOutputManager:
+    """The engine core's side: compiles grammars for one model's vocabulary, caches them, and
+    fills each step's bitmask."""
+
+    def __init__(self, tokenizer_file: Path, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.tokenizer_file = tokenizer_file
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.words = (vocab_size + 31) // 32  # int32 words per bitmask row
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer_lock = threading.Lock()
+        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self._executor: llguidance.LLExecutor | None = None
+        self.compiled = 0  # grammars built (cache misses)
+        self.cache_hits = 0
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(
+                    self.tokenizer_file.read_text(),
+                    n_vocab=self.vocab_size,
+                    eos_token=self.eos_token_ids or None,
+                )
+            return self._tokenizer
+
+    def compile_now(self, params: StructuredOutputsParams) -> Grammar:
+        """A fresh matcher for `params` (blocking: run it in a thread). Raises ValueError
+        ("field: why") for a grammar that does not compile."""
+        grammar = grammar_of(params)
+        with self._cache_lock:
+            cached = self._cache.get(grammar)
+            if cached is not None:
+                self._cache.move_to_end(grammar)
+                self.cache_hits += 1
+                return Grammar(cached.deep_copy())
+        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"{_field(params)}: {matcher.get_error()}")
+        with self._cache_lock:
+            self.compiled += 1
+            self._cache[grammar] = matcher
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return Grammar(matcher.deep_copy())
+
+    async def compile(self, params: StructuredOutputsParams) -> Grammar:
+        """`compile_now` in a worker thread, so the engine's loop goes on meanwhile."""
+        return await trio.to_thread.run_sync(self.compile_now, params, abandon_on_cancel=True)
+
+    def bitmask(self, grammars: Sequence[Grammar]) -> np.ndarray:
+        """The packed mask [len(grammars), words] of the tokens each grammar allows next,
+        computed in parallel (llguidance's own threads, without the GIL)."""
+        mask = np.empty((len(grammars), self.words), dtype=np.int32)
+        if len(grammars) == 1:
+            llguidance.numpy.fill_next_token_bitmask(grammars[0].matcher, mask, 0)
+            return mask
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        matchers = [(g.matcher, i) for i, g in enumerate(grammars)]
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, matchers, mask)
+        return mask
