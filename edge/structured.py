@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import msgspec
 import trio
 
 from triode.actors.structured_output import check_grammar
@@ -180,10 +179,7 @@ def _one(kind: str, value: Any, param: str) -> StructuredOutputsParams:
         return StructuredOutputsParams(choice=value)
     if not isinstance(value, str) or not value:
         raise APIError(400, f"{param}: must be a non-empty string", param=param)
-    try:
-        return msgspec.convert({kind: value}, StructuredOutputsParams)
-    except msgspec.ValidationError as e:
-        raise APIError(400, f"{param}: {e}", param=param) from e
+    return StructuredOutputsParams(**{kind: value})
 
 
 def _only(fields: dict[str, Any], allowed: set[str], param: str) -> None:

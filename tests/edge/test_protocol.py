@@ -321,8 +321,6 @@ CHAT_ERRORS = [
     ),
     (_body(messages=[USER], tools=[{"type": "function"}]), "tools"),
     (_body(messages=[USER], tool_choice="required"), "tool_choice"),
-    (_body(messages=[USER], response_format={"type": "json_object"}), "response_format"),
-    (_body(messages=[USER], guided_json={"type": "object"}), "guided_json"),
     (_body(messages=[USER], modalities=["text", "audio"]), "modalities"),
     (_body(messages=[USER], use_beam_search=True), "use_beam_search"),
     (_body(messages=[USER], chat_template="{{ 1 }}"), "chat_template"),
