@@ -273,6 +273,10 @@ class EngineCore:
             "worker_protocol_errors": self.executor.protocol_errors,
             "steps": self.steps,
             "overlapped_steps": self.overlapped_steps,
+            "grammars_compiling": len(self._compiling),
+            "grammars_compiled": self.structured.compiled if self.structured else 0,
+            "grammar_cache_hits": self.structured.cache_hits if self.structured else 0,
+            "grammar_errors": self.grammar_errors,
         }
 
     def sleep(self, level: int = 1) -> None:

@@ -15,6 +15,7 @@ import trio
 from reference import Reference
 
 from triode.actors import EngineDeadError, RequestError, SamplingParams, open_engine
+from triode.wire import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
 
@@ -210,6 +211,38 @@ async def test_cancel_mid_stream_frees_every_block(model_dir: Path, reference: R
             async for _ in outs:
                 break
         stats = await _wait_idle(engine)
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+async def test_structured_output_in_the_engine_core(model_dir: Path, reference: Reference) -> None:
+    """Grammars compile in the engine core (a bad one sent straight to it is an error output,
+    counted), a request aborted while its grammar compiles is dropped, and a schema sent twice
+    compiles once."""
+    prompt = reference.chat("Describe a cat as JSON.")
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 10}, "lives": {"enum": [1, 9]}},
+        "required": ["name", "lives"],
+        "additionalProperties": False,
+    }
+    so = StructuredOutputsParams(json=json.dumps(schema))
+    params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=so)
+    async with open_engine(str(model_dir), **F32) as engine:
+        with pytest.raises(RequestError, match=r"^regex: "):
+            await _generate(
+                engine,
+                prompt,
+                SamplingParams(structured_outputs=StructuredOutputsParams(regex="((")),
+            )
+        with trio.move_on_after(0.001):  # cancelled while its grammar compiles, or just after
+            await _generate(engine, prompt, params)
+        texts = [(await _generate(engine, prompt, params)).outputs[0].text for _ in range(2)]
+        assert texts[0] == texts[1]
+        value = json.loads(texts[0])
+        assert set(value) == {"name", "lives"} and value["lives"] in (1, 9)
+        stats = await _wait_idle(engine)
+        assert stats["grammars_compiling"] == 0 and stats["grammar_errors"] == 1
+        assert stats["grammars_compiled"] == 1 and stats["grammar_cache_hits"] >= 1
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
