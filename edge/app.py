@@ -3,14 +3,18 @@
 No framework: `App.__call__` takes raw ASGI messages. The path a request is routed on is the
 scope's path with the root path removed, and the authentication decision is taken on that same
 string, so no handler under `/v1` is reachable through a path the key check did not see.
-Generation endpoints live in `serving.py`.
+Generation endpoints live in `serving.py`, the Responses API in `responses.py`.
+
+Routes are exact paths, or paths with one `{response_id}` segment (`[^/]+`, matched on the same
+string as the key check); the segment reaches the handler as `scope["path_params"]`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from importlib.metadata import version
 
@@ -42,6 +46,7 @@ from .protocol import (
     TokenizeResponse,
     decode_request,
 )
+from .responses import Responses
 from .serving import Serving
 
 log = logging.getLogger(__name__)
@@ -60,6 +65,12 @@ class Settings:
     max_body_size: int = 16 << 20
     allowed_origins: list[str] = field(default_factory=list)
     keepalive_interval: float = 15.0
+    # the Responses API: MCP tool servers, and how long and how often the model may use them
+    tool_servers: list[str] = field(default_factory=list)
+    allow_request_tool_servers: bool = False
+    tool_call_timeout: float = 30.0
+    max_tool_turns: int = 8
+    max_stored_responses: int = 1000
 
 
 class App:
@@ -71,6 +82,7 @@ class App:
         self.model_name = settings.served_model_names[0]
         self.metrics = Metrics(self.model_name)
         self.serving = Serving(engine, settings, self.metrics)
+        self.responses = Responses(engine, settings, self.metrics, self.serving.check_model)
         self.draining = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -95,7 +107,7 @@ class App:
                 and not self.settings.api_keys.check(request.headers.get(b"authorization"))
             ):
                 raise APIError(401, "invalid or missing API key")
-            methods = ROUTES.get(path)
+            methods = match_route(scope, path)
             if methods is None:
                 raise APIError(404, f"no route for {path}")
             handler = methods.get(request.method)
@@ -105,7 +117,7 @@ class App:
         except APIError as e:
             headers = UNAUTHORIZED_HEADERS if e.status == 401 else None
             if e.status == 405:
-                headers = [(b"allow", _allow(ROUTES[path]))]
+                headers = [(b"allow", _allow(match_route(scope, path) or {}))]
             if e.status == 413:  # hypercorn closes a connection whose body was left unread
                 headers = [(b"connection", b"close")]
             if request.started:  # mid-response: nothing better to do than to end it
@@ -119,7 +131,7 @@ class App:
                 await respond_error(send, APIError(500, "internal server error"))
 
     async def _options(self, request: Request, cors: list[tuple[bytes, bytes]]) -> None:
-        methods = ROUTES.get(request.path)
+        methods = match_route(request.scope, request.path)
         if methods is None:
             raise APIError(404, f"no route for {request.path}")
         allow = _allow(methods)
@@ -225,6 +237,32 @@ class App:
     async def completions(self, request: Request) -> None:
         await self.serving.completions(request)
 
+    async def create_response(self, request: Request) -> None:
+        await self.responses.create(request)
+
+    async def retrieve_response(self, request: Request) -> None:
+        await self.responses.retrieve(request)
+
+    async def delete_response(self, request: Request) -> None:
+        await self.responses.delete(request)
+
+    async def cancel_response(self, request: Request) -> None:
+        await self.responses.cancel(request)
+
+
+@contextlib.asynccontextmanager
+async def open_app(engine: Engine, settings: Settings) -> AsyncIterator[App]:
+    """The app, with what outlives single requests: the MCP tool servers (connected here) and
+    the nursery that background responses run in. Leaving cancels the background responses
+    still running."""
+    app = App(engine, settings)
+    async with trio.open_nursery() as nursery:
+        await app.responses.start(nursery)
+        try:
+            yield app
+        finally:
+            nursery.cancel_scope.cancel()
+
 
 ROUTES: dict[str, dict[str, Handler]] = {
     "/health": {"GET": App.health},
@@ -235,7 +273,31 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/v1/completions": {"POST": App.completions},
     "/tokenize": {"POST": App.tokenize},
     "/detokenize": {"POST": App.detokenize},
+    "/v1/responses": {"POST": App.create_response},
 }
+
+# Routes with a path parameter, tried after the exact ones: (pattern, methods).
+PATTERN_ROUTES: list[tuple[re.Pattern[str], dict[str, Handler]]] = [
+    (
+        re.compile(r"/v1/responses/(?P<response_id>[^/]+)"),
+        {"GET": App.retrieve_response, "DELETE": App.delete_response},
+    ),
+    (re.compile(r"/v1/responses/(?P<response_id>[^/]+)/cancel"), {"POST": App.cancel_response}),
+]
+
+
+def match_route(scope: Scope, path: str) -> dict[str, Handler] | None:
+    """The methods served at `path`, or None; a pattern's parameters go to
+    `scope["path_params"]`."""
+    methods = ROUTES.get(path)
+    if methods is not None:
+        return methods
+    for pattern, methods in PATTERN_ROUTES:
+        match = pattern.fullmatch(path)
+        if match is not None:
+            scope["path_params"] = match.groupdict()
+            return methods
+    return None
 
 
 def routed_path(scope: Scope) -> str:

@@ -13,6 +13,7 @@ BENCHMARKS = {
     "wire": "triode.wire.bench",
     "throughput": "triode.edge.bench_throughput",
     "serve": "triode.edge.bench_serve",
+    "structured": "triode.edge.bench_structured",
     "collectives": "triode.gpu.bench_collectives",
     "kv-transfer": "triode.gpu.bench_kv_transfer",
 }
@@ -61,6 +62,31 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
         type=float,
         default=10.0,
         help="seconds in-flight requests get to finish on shutdown",
+    )
+    tools = serve.add_argument_group("tools (the Responses API's MCP tools)")
+    tools.add_argument(
+        "--tool-server",
+        action="append",
+        default=[],
+        metavar="URL[,URL...]",
+        help="an MCP server whose tools /v1/responses may use (repeatable, or comma-separated)",
+    )
+    tools.add_argument(
+        "--allow-request-tool-servers",
+        action="store_true",
+        help="let a request name an MCP server_url that is not configured here",
+    )
+    tools.add_argument(
+        "--tool-call-timeout",
+        type=float,
+        default=30.0,
+        help="seconds an MCP tool call may take before it is an error for the model",
+    )
+    tools.add_argument(
+        "--max-tool-turns",
+        type=int,
+        default=8,
+        help="rounds of MCP tool calls per response; then the model answers without tools",
     )
     engine = serve.add_argument_group("engine")
     engine.add_argument(
@@ -146,6 +172,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     from .app import Settings
     from .auth import ApiKeys, keys_from
+    from .mcp_tools import parse_tool_server_specs
     from .server import ServeOptions, serve
 
     logging.basicConfig(
@@ -160,6 +187,14 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise SystemExit("triode serve: --node-rank other than 0 runs with --headless")
     keys = keys_from(args.api_key, os.environ)
     max_body = parse_size(args.max_body_size)
+    if args.tool_call_timeout <= 0:
+        raise SystemExit("triode serve: --tool-call-timeout must be positive")
+    if args.max_tool_turns < 0:
+        raise SystemExit("triode serve: --max-tool-turns must not be negative")
+    try:
+        tool_servers = [s for v in args.tool_server for s in parse_tool_server_specs(v)]
+    except ValueError as e:
+        raise SystemExit(f"triode serve: --tool-server: {e}") from None
 
     def settings(engine: object) -> Settings:
         names = args.served_model_names or [_default_name(args.model, engine)]
@@ -168,6 +203,10 @@ def _run_serve(args: argparse.Namespace) -> int:
             api_keys=ApiKeys(keys),
             max_body_size=max_body,
             allowed_origins=args.allowed_origins,
+            tool_servers=tool_servers,
+            allow_request_tool_servers=args.allow_request_tool_servers,
+            tool_call_timeout=args.tool_call_timeout,
+            max_tool_turns=args.max_tool_turns,
         )
 
     if keys:
@@ -260,6 +299,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
     )
     if args.log_level != "debug":  # httpx logs every request to an instance at info
         logging.getLogger("httpx").setLevel(logging.WARNING)
+        logging.getLogger("httpx2").setLevel(logging.WARNING)
     keys = keys_from(args.api_key, os.environ)
     try:
         options = ProxyOptions(

@@ -31,8 +31,6 @@ _Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
 # Values of refused fields that ask for nothing beyond what triode does.
 _ACCEPTED: dict[str, tuple[Any, ...]] = {
-    # Without tools, "auto" means no tool calls: the same as "none".
-    "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"),
     "modalities": (["text"],),
 }
@@ -180,10 +178,11 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     include_reasoning: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
-    parallel_tool_calls: Any = None
-    # Accepted, refused when set (see `unsupported`).
+    # Tool calling (see edge/tools.py).
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # Accepted, refused when set (see `unsupported`).
     functions: Any = None
     function_call: Any = None
     modalities: Any = None
@@ -196,8 +195,6 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
 
     _REFUSED = {
         **_GenerationRequest._REFUSED,
-        "tools": "tool calling",
-        "tool_choice": "tool calling",
         "functions": "function calling",
         "function_call": "function calling",
         "modalities": "output other than text",
@@ -464,7 +461,7 @@ class ChatMessageOut(msgspec.Struct, kw_only=True):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
-    tool_calls: list[Any] = []
+    tool_calls: list[ToolCallOut] = []
 
 
 class ChatCompletionResponseChoice(msgspec.Struct, kw_only=True):
@@ -487,9 +484,33 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     kv_transfer_params: dict[str, Any] | None = None
 
 
+class FunctionCallOut(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(msgspec.Struct, kw_only=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] = []
 
 
 class ChatCompletionResponseStreamChoice(msgspec.Struct, kw_only=True):

@@ -23,7 +23,7 @@ from hypercorn.trio.tcp_server import TCPServer
 
 from triode.actors import open_engine
 
-from .app import App, Settings
+from .app import Settings, open_app
 
 log = logging.getLogger("triode.serve")
 
@@ -58,18 +58,18 @@ async def serve(
             engine.num_kv_blocks,
             engine.block_size,
         )
-        app = App(engine, settings(engine))
-        await serve_asgi(
-            app,
-            host=options.host,
-            port=options.port,
-            root_path=options.root_path,
-            graceful_timeout=options.graceful_timeout,
-            announce=lambda url: log.info(
-                "serving the OpenAI API on %s%s/v1", url, options.root_path
-            ),
-            task_status=task_status,
-        )
+        async with open_app(engine, settings(engine)) as app:
+            await serve_asgi(
+                app,
+                host=options.host,
+                port=options.port,
+                root_path=options.root_path,
+                graceful_timeout=options.graceful_timeout,
+                announce=lambda url: log.info(
+                    "serving the OpenAI API on %s%s/v1", url, options.root_path
+                ),
+                task_status=task_status,
+            )
         log.info("server stopped; stopping the engine core")
 
 

@@ -46,14 +46,31 @@ from .protocol import (
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCallOut,
     PromptTokenUsageInfo,
+    ToolCallOut,
     UsageInfo,
     decode_request,
     sampling_params,
 )
 from .sse import DONE, KEEPALIVE, SSE_HEADERS, event
-from .structured import check_structured, structured_outputs_of
+from .structured import check_structured, structured_from_grammar, structured_outputs_of
+from .tools import (
+    ContentDelta,
+    FunctionTool,
+    ToolCallStream,
+    ToolChoice,
+    call_grammar,
+    check_tool_messages,
+    parse_tool_calls,
+    parse_tool_choice,
+    parse_tools,
+    prepare_messages,
+    template_renders_tools,
+)
 
 if TYPE_CHECKING:
     from .app import Settings
@@ -142,13 +159,31 @@ class Serving:
         req = decode_request(body, ChatCompletionRequest)
         self.check_model(req.model)
         self._check_alive()
+        messages = msgspec.to_builtins(req.messages)
+        tools = _ChatTools.of(req, messages)
+        template_kwargs = req.chat_template_kwargs
+        structured = await _structured(req)
+        if tools is not None:
+            template = self.engine.intake.chat_template
+            renders = template is not None and template_renders_tools(template.source)
+            messages, extra = tools.prepare(messages, renders_tools=renders)
+            template_kwargs = {**extra, **(template_kwargs or {})}
+            if tools.grammar is not None:
+                if structured is not None:
+                    raise APIError(
+                        400,
+                        "tool_choice: a required or named tool choice cannot be combined with "
+                        "a structured output constraint",
+                        param="tool_choice",
+                    )
+                structured = structured_from_grammar(tools.grammar)
         try:
             _, token_ids = await self.engine.intake.encode_chat(
-                msgspec.to_builtins(req.messages),
+                messages,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 add_special_tokens=req.add_special_tokens,
-                template_kwargs=req.chat_template_kwargs,
+                template_kwargs=template_kwargs,
             )
         except ValueError as e:
             raise validation_error(e) from e
@@ -156,30 +191,34 @@ class Serving:
             req,
             prompt_len=len(token_ids),
             max_model_len=self.engine.max_model_len,
-            structured_outputs=await _structured(req),
+            structured_outputs=structured,
         )
         self.check_token_ids(params=params)
         prompts = [_Prompt(token_ids, None)]
         _check_transfer_params(req.kv_transfer_params, prompts, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            chat_stream = _ChatStream(self, req, request_id, prompts[0])
+            chat_stream = _ChatStream(self, req, request_id, prompts[0], tools)
             await self._stream(
                 request, prompts, params, request_id, chat_stream, req.kv_transfer_params
             )
             return
         await self._generate(request, prompts, params, request_id, None, req.kv_transfer_params)
         prompt = prompts[0]
-        choices = [
-            ChatCompletionResponseChoice(
-                index=c.index,
-                message=ChatMessageOut(content=c.text),
-                logprobs=self._chat_logprobs(c.logprobs, req.top_logprobs or 0),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in prompt.choices:
+            message, finish_reason = ChatMessageOut(content=c.text), c.finish_reason
+            if tools is not None:
+                message, finish_reason = tools.message(c.text, c.finish_reason)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self._chat_logprobs(c.logprobs, req.top_logprobs or 0),
+                    finish_reason=finish_reason,
+                    stop_reason=c.stop_reason,
+                )
             )
-            for c in prompt.choices
-        ]
         response = ChatCompletionResponse(
             id=request_id,
             model=self.model_name,
@@ -488,10 +527,20 @@ class _ChatStream(_StreamFormatter):
     envelope = ChatCompletionStreamResponse
 
     def __init__(
-        self, serving: Serving, req: ChatCompletionRequest, request_id: str, prompt: _Prompt
+        self,
+        serving: Serving,
+        req: ChatCompletionRequest,
+        request_id: str,
+        prompt: _Prompt,
+        tools: _ChatTools | None = None,
     ) -> None:
         super().__init__(serving, req, request_id, [prompt])
         self.req = req
+        self.tools = tools
+        # per choice: the tool-call parser of its text, and whether it made a call
+        calls = tools is not None and tools.calls
+        self.parsers = [ToolCallStream(tools.tools) for _ in range(self.n)] if calls else []
+        self.called = [False] * self.n
 
     def opening(self) -> list[bytes]:
         first = [
@@ -508,15 +557,47 @@ class _ChatStream(_StreamFormatter):
         for c in out.outputs:
             if not (c.text or c.token_ids or c.finish_reason):
                 continue
+            delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
+            if self.parsers:
+                delta, finish_reason = self._tool_delta(c.index, c.text, c.finish_reason)
             choice = ChatCompletionResponseStreamChoice(
                 index=c.index,
-                delta=DeltaMessage(content=c.text),
+                delta=delta,
                 logprobs=self.serving._chat_logprobs(c.logprobs, self.req.top_logprobs or 0),
-                finish_reason=c.finish_reason,
+                finish_reason=finish_reason,
                 stop_reason=c.stop_reason,
             )
             result.append(self._chunk([choice], usage))
         return result
+
+    def _tool_delta(
+        self, index: int, text: str, finish_reason: str | None
+    ) -> tuple[DeltaMessage, str | None]:
+        """The delta of a choice whose text may hold tool calls: content outside them, and
+        each call's id and name first, then its arguments."""
+        parser = self.parsers[index]
+        events = parser.feed(text) if text else []
+        if finish_reason is not None:
+            events += parser.finish()
+        delta = DeltaMessage(content="")
+        content = []
+        for e in events:
+            if isinstance(e, ContentDelta):
+                content.append(e.text)
+                continue
+            self.called[index] = True
+            delta.tool_calls.append(
+                DeltaToolCall(
+                    index=e.index,
+                    id=e.id,
+                    type="function" if e.id is not None else None,
+                    function=DeltaFunctionCall(name=e.name, arguments=e.arguments),
+                )
+            )
+        delta.content = "".join(content) if content or not delta.tool_calls else None
+        if finish_reason == "stop" and self.called[index]:
+            finish_reason = "tool_calls"
+        return delta, finish_reason
 
 
 class _CompletionStream(_StreamFormatter):
@@ -571,6 +652,53 @@ def _usage(prompts: list[_Prompt]) -> UsageInfo:
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached) if cached else None,
     )
+
+
+@dataclass
+class _ChatTools:
+    """A chat request's tools: how its prompt describes them and how its output is read."""
+
+    tools: list[FunctionTool]
+    choice: ToolChoice
+    grammar: str | None  # forcing a call, for a required or named choice
+
+    @classmethod
+    def of(cls, req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> _ChatTools | None:
+        """None for a request with neither tools nor tool messages: nothing changes for it."""
+        check_tool_messages(messages)
+        history = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+        if req.tools is None and req.tool_choice is None and not history:
+            return None
+        tools = parse_tools(req.tools) if req.tools is not None else []
+        choice = parse_tool_choice(req.tool_choice, tools)
+        parallel = req.parallel_tool_calls is not False
+        return cls(tools, choice, call_grammar(tools, choice, parallel=parallel))
+
+    def prepare(
+        self, messages: list[dict[str, Any]], *, renders_tools: bool
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        return prepare_messages(messages, self.tools, self.choice, renders_tools=renders_tools)
+
+    @property
+    def calls(self) -> bool:
+        """Whether the answer may call tools."""
+        return bool(self.tools) and self.choice.mode != "none"
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[ChatMessageOut, str | None]:
+        """The assistant message of a whole answer, its calls taken out of its text."""
+        if not self.calls:
+            return ChatMessageOut(content=text), finish_reason
+        content, calls = parse_tool_calls(text, self.tools)
+        message = ChatMessageOut(
+            content=content or None,
+            tool_calls=[
+                ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                for c in calls
+            ],
+        )
+        if calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return message, finish_reason
 
 
 async def _structured(

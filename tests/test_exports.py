@@ -10,6 +10,7 @@ WIRE = {
     "EngineCoreOutput", "EngineCoreOutputs", "EngineCoreRequest", "EngineCoreRequestType",
     "Error", "FinishReason", "Hello", "InputDecoder", "InputPayload", "Logprobs",
     "OutputDecoder", "PROTOCOL_VERSION", "ProtocolError", "Ready", "SamplingParams",
+    "StructuredOutputsParams",
     "SchedulerStats", "Shutdown", "Socket", "UtilityCall", "UtilityOutput", "encode_input",
     "encode_output", "topic_for", "ModelRunnerOutput", "NewRequestData", "RequestStepResult",
     "ScheduledRequest", "SchedulerOutput", "WorkerMessageType", "RingClosed", "RingHandle",

@@ -319,8 +319,6 @@ CHAT_ERRORS = [
         _body(messages=[{"role": "user", "content": [{"type": "text"}]}]),
         "messages[0].content[0].text",
     ),
-    (_body(messages=[USER], tools=[{"type": "function"}]), "tools"),
-    (_body(messages=[USER], tool_choice="required"), "tool_choice"),
     (_body(messages=[USER], modalities=["text", "audio"]), "modalities"),
     (_body(messages=[USER], use_beam_search=True), "use_beam_search"),
     (_body(messages=[USER], chat_template="{{ 1 }}"), "chat_template"),
