@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import msgspec
 
@@ -108,3 +109,21 @@ def _default_type(status: int) -> str:
     if status in _TYPES:
         return _TYPES[status]
     return "InternalServerError" if status >= 500 else "BadRequestError"
+
+
+def engine_error(error: BaseException) -> APIError:
+    """The client's answer when the engine refused or could not run a request: 503 for a dead
+    engine, 400 for a refused request, else 500."""
+    from triode.actors import EngineDeadError, RequestError
+
+    if isinstance(error, EngineDeadError):
+        return APIError(503, f"the engine is not running: {error}")
+    if isinstance(error, RequestError):
+        return validation_error(error)
+    return APIError(500, f"generation failed: {error}")
+
+
+def check_engine_alive(engine: Any) -> None:
+    """A 503 unless the engine is running."""
+    if engine.dead is not None:
+        raise APIError(503, f"the engine is not running: {engine.dead}")

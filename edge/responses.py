@@ -29,7 +29,7 @@ import trio
 from triode.actors import Engine, EngineDeadError, RequestError
 from triode.wire import SamplingParams
 
-from .errors import APIError, validation_error
+from .errors import APIError, check_engine_alive, engine_error, validation_error
 from .http import JSON, ClientDisconnected, Request, respond, respond_json
 from .mcp_tools import ToolServers
 from .metrics import Metrics
@@ -95,8 +95,7 @@ class Responses:
         body = await request.read_body(self.settings.max_body_size)
         req = decode_responses_request(body)
         self.check_model(req.model)
-        if self.engine.dead is not None:
-            raise APIError(503, f"the engine is not running: {self.engine.dead}")
+        check_engine_alive(self.engine)
         plan = await plan_response(
             req, engine=self.engine, store=self.store, tool_servers=self.tool_servers,
             model_name=self.model_name, max_tool_turns=self.settings.max_tool_turns,
@@ -307,7 +306,7 @@ class Responses:
                     ids, params, request_id, out, parser, flush
                 )
             except (RequestError, EngineDeadError, RuntimeError) as e:
-                return self._fail(out, _api_error(e))
+                return self._fail(out, engine_error(e))
             produced += generated
             ids = None
             if reason == "length":
@@ -465,11 +464,3 @@ def _assistant_message(plan: Plan, turn: Turn) -> dict[str, Any]:
         calls.append({"id": call_id, "type": "function",
                       "function": {"name": name, "arguments": c.arguments}})  # fmt: skip
     return {"role": "assistant", "content": turn.text or None, "tool_calls": calls}
-
-
-def _api_error(error: BaseException) -> APIError:
-    if isinstance(error, EngineDeadError):
-        return APIError(503, f"the engine is not running: {error}")
-    if isinstance(error, RequestError):
-        return validation_error(error)
-    return APIError(500, f"generation failed: {error}")

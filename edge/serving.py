@@ -27,7 +27,7 @@ from triode.actors.outputs import TokenLogprob
 from triode.actors.vocabulary import out_of_vocabulary
 from triode.wire import SamplingParams, StructuredOutputsParams
 
-from .errors import APIError, error_body, validation_error
+from .errors import APIError, check_engine_alive, engine_error, error_body, validation_error
 from .http import ClientDisconnected, Request, encode_json, respond_json
 from .metrics import Metrics
 from .protocol import (
@@ -148,17 +148,13 @@ class Serving:
         if problem is not None:
             raise validation_error(ValueError(problem))
 
-    def _check_alive(self) -> None:
-        if self.engine.dead is not None:
-            raise APIError(503, f"the engine is not running: {self.engine.dead}")
-
     # Chat
 
     async def chat(self, request: Request) -> None:
         body = await request.read_body(self.settings.max_body_size)
         req = decode_request(body, ChatCompletionRequest)
         self.check_model(req.model)
-        self._check_alive()
+        check_engine_alive(self.engine)
         messages = msgspec.to_builtins(req.messages)
         tools = _ChatTools.of(req, messages)
         template_kwargs = req.chat_template_kwargs
@@ -260,7 +256,7 @@ class Serving:
         body = await request.read_body(self.settings.max_body_size)
         req = decode_request(body, CompletionRequest)
         self.check_model(req.model)
-        self._check_alive()
+        check_engine_alive(self.engine)
         intake = self.engine.intake
         prompts = []
         for p in req.prompts():
@@ -429,7 +425,7 @@ class Serving:
         if disconnected:
             raise ClientDisconnected
         if failure is not None:
-            raise _api_error(failure)
+            raise engine_error(failure)
 
     def _observe(self, prompt: _Prompt) -> None:
         now = time.perf_counter()
@@ -724,11 +720,3 @@ def _check_transfer_params(
         problem = "kv_transfer_params: work with one prompt and n = 1 only"
     if problem is not None:
         raise APIError(400, problem, param="kv_transfer_params")
-
-
-def _api_error(error: BaseException) -> APIError:
-    if isinstance(error, EngineDeadError):
-        return APIError(503, f"the engine is not running: {error}")
-    if isinstance(error, RequestError):
-        return validation_error(error)
-    return APIError(500, f"generation failed: {error}")
