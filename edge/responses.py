@@ -374,6 +374,9 @@ class Responses:
                         _route(out, parser.feed(choice.text))
                     reason = choice.finish_reason or reason
                     await flush()
+                    if parser is not None and parser.ended:
+                        reason = "stop"  # a repeated call ends the turn: stop generating
+                        break
             if parser is not None:
                 _route(out, parser.finish())
         finally:

@@ -196,10 +196,14 @@ class Serving:
         if req.stream:
             chat_stream = _ChatStream(self, req, request_id, prompts[0], tools)
             await self._stream(
-                request, prompts, params, request_id, chat_stream, req.kv_transfer_params
-            )
+                request, prompts, params, request_id, chat_stream, req.kv_transfer_params,
+                stop_when=chat_stream.ended if chat_stream.parsers else None,
+            )  # fmt: skip
             return
-        await self._generate(request, prompts, params, request_id, None, req.kv_transfer_params)
+        watch = None if tools is None or not tools.calls else _RepeatWatch(tools.tools, params.n)
+        await self._generate(
+            request, prompts, params, request_id, None, req.kv_transfer_params, stop_when=watch
+        )
         prompt = prompts[0]
         choices = []
         for c in prompt.choices:
@@ -357,9 +361,12 @@ class Serving:
         request_id: str,
         on_output: Callable[[int, RequestOutput], Awaitable[None]] | None,
         kv_transfer_params: dict[str, Any] | None = None,
+        stop_when: Callable[[int, RequestOutput], bool] | None = None,
     ) -> None:
         """Run every prompt's generation to its end (or the client's disconnect), folding each
-        delta into its `_Prompt` and then calling `on_output(prompt index, delta)`.
+        delta into its `_Prompt` and then calling `on_output(prompt index, delta)`. A prompt
+        for which `stop_when(prompt index, delta)` turns true is aborted there, and its
+        unfinished choices end with "stop".
 
         Raises `ClientDisconnected`, or an `APIError` for a refused request (400) or a dead
         engine (503).
@@ -369,6 +376,7 @@ class Serving:
         ](0)
         failure: BaseException | None = None
         disconnected = False
+        scopes = [trio.CancelScope() for _ in prompts]
 
         async def produce(index: int, prompt: _Prompt, channel: trio.MemorySendChannel) -> None:  # type: ignore[type-arg]
             rid = request_id if len(prompts) == 1 else f"{request_id}-{index}"
@@ -381,9 +389,10 @@ class Serving:
                         delta=True,
                         kv_transfer_params=kv_transfer_params,
                     )
-                    async with aclosing(generation) as outputs:
-                        async for out in outputs:
-                            await channel.send((index, out))
+                    with scopes[index]:
+                        async with aclosing(generation) as outputs:
+                            async for out in outputs:
+                                await channel.send((index, out))
                 except (RequestError, EngineDeadError, RuntimeError) as e:
                     await channel.send(e)
 
@@ -416,11 +425,17 @@ class Serving:
                         failure = item
                         break
                     index, out = item
-                    prompts[index].take(out)
+                    prompt = prompts[index]
+                    prompt.take(out)
                     if out.finished:
-                        self._observe(prompts[index])
+                        self._observe(prompt)
                     if on_output is not None:
                         await on_output(index, out)
+                    if not out.finished and stop_when is not None and stop_when(index, out):
+                        scopes[index].cancel()
+                        for c in prompt.choices:
+                            c.finish_reason = c.finish_reason or "stop"
+                        self._observe(prompt)
             nursery.cancel_scope.cancel()
         if disconnected:
             raise ClientDisconnected
@@ -448,6 +463,7 @@ class Serving:
         request_id: str,
         formatter: _StreamFormatter,
         kv_transfer_params: dict[str, Any] | None = None,
+        stop_when: Callable[[int, RequestOutput], bool] | None = None,
     ) -> None:
         send = request.send
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
@@ -464,7 +480,7 @@ class Serving:
         await write(formatter.opening())
         try:
             await self._generate(
-                request, prompts, params, request_id, on_output, kv_transfer_params
+                request, prompts, params, request_id, on_output, kv_transfer_params, stop_when
             )
         except APIError as e:
             await write([event(error_body(e))])
@@ -537,6 +553,11 @@ class _ChatStream(_StreamFormatter):
         calls = tools is not None and tools.calls
         self.parsers = [ToolCallStream(tools.tools) for _ in range(self.n)] if calls else []
         self.called = [False] * self.n
+        self.closed = [False] * self.n  # a repeated call ended the choice; its rest is dropped
+
+    def ended(self, index: int, out: RequestOutput) -> bool:
+        """Whether every choice has ended on a repeated call (the generation can stop)."""
+        return all(p.ended for p in self.parsers)
 
     def opening(self) -> list[bytes]:
         first = [
@@ -555,6 +576,8 @@ class _ChatStream(_StreamFormatter):
                 continue
             delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
             if self.parsers:
+                if self.closed[c.index]:
+                    continue
                 delta, finish_reason = self._tool_delta(c.index, c.text, c.finish_reason)
             choice = ChatCompletionResponseStreamChoice(
                 index=c.index,
@@ -591,6 +614,9 @@ class _ChatStream(_StreamFormatter):
                 )
             )
         delta.content = "".join(content) if content or not delta.tool_calls else None
+        if parser.ended:
+            self.closed[index] = True
+            finish_reason = "stop"
         if finish_reason == "stop" and self.called[index]:
             finish_reason = "tool_calls"
         return delta, finish_reason
@@ -695,6 +721,20 @@ class _ChatTools:
         if calls and finish_reason == "stop":
             finish_reason = "tool_calls"
         return message, finish_reason
+
+
+class _RepeatWatch:
+    """Reads a whole (not streamed) chat answer's calls as they come, to stop its generation
+    once every choice has repeated a call (which ends an answer: see `edge/tools.py`)."""
+
+    def __init__(self, tools: list[FunctionTool], n: int) -> None:
+        self.parsers = [ToolCallStream(tools) for _ in range(n)]
+
+    def __call__(self, index: int, out: RequestOutput) -> bool:
+        for c in out.outputs:
+            if c.text:
+                self.parsers[c.index].feed(c.text)
+        return all(p.ended for p in self.parsers)
 
 
 async def _structured(

@@ -23,7 +23,10 @@ result reaches the model as a user message:
 Qwen models' own templates, and it is the only one read back: in an answer, each block holding a
 JSON object with the name of an offered function and an object of `arguments` is a call, and
 everything outside the calls is the message content. A block that is not such a call stays in the
-content as text; so does an unclosed one, unless it ends the answer after a complete call. With
+content as text; so does an unclosed one, unless it ends the answer after a complete call. A call
+that repeats an earlier one of the same answer (same function, same arguments) ends the answer:
+it and everything after it are dropped, and the server stops the generation there, since a model
+that starts repeating itself would otherwise call the same function until `max_tokens`. With
 `tool_choice` "required" or a named function, decoding is constrained to such blocks, the
 arguments match the function's JSON schema, and JSON is written as `json.dumps` writes it.
 """
@@ -415,7 +418,8 @@ class ToolCallStream:
     `<tool_call>` and whitespace that may end the content. A block is held until it is known to
     be a call or not; a call then yields its id and name and, in the same batch, its arguments
     (compact JSON, as `parse_tool_calls` gives them), and a block that is no call yields its
-    opening tag as content, the text after it read again.
+    opening tag as content, the text after it read again. A call that repeats an earlier one
+    ends the answer (`ended`): it and all that follows are dropped.
     """
 
     def __init__(self, tools: list[FunctionTool]) -> None:
@@ -425,16 +429,22 @@ class ToolCallStream:
         self._space = ""  # whitespace after the content so far
         self._started = False
         self._calls = 0
+        self._seen: set[tuple[str, str]] = set()
+        self.ended = False  # a repeated call ended the answer; what follows is dropped
         self._events: list[StreamEvent] = []
         self._reset_block()
 
     def feed(self, delta: str) -> list[StreamEvent]:
         """The events that `delta`, appended to the answer, decides."""
+        if self.ended:
+            return []
         self._text += delta
         return self._advance(final=False)
 
     def finish(self) -> list[StreamEvent]:
         """The events of the held text, at the end of the answer."""
+        if self.ended:
+            return []
         return self._advance(final=True)
 
     def _reset_block(self) -> None:
@@ -467,6 +477,11 @@ class ToolCallStream:
                 self._content(_OPEN)
                 continue
             assert self._call is not None
+            if self._call in self._seen:
+                self.ended = True
+                self._text = ""
+                break
+            self._seen.add(self._call)
             name, arguments = self._call
             index, self._calls = self._calls, self._calls + 1
             call_id = f"call_{secrets.token_hex(12)}"

@@ -550,9 +550,23 @@ def test_calls_are_read_out_of_an_answer(
 
 
 def test_each_call_gets_a_fresh_id() -> None:
-    _, calls = parse_tool_calls(_call("now", {}) + _call("now", {}), TOOLS)
+    _, calls = parse_tool_calls(_call("now", {}) + _call("now", {"tz": "UTC"}), TOOLS)
     assert all(re.fullmatch(r"call_[0-9a-f]{24}", c.id) for c in calls)
     assert calls[0].id != calls[1].id
+
+
+def test_a_repeated_call_ends_the_answer() -> None:
+    paris, rome = _call("get_weather", {"city": "Paris"}), _call("get_weather", {"city": "Rome"})
+    text = "Checking.\n" + paris + "\n" + rome + "\n" + paris + "\nAnd more " + rome
+    content, calls = parse_tool_calls(text, TOOLS)
+    assert (content, _plain(calls)) == ("Checking.", [
+        ("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Rome"}'),
+    ])  # fmt: skip
+    stream = ToolCallStream(TOOLS)
+    assert len(stream.feed(paris + "\n")) == 2 and not stream.ended
+    # the same arguments written with other spacing are the same call
+    assert stream.feed(paris.replace(": ", ":") + "more") == [] and stream.ended
+    assert stream.feed(rome) == [] and stream.finish() == []
 
 
 def test_the_stream_passes_content_on_at_once_and_holds_a_possible_tag() -> None:
@@ -597,6 +611,7 @@ SAMPLES = [
     "a < b and c <<tool_call>\n"
     + '{"name":"get_weather",  "arguments":{"city":"Rome"}}   \n  </tool_call>',
     '<tool_call>\n{"name": "now", "arguments": {"x": "unterminated\n"}}\n</tool_call> tail',
+    "Twice: " + WEATHER_CALL + " " + _call("now", {}) + WEATHER_CALL + " and text " + WEATHER_CALL,
 ]
 
 

@@ -1,12 +1,15 @@
 """Structured output and tool calling through `triode serve` on the real default model, driven
 by the `openai` client: constrained answers parse and validate on many prompts and seeds,
-streamed or not, and bad constraints are 400s that leave the engine untouched."""
+streamed or not; required and named tool calls match their functions' schemas, stream as deltas
+that reassemble, and feed a next turn; and bad constraints, tools and tool messages are 400s that
+leave the engine untouched."""
 
 from __future__ import annotations
 
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import jsonschema
@@ -133,5 +136,141 @@ def test_bad_constraints_are_400s_before_the_engine(server: Server) -> None:
                 max_tokens=4,
                 extra_body=extra,
             )
+        assert caught.value.body["param"] == param, caught.value.body  # type: ignore[index]
+    assert _idle(server)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 40}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a time zone",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "Europe/Paris", "Asia/Tokyo"]}},
+            "required": ["zone"],
+        },
+    },
+}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def _checked_calls(calls: list[Any] | None) -> list[tuple[str, dict[str, Any]]]:
+    """The (name, arguments) of each call, each checked against its function's schema."""
+    assert calls, "no tool calls"
+    found = []
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
+        found.append((call.function.name, arguments))
+    assert len({c.id for c in calls}) == len(calls)
+    return found
+
+
+def test_a_required_choice_calls_valid_tools_and_stops_before_repeating(server: Server) -> None:
+    client = _client(server)
+    for seed in (None, 3, 5):
+        answer = client.chat.completions.create(
+            model=SERVED_NAME, messages=ASK_WEATHER, tools=[WEATHER, CLOCK],
+            tool_choice="required", max_tokens=400, temperature=0 if seed is None else 1.0,
+            seed=seed,
+        )  # type: ignore[call-overload]  # fmt: skip
+        [choice] = answer.choices
+        assert choice.finish_reason == "tool_calls", choice
+        calls = _checked_calls(choice.message.tool_calls)
+        # the small model repeats calls when let; a repeat ends the answer, not max_tokens
+        assert len({json.dumps(c, sort_keys=True) for c in calls}) == len(calls)
+        assert answer.usage is not None and answer.usage.completion_tokens < 400
+    assert _idle(server)
+
+
+def test_a_named_call_streams_deltas_that_reassemble_to_the_whole_answer(server: Server) -> None:
+    client = _client(server)
+    body: dict[str, Any] = {
+        "model": SERVED_NAME, "messages": ASK_WEATHER, "tools": [WEATHER, CLOCK],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 60, "temperature": 0,
+    }  # fmt: skip
+    whole = client.chat.completions.create(**body).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    [(name, arguments)] = _checked_calls(whole.message.tool_calls)
+    assert name == "get_weather"
+
+    parts: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(stream=True, **body):
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or ():
+                part = parts.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+                part["id"] += d.id or ""
+                part["name"] += (d.function and d.function.name) or ""
+                part["arguments"] += (d.function and d.function.arguments) or ""
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [(p["name"], json.loads(p["arguments"])) for p in parts.values()] == [(name, arguments)]
+    assert parts[0]["id"].startswith("call_")
+
+
+def test_a_tool_result_reaches_the_next_turn(server: Server) -> None:
+    client = _client(server)
+    first = client.chat.completions.create(
+        model=SERVED_NAME, messages=ASK_WEATHER, tools=[WEATHER],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=60, temperature=0,
+    ).choices[0].message  # fmt: skip
+    [call] = first.tool_calls or []
+    history = [
+        *ASK_WEATHER,
+        first.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 31}'},
+    ]  # fmt: skip
+    second = client.chat.completions.create(
+        model=SERVED_NAME, messages=history, tools=[WEATHER], tool_choice="none",  # type: ignore[arg-type]
+        max_tokens=40, temperature=0,
+    ).choices[0]  # fmt: skip
+    assert not second.message.tool_calls and second.finish_reason in ("stop", "length")
+    assert second.message.content and "31" in second.message.content
+
+    auto = client.chat.completions.create(
+        model=SERVED_NAME, messages=history, tools=[WEATHER], max_tokens=60,  # type: ignore[arg-type]
+        temperature=0,
+    ).choices[0]  # fmt: skip
+    assert auto.message.content or auto.message.tool_calls  # free text: either is an answer
+
+
+def test_bad_tools_and_tool_messages_are_400s(server: Server) -> None:
+    client = _client(server)
+    assistant = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+    ]}  # fmt: skip
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice.function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 1}}}]},
+         "tools[0].function.parameters"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"messages": [*ASK_WEATHER, assistant, {"role": "tool", "content": "31"}]},
+         "messages[2].tool_call_id"),
+    ]  # fmt: skip
+    for extra, param in bad:
+        body = {"model": SERVED_NAME, "messages": ASK_WEATHER, "max_tokens": 4, **extra}
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(**body)
         assert caught.value.body["param"] == param, caught.value.body  # type: ignore[index]
     assert _idle(server)
