@@ -105,11 +105,15 @@ class EngineCore:
                 )
                 if scheduler_output.requests or scheduler_output.kv_connector_metadata:
                     if depth == 1:
-                        output = await self.executor.execute(scheduler_output)
+                        output = await self.executor.execute(
+                            scheduler_output, self.scheduler.fill_bitmask
+                        )
                         await self._publish_step(scheduler_output, output)
                         if not scheduler_output.requests:  # the KV connector's poll
                             await self._poll_pause()
                         continue
+                    if scheduler_output.grammar_request_ids:
+                        await trio.to_thread.run_sync(self.scheduler.fill_bitmask, scheduler_output)
                     await self.executor.submit(scheduler_output)
                     self.overlapped_steps += bool(in_flight)
                     in_flight.append(scheduler_output)

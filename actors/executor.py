@@ -8,10 +8,12 @@ this process, on one dedicated thread; otherwise (`mp`) in one worker process pe
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -23,6 +25,9 @@ from triode.wire import ModelRunnerOutput, SchedulerOutput
 from .config import EngineArgs
 
 log = logging.getLogger(__name__)
+
+# Fills a step's grammar bitmask in place (`Scheduler.fill_bitmask`).
+FillBitmask = Callable[[SchedulerOutput], None]
 
 
 class Executor(Protocol):
@@ -40,9 +45,13 @@ class Executor(Protocol):
     worker_pids: list[int]  # this node's model worker processes
     kv_endpoints: list[str]  # each rank's KV server, with a KV connector; else empty
 
-    async def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. A checkpoint; cancelling it leaves the step's effect on the KV cache
-        undefined, which only happens when the engine stops."""
+    async def execute(
+        self, scheduler_output: SchedulerOutput, fill_bitmask: FillBitmask | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step. A step with constrained rows needs `fill_bitmask` run on it before
+        its sampling, which an executor may overlap with the step's forward. A checkpoint;
+        cancelling it leaves the step's effect on the KV cache undefined, which only happens
+        when the engine stops."""
         ...
 
     async def submit(self, scheduler_output: SchedulerOutput) -> None:
@@ -88,11 +97,40 @@ class InProcessExecutor:
         )
 
         self._thread = trio.CapacityLimiter(1)
+        self._filler = trio.CapacityLimiter(1)
+        self._overlap_bitmask = self._runner.device.type != "cpu"
 
-    async def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return await trio.to_thread.run_sync(
-            self._runner.execute, scheduler_output, limiter=self._thread
-        )
+    async def execute(
+        self, scheduler_output: SchedulerOutput, fill_bitmask: FillBitmask | None = None
+    ) -> ModelRunnerOutput:
+        """The step on the model's thread. A grammar bitmask is filled on another thread: on
+        an accelerator while the step's forward runs (the runner waits for it only when it is
+        about to sample); on CPU first, since the forward's threads already take every core
+        the model was given and a fill beside them measured no faster."""
+        if fill_bitmask is None or not scheduler_output.grammar_request_ids:
+            return await trio.to_thread.run_sync(
+                self._runner.execute, scheduler_output, limiter=self._thread
+            )
+        if not self._overlap_bitmask:
+            await trio.to_thread.run_sync(fill_bitmask, scheduler_output, limiter=self._filler)
+            return await trio.to_thread.run_sync(
+                self._runner.execute, scheduler_output, limiter=self._thread
+            )
+        filled: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def fill() -> None:
+            try:
+                fill_bitmask(scheduler_output)
+            except BaseException as e:  # the runner raises it, where it waits
+                filled.set_exception(e)
+            else:
+                filled.set_result(None)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(trio.to_thread.run_sync, fill, limiter=self._filler))
+            return await trio.to_thread.run_sync(
+                self._runner.execute, scheduler_output, filled.result, limiter=self._thread
+            )
 
     async def submit(self, scheduler_output: SchedulerOutput) -> None:
         raise RuntimeError("the in-process executor runs one step at a time: call execute")

@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
@@ -49,6 +49,9 @@ from .config import EngineArgs
 from .engine import ready_timeout
 from .errors import ActorDied
 from .process import Child, open_child
+
+if TYPE_CHECKING:
+    from .executor import FillBitmask
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +191,12 @@ class MultiprocExecutor:
         """This node's worker processes."""
         return self.group.pids
 
-    async def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    async def execute(
+        self, scheduler_output: SchedulerOutput, fill_bitmask: FillBitmask | None = None
+    ) -> ModelRunnerOutput:
+        if fill_bitmask is not None and scheduler_output.grammar_request_ids:
+            # the bitmask travels in the step's broadcast, so it is filled first
+            await trio.to_thread.run_sync(fill_bitmask, scheduler_output)
         await self.submit(scheduler_output)
         return await self.receive(scheduler_output)
 

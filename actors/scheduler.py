@@ -92,6 +92,7 @@ class Scheduler:
         self._runner_forget: list[str] = []  # for the next SchedulerOutput that has work
         self._aborted: defaultdict[int, list[str]] = defaultdict(list)  # for the next update
         self._in_flight: dict[int, dict[str, tuple[Request, ScheduledRequest]]] = {}
+        self._step_grammars: dict[int, list[Grammar]] = {}  # for fill_bitmask, by step
         # The KV connector's: requests whose prompt KV is loading (aborted ones too, until
         # every rank is through with their blocks), and finished requests' blocks kept for
         # another instance to read.
@@ -351,10 +352,20 @@ class Scheduler:
         if constrained:
             assert self.structured is not None
             out.grammar_request_ids = [req.request_id for req in constrained]
-            out.grammar_bitmask = self.structured.bitmask([req.grammar for req in constrained])
+            self._step_grammars[out.step] = [req.grammar for req in constrained]  # type: ignore[misc]
         if in_flight:
             self._in_flight[out.step] = in_flight
         return out
+
+    def fill_bitmask(self, scheduler_output: SchedulerOutput) -> None:
+        """Fill the grammar bitmask of a step that has constrained rows (`grammar_request_ids`):
+        what each of them may sample next. It is apart from `schedule` so that the engine core
+        can run it in a thread while the runner computes the step's forward, which does not need
+        it: nothing advances these grammars until the step's results come back."""
+        grammars = self._step_grammars.pop(scheduler_output.step, None)
+        if grammars:
+            assert self.structured is not None
+            scheduler_output.grammar_bitmask = self.structured.bitmask(grammars)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -362,6 +373,7 @@ class Scheduler:
         """Take one step's results: append sampled tokens, apply stop conditions, finish and
         free what stopped. Returns what to publish, per client index."""
         in_flight = self._in_flight.pop(scheduler_output.step, {})
+        self._step_grammars.pop(scheduler_output.step, None)
         if runner_output.kv_connector_output is not None:
             self._update_transfers(runner_output.kv_connector_output)
         outputs: defaultdict[int, list[EngineCoreOutput]] = defaultdict(list)

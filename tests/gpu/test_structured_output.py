@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import jsonschema
 import numpy as np
 import pytest
 import torch
+import trio
 
+from triode.actors.config import EngineArgs
+from triode.actors.executor import InProcessExecutor
 from triode.actors.scheduler import Scheduler, SchedulerConfig
 from triode.actors.structured_output import StructuredOutputManager, check_grammar, grammar_of
 from triode.gpu.model_runner import ModelRunner
@@ -63,14 +68,15 @@ def _run(
         request = EngineCoreRequest(request_id, PROMPT, params, eos_token_id=runner.eos_token_id)
         assert scheduler.add_request(request, grammar) is None
     outputs: dict[str, list[EngineCoreOutput]] = {r: [] for r in requests}
-    for _ in range(2000):
-        if not scheduler.has_unfinished_requests():
-            break
-        sched = scheduler.schedule()
-        result = runner.execute(sched)
-        for per_client in scheduler.update_from_output(sched, result).values():
-            for o in per_client.outputs:
-                outputs[o.request_id].append(o)
+    with ThreadPoolExecutor(1) as fills:  # the bitmask is filled beside the forward
+        for _ in range(2000):
+            if not scheduler.has_unfinished_requests():
+                break
+            sched = scheduler.schedule()
+            result = runner.execute(sched, fills.submit(scheduler.fill_bitmask, sched).result)
+            for per_client in scheduler.update_from_output(sched, result).values():
+                for o in per_client.outputs:
+                    outputs[o.request_id].append(o)
     assert not scheduler.has_unfinished_requests()
     assert scheduler.kv_cache.usage == 0
     return outputs
@@ -175,6 +181,71 @@ def test_exactly_one_constraint() -> None:
     with pytest.raises(ValueError, match="choice"):
         SO(choice=[])
     assert grammar_of(SO(choice=['say "hi"']))
+
+
+def test_a_constrained_step_without_its_bitmask_is_refused(engine) -> None:
+    scheduler, runner = engine
+    assert scheduler.structured is not None
+    params = SamplingParams(max_tokens=2, structured_outputs=SO(regex="a+"))
+    grammar = scheduler.structured.compile_now(params.structured_outputs)
+    request = EngineCoreRequest("unmasked", PROMPT, params, eos_token_id=runner.eos_token_id)
+    assert scheduler.add_request(request, grammar) is None
+    sched = scheduler.schedule()
+    assert sched.grammar_request_ids == ["unmasked"] and sched.grammar_bitmask is None
+    with pytest.raises(ValueError, match="without its bitmask"):
+        runner.execute(sched)
+    scheduler.abort_requests(["unmasked"])
+    assert scheduler.kv_cache.usage == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["fill-first", "fill-beside-forward"])
+def test_the_in_process_executor_masks_every_sampled_token(
+    engine, tmp_path: Path, overlap: bool
+) -> None:
+    scheduler, _ = engine
+    assert scheduler.structured is not None
+    model = build_tiny_model(tmp_path / "tiny")
+    args = EngineArgs(model=str(model), dtype="float32", kv_cache_memory=2 << 20)
+    executor = InProcessExecutor(args)
+    executor._overlap_bitmask = overlap  # on CPU it fills first; an accelerator overlaps
+    so = SO(regex="[a-c]{6}")
+    outputs: list[EngineCoreOutput] = []
+
+    async def run() -> None:
+        for seed in range(4):
+            params = SamplingParams(
+                temperature=1.0, seed=seed, max_tokens=12, structured_outputs=so
+            )
+            request = EngineCoreRequest(
+                f"x{seed}", PROMPT, params, eos_token_id=executor.eos_token_id
+            )
+            grammar = scheduler.structured.compile_now(so)  # type: ignore[union-attr]
+            assert scheduler.add_request(request, grammar) is None
+        while scheduler.has_unfinished_requests():
+            sched = scheduler.schedule()
+            result = await executor.execute(sched, scheduler.fill_bitmask)
+            for per_client in scheduler.update_from_output(sched, result).values():
+                outputs.extend(per_client.outputs)
+
+    try:
+        trio.run(run)
+    finally:
+        executor.shutdown()
+    for seed in range(4):
+        mine = [o for o in outputs if o.request_id == f"x{seed}"]
+        assert re.fullmatch("[a-c]{6}", _text(engine, mine)), _text(engine, mine)
+        assert str(mine[-1].finish_reason) == "stop"
+    assert scheduler.kv_cache.usage == 0
+
+
+def test_a_mask_over_every_row_keeps_each_word_s_top_bit() -> None:
+    logits = torch.zeros(2, 64)
+    mask = np.zeros((2, 2), dtype=np.int32)
+    mask[0, 0] = np.int32(-(1 << 31))  # token 31: the sign bit
+    mask[1, 1] = 1 | np.int32(-(1 << 31))  # tokens 32 and 63
+    apply_token_bitmask(logits, [0, 1], mask)
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [31]
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [32, 63]
 
 
 def test_bitmask_rows_apply_to_their_logits_only() -> None:
