@@ -6,6 +6,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import msgspec
+import trio
 
 from .errors import APIError, error_body
 
@@ -24,7 +25,8 @@ class Request:
     """What a handler sees of an HTTP request: method, the routed path, headers, body."""
 
     __slots__ = (
-        "body", "headers", "method", "path", "query", "receive", "scope", "send", "started",
+        "body", "disconnected", "headers", "method", "path", "query", "receive", "scope", "send",
+        "started",
     )  # fmt: skip
 
     def __init__(self, scope: Scope, path: str, receive: Receive, send: Send) -> None:
@@ -40,6 +42,7 @@ class Request:
         self.send = send
         self.body = b""
         self.started = False  # a response has begun: errors can no longer change its status
+        self.disconnected = False  # seen by `cancel_on_disconnect`
 
     async def read_body(self, limit: int) -> bytes:
         """The whole body; a 413 `APIError` as soon as it is known to exceed `limit` bytes."""
@@ -61,6 +64,14 @@ class Request:
                 break
         self.body = b"".join(chunks)
         return self.body
+
+    async def cancel_on_disconnect(self, scope: trio.CancelScope) -> None:
+        """Once the body is read: wait for the client to disconnect, then note it
+        (`disconnected`) and cancel `scope`."""
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected = True
+        scope.cancel()
 
 
 class ClientDisconnected(Exception):

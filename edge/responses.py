@@ -162,18 +162,9 @@ class Responses:
         """Run beside a disconnect watcher (and, for a stream, a keep-alive task); raises
         `ClientDisconnected` when the client left (the run is cancelled)."""
         failure: APIError | None = None
-        disconnected = False
-
-        async def watch_disconnect(scope: trio.CancelScope) -> None:
-            nonlocal disconnected
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            disconnected = True
-            scope.cancel()
-
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(watch_disconnect, nursery.cancel_scope)
+                nursery.start_soon(request.cancel_on_disconnect, nursery.cancel_scope)
                 if keepalive is not None:
                     nursery.start_soon(keepalive.keep_alive, self.settings.keepalive_interval)
                 failure = await self._run(plan, out, flush)
@@ -186,7 +177,7 @@ class Responses:
             _keep_text(plan, out.finish("cancelled"))
             entry.conversation = plan.conversation
             entry.done.set()
-        if disconnected:
+        if request.disconnected:
             raise ClientDisconnected
         return failure
 
@@ -222,13 +213,7 @@ class Responses:
         writer = _Writer(request)
         # following the run: leaving (disconnect) stops the following, not the run
         async with receive, trio.open_nursery() as nursery:
-
-            async def watch_disconnect() -> None:
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(watch_disconnect)
+            nursery.start_soon(request.cancel_on_disconnect, nursery.cancel_scope)
             nursery.start_soon(writer.keep_alive, self.settings.keepalive_interval)
             async for frames in receive:
                 await writer.write([frames])

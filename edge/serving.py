@@ -375,7 +375,6 @@ class Serving:
             tuple[int, RequestOutput] | BaseException
         ](0)
         failure: BaseException | None = None
-        disconnected = False
         scopes = [trio.CancelScope() for _ in prompts]
 
         async def produce(index: int, prompt: _Prompt, channel: trio.MemorySendChannel) -> None:  # type: ignore[type-arg]
@@ -396,15 +395,8 @@ class Serving:
                 except (RequestError, EngineDeadError, RuntimeError) as e:
                     await channel.send(e)
 
-        async def watch_disconnect(scope: trio.CancelScope) -> None:
-            nonlocal disconnected
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            disconnected = True
-            scope.cancel()
-
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(watch_disconnect, nursery.cancel_scope)
+            nursery.start_soon(request.cancel_on_disconnect, nursery.cancel_scope)
             async with send_channel:
                 for i, prompt in enumerate(prompts):
                     nursery.start_soon(produce, i, prompt, send_channel.clone())
@@ -437,7 +429,7 @@ class Serving:
                             c.finish_reason = c.finish_reason or "stop"
                         self._observe(prompt)
             nursery.cancel_scope.cancel()
-        if disconnected:
+        if request.disconnected:
             raise ClientDisconnected
         if failure is not None:
             raise engine_error(failure)
