@@ -31,6 +31,7 @@ from triode.edge.protocol import (
     TokenizeRequest,
     UsageInfo,
 )
+from triode.edge.responses_protocol import ResponsesRequest
 from triode.edge.sse import DONE, KEEPALIVE, event
 from triode.wire import (
     PROTOCOL_VERSION,
@@ -247,6 +248,29 @@ _HAND_WRITTEN: list[tuple[type[Any], dict[str, Any]]] = [
     (TokenizeRequest, {"messages": [{"role": "user", "content": "Hi"}],
                        "add_generation_prompt": True, "return_token_strs": True}),
     (DetokenizeRequest, {"model": "SmolLM2-135M-Instruct", "tokens": PROMPT}),
+    (ResponsesRequest, {"model": "SmolLM2-135M-Instruct", "input": "Hello!",
+                        "instructions": "Be brief.", "max_output_tokens": 16, "stream": True}),
+    (ResponsesRequest, {
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+             "arguments": '{"city": "Paris"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": '{"c": 21}'},
+        ],
+        "tools": [
+            {"type": "function", "name": "get_weather", "strict": True,
+             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                            "required": ["city"], "additionalProperties": False}},
+            {"type": "mcp", "server_label": "tools", "allowed_tools": ["add"],
+             "require_approval": "never"},
+        ],
+        "tool_choice": {"type": "mcp", "server_label": "tools", "name": "add"},
+        "text": {"format": {"type": "json_schema", "name": "answer", "strict": True,
+                            "schema": {"type": "object",
+                                       "properties": {"c": {"type": "integer"}}}}},
+        "store": False, "background": False, "previous_response_id": "resp_1", "temperature": 0,
+        "max_tool_calls": 2, "parallel_tool_calls": False, "metadata": {"k": "v"},
+    }),
 ]  # fmt: skip
 
 

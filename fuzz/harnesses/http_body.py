@@ -1,5 +1,7 @@
 """HTTP request bodies: reading (`Request.read_body`), decoding (`decode_request`) and the
-translation into the engine's `SamplingParams` (`sampling_params`).
+translation into the engine's `SamplingParams` (`sampling_params`); for `/v1/responses`, the
+checks before a response is planned (tools, MCP tool entries, input items, tool choice and text
+format).
 
 Every failure must be an `APIError` with status 400, 404 or 413 and a well-formed OpenAI error
 body: never a 5xx, never another exception. What is accepted must be usable as it is: chat
@@ -38,7 +40,15 @@ from triode.edge.protocol import (
     decode_request,
     sampling_params,
 )
+from triode.edge.responses_protocol import (
+    ResponsesRequest,
+    decode_responses_request,
+    input_messages,
+    mcp_tool_specs,
+)
 from triode.edge.serving import Serving
+from triode.edge.structured import structured_from_text_format
+from triode.edge.tools import parse_tool_choice, parse_tools
 from triode.wire import (
     Encoder,
     EngineCoreRequest,
@@ -54,6 +64,7 @@ KINDS: list[type[Any]] = [
     CompletionRequest,
     TokenizeRequest,
     DetokenizeRequest,
+    ResponsesRequest,
 ]
 HEADER = 8
 SERVED_MODEL_NAMES = ["SmolLM2-135M-Instruct"]
@@ -101,7 +112,10 @@ def test_one_input(data: bytes) -> None:
     try:
         if mode & 2:
             body = _read_through_asgi(body, rng)
-        req = decode_request(body, kind)
+        if kind is ResponsesRequest:
+            req = decode_responses_request(body)
+        else:
+            req = decode_request(body, kind)
         Serving.check_model(_SETTINGS, req.model)  # type: ignore[arg-type]
     except APIError as e:
         _check_error(e)
@@ -110,6 +124,9 @@ def test_one_input(data: bytes) -> None:
 
 
 def _check_accepted(req: Any, prompt_len: int, max_model_len: int) -> None:
+    if isinstance(req, ResponsesRequest):
+        _check_response(req)
+        return
     if isinstance(req, TokenizeRequest):
         assert (req.prompt is None) != (req.messages is None)
         assert isinstance(req.add_special_tokens, bool)
@@ -143,6 +160,26 @@ def _check_accepted(req: Any, prompt_len: int, max_model_len: int) -> None:
         kind, decoded = _INPUT.decode(frames)  # a ProtocolError here fails the input
         assert kind is EngineCoreRequestType.ADD_REQUEST
         assert_wire_equal(decoded, request)
+
+
+def _check_response(req: ResponsesRequest) -> None:
+    """What `plan_response` checks before it needs the engine or a tool server."""
+    try:
+        tools = parse_tools(req.tools, param="tools", flat=True)
+        specs = mcp_tool_specs(req.tools)
+        messages = input_messages(req.input, mcp_name=lambda label, tool: f"{label}__{tool}")
+        fmt = req.text.format if req.text is not None else None
+        if fmt is not None:
+            structured_from_text_format(fmt, param="text.format")
+        choice = req.tool_choice
+        if not (isinstance(choice, dict) and choice.get("type") == "mcp"):
+            parse_tool_choice(choice, tools, param="tool_choice", flat=True)
+    except APIError as e:
+        _check_error(e)
+        return
+    assert len({spec.server_label for _, spec in specs}) == len(specs)
+    for message in messages:
+        assert isinstance(message, dict) and isinstance(message.get("role"), str), message
 
 
 def _refused_token_ids(params: Any) -> bool:
