@@ -34,10 +34,11 @@ from .responses_protocol import (
     Status,
     TextDeltaEvent,
     TextDoneEvent,
+    encode,
     mcp_error,
     new_id,
-    sse_frame,
 )
+from .sse import event as sse_event
 
 _FINAL_EVENTS = {
     "completed": "response.completed",
@@ -89,7 +90,7 @@ class ResponseBuilder:
         if self.streaming:
             event = kind(type=type, sequence_number=self._sequence, **fields)
             self._sequence += 1
-            self._frames.append(sse_frame(event))
+            self._frames.append(sse_event(encode(event), name=event.type))
 
     def _add(self, item: OutputItem) -> int:
         index = len(self.response.output)

@@ -538,10 +538,5 @@ class ErrorEvent(_Event, kw_only=True):
 _encoder = msgspec.json.Encoder()
 
 
-def sse_frame(event: _Event) -> bytes:
-    """One SSE event: `event: <type>` and its JSON as `data`."""
-    return b"event: " + event.type.encode() + b"\ndata: " + _encoder.encode(event) + b"\n\n"
-
-
 def encode(value: Any) -> bytes:
     return _encoder.encode(value)

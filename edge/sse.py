@@ -15,11 +15,16 @@ SSE_HEADERS: Final[list[tuple[bytes, bytes]]] = [
 ]
 
 
-def event(payload: bytes) -> bytes:
-    """One `data:` event. `payload` must be a single line (compact JSON); else ValueError."""
+def event(payload: bytes, name: str | None = None) -> bytes:
+    """One `data:` event, named with an `event:` line when `name` is given (the Responses API
+    names each). `payload` and `name` must be single lines (compact JSON); else ValueError."""
     if b"\n" in payload or b"\r" in payload:
         raise ValueError("an SSE data payload must not contain line breaks")
-    return b"data: " + payload + b"\n\n"
+    if name is None:
+        return b"data: " + payload + b"\n\n"
+    if "\n" in name or "\r" in name:
+        raise ValueError("an SSE event name must not contain line breaks")
+    return b"event: " + name.encode() + b"\ndata: " + payload + b"\n\n"
 
 
 class SSEParser:

@@ -28,6 +28,14 @@ def test_event_refuses_line_breaks(payload: bytes) -> None:
         event(payload)
 
 
+def test_a_named_event_has_its_event_line_first() -> None:
+    frame = event(b'{"a":1}', name="response.created")
+    assert frame == b'event: response.created\ndata: {"a":1}\n\n'
+    assert SSEParser().feed(frame) == [b'{"a":1}']  # the name is a field the parser skips
+    with pytest.raises(ValueError):
+        event(b"{}", name="a\nb")
+
+
 def test_done_and_keepalive_frames() -> None:
     assert DONE == b"data: [DONE]\n\n"
     assert KEEPALIVE == b": keep-alive\n\n"
