@@ -178,7 +178,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     include_reasoning: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
-    # Tool calling (see edge/tools.py).
+    # Tool calling (see edge/tools.py and edge/tool_calls.py).
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None

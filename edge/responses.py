@@ -44,7 +44,12 @@ from .responses_protocol import (
 )
 from .responses_store import ResponseStore, StoredResponse
 from .sse import KEEPALIVE, SSE_HEADERS
-from .tools import ContentDelta, ToolCallDelta, ToolCallStream, ToolChoice
+from .tool_calls import (
+    ContentDelta,
+    ToolCallDelta,
+    ToolCallStream,
+)
+from .tools import ToolChoice
 
 if TYPE_CHECKING:
     from .app import Settings

@@ -35,10 +35,10 @@ from .responses_protocol import (
 )
 from .responses_store import ResponseStore
 from .structured import check_structured, structured_from_grammar, structured_from_text_format
+from .tool_calls import call_grammar
 from .tools import (
     FunctionTool,
     ToolChoice,
-    call_grammar,
     parse_tool_choice,
     parse_tools,
     prepare_messages,

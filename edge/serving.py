@@ -58,14 +58,16 @@ from .protocol import (
 )
 from .sse import DONE, KEEPALIVE, SSE_HEADERS, event
 from .structured import check_structured, structured_from_grammar, structured_outputs_of
-from .tools import (
+from .tool_calls import (
     ContentDelta,
-    FunctionTool,
     ToolCallStream,
-    ToolChoice,
     call_grammar,
-    check_tool_messages,
     parse_tool_calls,
+)
+from .tools import (
+    FunctionTool,
+    ToolChoice,
+    check_tool_messages,
     parse_tool_choice,
     parse_tools,
     prepare_messages,
@@ -717,7 +719,7 @@ class _ChatTools:
 
 class _RepeatWatch:
     """Reads a whole (not streamed) chat answer's calls as they come, to stop its generation
-    once every choice has repeated a call (which ends an answer: see `edge/tools.py`)."""
+    once every choice has repeated a call (which ends an answer: see `edge/tool_calls.py`)."""
 
     def __init__(self, tools: list[FunctionTool], n: int) -> None:
         self.parsers = [ToolCallStream(tools) for _ in range(n)]

@@ -16,16 +16,18 @@ import pytest
 from triode.actors.chat_template import ChatTemplate
 from triode.actors.structured_output import check_grammar
 from triode.edge.errors import APIError
-from triode.edge.tools import (
+from triode.edge.tool_calls import (
     ContentDelta,
-    FunctionTool,
     ToolCall,
     ToolCallDelta,
     ToolCallStream,
-    ToolChoice,
     call_grammar,
-    check_tool_messages,
     parse_tool_calls,
+)
+from triode.edge.tools import (
+    FunctionTool,
+    ToolChoice,
+    check_tool_messages,
     parse_tool_choice,
     parse_tools,
     prepare_messages,
