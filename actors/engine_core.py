@@ -112,9 +112,7 @@ class EngineCore:
                         if not scheduler_output.requests:  # the KV connector's poll
                             await self._poll_pause()
                         continue
-                    if scheduler_output.grammar_request_ids:
-                        await trio.to_thread.run_sync(self.scheduler.fill_bitmask, scheduler_output)
-                    await self.executor.submit(scheduler_output)
+                    await self.executor.submit(scheduler_output, self.scheduler.fill_bitmask)
                     self.overlapped_steps += bool(in_flight)
                     in_flight.append(scheduler_output)
                     if len(in_flight) < depth and scheduler_output.requests:

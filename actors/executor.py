@@ -54,8 +54,11 @@ class Executor(Protocol):
         when the engine stops."""
         ...
 
-    async def submit(self, scheduler_output: SchedulerOutput) -> None:
-        """Start a step without waiting for it (only where `max_concurrent_batches` > 1)."""
+    async def submit(
+        self, scheduler_output: SchedulerOutput, fill_bitmask: FillBitmask | None = None
+    ) -> None:
+        """Start a step without waiting for it (only where `max_concurrent_batches` > 1),
+        its grammar bitmask filled first by `fill_bitmask` where it has constrained rows."""
         ...
 
     async def receive(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -107,15 +110,19 @@ class InProcessExecutor:
         an accelerator while the step's forward runs (the runner waits for it only when it is
         about to sample); on CPU first, since the forward's threads already take every core
         the model was given and a fill beside them measured no faster."""
-        if fill_bitmask is None or not scheduler_output.grammar_request_ids:
-            return await trio.to_thread.run_sync(
-                self._runner.execute, scheduler_output, limiter=self._thread
-            )
-        if not self._overlap_bitmask:
+        if not scheduler_output.grammar_request_ids:
+            fill_bitmask = None
+        if fill_bitmask is not None and self._overlap_bitmask:
+            return await self._execute_beside_fill(scheduler_output, fill_bitmask)
+        if fill_bitmask is not None:
             await trio.to_thread.run_sync(fill_bitmask, scheduler_output, limiter=self._filler)
-            return await trio.to_thread.run_sync(
-                self._runner.execute, scheduler_output, limiter=self._thread
-            )
+        return await trio.to_thread.run_sync(
+            self._runner.execute, scheduler_output, limiter=self._thread
+        )
+
+    async def _execute_beside_fill(
+        self, scheduler_output: SchedulerOutput, fill_bitmask: FillBitmask
+    ) -> ModelRunnerOutput:
         filled: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def fill() -> None:
@@ -132,7 +139,9 @@ class InProcessExecutor:
                 self._runner.execute, scheduler_output, filled.result, limiter=self._thread
             )
 
-    async def submit(self, scheduler_output: SchedulerOutput) -> None:
+    async def submit(
+        self, scheduler_output: SchedulerOutput, fill_bitmask: FillBitmask | None = None
+    ) -> None:
         raise RuntimeError("the in-process executor runs one step at a time: call execute")
 
     async def receive(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -194,13 +194,15 @@ class MultiprocExecutor:
     async def execute(
         self, scheduler_output: SchedulerOutput, fill_bitmask: FillBitmask | None = None
     ) -> ModelRunnerOutput:
+        await self.submit(scheduler_output, fill_bitmask)
+        return await self.receive(scheduler_output)
+
+    async def submit(
+        self, scheduler_output: SchedulerOutput, fill_bitmask: FillBitmask | None = None
+    ) -> None:
         if fill_bitmask is not None and scheduler_output.grammar_request_ids:
             # the bitmask travels in the step's broadcast, so it is filled first
             await trio.to_thread.run_sync(fill_bitmask, scheduler_output)
-        await self.submit(scheduler_output)
-        return await self.receive(scheduler_output)
-
-    async def submit(self, scheduler_output: SchedulerOutput) -> None:
         frames = self._encoder.encode(scheduler_output)
         await self.broadcast([WorkerMessageType.EXECUTE.value, *frames])
 

@@ -92,7 +92,6 @@ class Scheduler:
         self._runner_forget: list[str] = []  # for the next SchedulerOutput that has work
         self._aborted: defaultdict[int, list[str]] = defaultdict(list)  # for the next update
         self._in_flight: dict[int, dict[str, tuple[Request, ScheduledRequest]]] = {}
-        self._step_grammars: dict[int, list[Grammar]] = {}  # for fill_bitmask, by step
         # The KV connector's: requests whose prompt KV is loading (aborted ones too, until
         # every rank is through with their blocks), and finished requests' blocks kept for
         # another instance to read.
@@ -327,7 +326,6 @@ class Scheduler:
             # An engine may skip the runner for an empty step; the ids must not get lost there.
             out.finished_request_ids, self._runner_forget = self._runner_forget, []
         in_flight = {}
-        constrained: list[Request] = []
         for req, num_new in scheduled:
             start = req.num_computed_tokens
             entry = ScheduledRequest(
@@ -348,11 +346,7 @@ class Scheduler:
             out.requests.append(entry)
             in_flight[req.request_id] = (req, entry)
             if entry.sample and req.grammar is not None:
-                constrained.append(req)
-        if constrained:
-            assert self.structured is not None
-            out.grammar_request_ids = [req.request_id for req in constrained]
-            self._step_grammars[out.step] = [req.grammar for req in constrained]  # type: ignore[misc]
+                out.grammar_request_ids.append(req.request_id)  # masked in fill_bitmask
         if in_flight:
             self._in_flight[out.step] = in_flight
         return out
@@ -362,10 +356,12 @@ class Scheduler:
         what each of them may sample next. It is apart from `schedule` so that the engine core
         can run it in a thread while the runner computes the step's forward, which does not need
         it: nothing advances these grammars until the step's results come back."""
-        grammars = self._step_grammars.pop(scheduler_output.step, None)
-        if grammars:
-            assert self.structured is not None
-            scheduler_output.grammar_bitmask = self.structured.bitmask(grammars)
+        if scheduler_output.grammar_bitmask is not None or not scheduler_output.grammar_request_ids:
+            return
+        assert self.structured is not None
+        in_flight = self._in_flight[scheduler_output.step]
+        grammars = [in_flight[rid][0].grammar for rid in scheduler_output.grammar_request_ids]
+        scheduler_output.grammar_bitmask = self.structured.bitmask(grammars)  # type: ignore[arg-type]
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -373,7 +369,6 @@ class Scheduler:
         """Take one step's results: append sampled tokens, apply stop conditions, finish and
         free what stopped. Returns what to publish, per client index."""
         in_flight = self._in_flight.pop(scheduler_output.step, {})
-        self._step_grammars.pop(scheduler_output.step, None)
         if runner_output.kv_connector_output is not None:
             self._update_transfers(runner_output.kv_connector_output)
         outputs: defaultdict[int, list[EngineCoreOutput]] = defaultdict(list)

@@ -12,8 +12,9 @@ llguidance was measured against xgrammar on the default model's vocabulary (`tri
 structured`): it compiles a schema 5-36x faster (0.4-3 ms against 4.5-30 ms), so a new schema
 barely delays its request, and it needs no torch, so it runs here in the torch-free engine core.
 xgrammar fills masks faster for nested and large schemas (80 us against 1.2 ms per step for 32
-sequences of a nested schema) and slower for long bounded strings; the engine core fills the
-mask while the runner computes the step's forward, which hides most of that cost.
+sequences of a nested schema) and slower for long bounded strings. Where the model runs on an
+accelerator the engine core fills the mask while the runner computes the step's forward, which
+hides that cost; on CPU the forward already takes the cores, and the fill comes first.
 """
 
 from __future__ import annotations
