@@ -60,9 +60,9 @@ from .sse import DONE, KEEPALIVE, SSE_HEADERS, event
 from .structured import check_structured, structured_from_grammar, structured_outputs_of
 from .tool_calls import (
     ContentDelta,
+    ToolCallReader,
     ToolCallStream,
     call_grammar,
-    parse_tool_calls,
 )
 from .tools import (
     FunctionTool,
@@ -202,16 +202,16 @@ class Serving:
                 stop_when=chat_stream.ended if chat_stream.parsers else None,
             )  # fmt: skip
             return
-        watch = None if tools is None or not tools.calls else _RepeatWatch(tools.tools, params.n)
+        readers = None if tools is None or not tools.calls else _CallReaders(tools.tools, params.n)
         await self._generate(
-            request, prompts, params, request_id, None, req.kv_transfer_params, stop_when=watch
+            request, prompts, params, request_id, None, req.kv_transfer_params, stop_when=readers
         )
         prompt = prompts[0]
         choices = []
         for c in prompt.choices:
             message, finish_reason = ChatMessageOut(content=c.text), c.finish_reason
-            if tools is not None:
-                message, finish_reason = tools.message(c.text, c.finish_reason)
+            if readers is not None:
+                message, finish_reason = _tool_message(readers.of[c.index], c.finish_reason)
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
@@ -366,9 +366,9 @@ class Serving:
         stop_when: Callable[[int, RequestOutput], bool] | None = None,
     ) -> None:
         """Run every prompt's generation to its end (or the client's disconnect), folding each
-        delta into its `_Prompt` and then calling `on_output(prompt index, delta)`. A prompt
-        for which `stop_when(prompt index, delta)` turns true is aborted there, and its
-        unfinished choices end with "stop".
+        delta into its `_Prompt` and then calling `on_output(prompt index, delta)`, then
+        `stop_when(prompt index, delta)`: a prompt for which that turns true before its end is
+        aborted there, and its unfinished choices end with "stop".
 
         Raises `ClientDisconnected`, or an `APIError` for a refused request (400) or a dead
         engine (503).
@@ -425,7 +425,7 @@ class Serving:
                         self._observe(prompt)
                     if on_output is not None:
                         await on_output(index, out)
-                    if not out.finished and stop_when is not None and stop_when(index, out):
+                    if stop_when is not None and stop_when(index, out) and not out.finished:
                         scopes[index].cancel()
                         for c in prompt.choices:
                             c.finish_reason = c.finish_reason or "stop"
@@ -547,7 +547,6 @@ class _ChatStream(_StreamFormatter):
         calls = tools is not None and tools.calls
         self.parsers = [ToolCallStream(tools.tools) for _ in range(self.n)] if calls else []
         self.called = [False] * self.n
-        self.closed = [False] * self.n  # a repeated call ended the choice; its rest is dropped
 
     def ended(self, index: int, out: RequestOutput) -> bool:
         """Whether every choice has ended on a repeated call (the generation can stop)."""
@@ -570,7 +569,7 @@ class _ChatStream(_StreamFormatter):
                 continue
             delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
             if self.parsers:
-                if self.closed[c.index]:
+                if self.parsers[c.index].ended:  # a repeated call ended it: the rest is dropped
                     continue
                 delta, finish_reason = self._tool_delta(c.index, c.text, c.finish_reason)
             choice = ChatCompletionResponseStreamChoice(
@@ -609,7 +608,6 @@ class _ChatStream(_StreamFormatter):
             )
         delta.content = "".join(content) if content or not delta.tool_calls else None
         if parser.ended:
-            self.closed[index] = True
             finish_reason = "stop"
         if finish_reason == "stop" and self.called[index]:
             finish_reason = "tool_calls"
@@ -700,35 +698,37 @@ class _ChatTools:
         """Whether the answer may call tools."""
         return bool(self.tools) and self.choice.mode != "none"
 
-    def message(self, text: str, finish_reason: str | None) -> tuple[ChatMessageOut, str | None]:
-        """The assistant message of a whole answer, its calls taken out of its text."""
-        if not self.calls:
-            return ChatMessageOut(content=text), finish_reason
-        content, calls = parse_tool_calls(text, self.tools)
-        message = ChatMessageOut(
-            content=content or None,
-            tool_calls=[
-                ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
-                for c in calls
-            ],
-        )
-        if calls and finish_reason == "stop":
-            finish_reason = "tool_calls"
-        return message, finish_reason
 
-
-class _RepeatWatch:
-    """Reads a whole (not streamed) chat answer's calls as they come, to stop its generation
-    once every choice has repeated a call (which ends an answer: see `edge/tool_calls.py`)."""
+class _CallReaders:
+    """Each choice's calls, read as a whole (not streamed) chat answer comes, so that its
+    generation stops once every choice has repeated a call (which ends an answer: see
+    `edge/tool_calls.py`). Called with every delta, as `stop_when`."""
 
     def __init__(self, tools: list[FunctionTool], n: int) -> None:
-        self.parsers = [ToolCallStream(tools) for _ in range(n)]
+        self.of = [ToolCallReader(tools) for _ in range(n)]
 
     def __call__(self, index: int, out: RequestOutput) -> bool:
         for c in out.outputs:
             if c.text:
-                self.parsers[c.index].feed(c.text)
-        return all(p.ended for p in self.parsers)
+                self.of[c.index].feed(c.text)
+        return all(reader.ended for reader in self.of)
+
+
+def _tool_message(
+    reader: ToolCallReader, finish_reason: str | None
+) -> tuple[ChatMessageOut, str | None]:
+    """The assistant message of a whole answer, its calls taken out of its text."""
+    content, calls = reader.finish()
+    message = ChatMessageOut(
+        content=content or None,
+        tool_calls=[
+            ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+            for c in calls
+        ],
+    )
+    if calls and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    return message, finish_reason
 
 
 async def _structured(

@@ -116,17 +116,40 @@ def _schema_text(tool: FunctionTool) -> str:
 def parse_tool_calls(text: str, tools: list[FunctionTool]) -> tuple[str, list[ToolCall]]:
     """The content of a whole answer (the text outside its calls, stripped) and its calls;
     what `ToolCallStream` yields for the same text, all at once."""
-    stream = ToolCallStream(tools)
-    content: list[str] = []
-    calls: list[ToolCall] = []
-    for event in stream.feed(text) + stream.finish():
-        if isinstance(event, ContentDelta):
-            content.append(event.text)
-        elif event.id is not None and event.name is not None:
-            calls.append(ToolCall(event.id, event.name, event.arguments))
-        else:
-            calls[event.index].arguments += event.arguments
-    return "".join(content), calls
+    reader = ToolCallReader(tools)
+    reader.feed(text)
+    return reader.finish()
+
+
+class ToolCallReader:
+    """A whole answer's content and calls, read as its text arrives: `finish` gives what
+    `parse_tool_calls` gives for the text at once, and `ended` turns true as soon as a repeated
+    call has ended the answer."""
+
+    def __init__(self, tools: list[FunctionTool]) -> None:
+        self._stream = ToolCallStream(tools)
+        self._content: list[str] = []
+        self._calls: list[ToolCall] = []
+
+    @property
+    def ended(self) -> bool:
+        return self._stream.ended
+
+    def feed(self, delta: str) -> None:
+        self._take(self._stream.feed(delta))
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        self._take(self._stream.finish())
+        return "".join(self._content), self._calls
+
+    def _take(self, events: list[StreamEvent]) -> None:
+        for event in events:
+            if isinstance(event, ContentDelta):
+                self._content.append(event.text)
+            elif event.id is not None and event.name is not None:
+                self._calls.append(ToolCall(event.id, event.name, event.arguments))
+            else:
+                self._calls[event.index].arguments += event.arguments
 
 
 class ToolCallStream:
