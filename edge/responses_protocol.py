@@ -489,44 +489,37 @@ class OutputItemEvent(_Event, kw_only=True):
     item: OutputItem
 
 
-class ContentPartEvent(_Event, kw_only=True):
+class ItemProgressEvent(_Event, kw_only=True):
+    """An event about one output item; the base of those about its content and arguments."""
+
     item_id: str
     output_index: int
+
+
+class _ContentEvent(ItemProgressEvent, kw_only=True):
     content_index: int
+
+
+class ContentPartEvent(_ContentEvent, kw_only=True):
     part: OutputText
 
 
-class TextDeltaEvent(_Event, kw_only=True):
-    item_id: str
-    output_index: int
-    content_index: int
+class TextDeltaEvent(_ContentEvent, kw_only=True):
     delta: str
     logprobs: list[Any] = []
 
 
-class TextDoneEvent(_Event, kw_only=True):
-    item_id: str
-    output_index: int
-    content_index: int
+class TextDoneEvent(_ContentEvent, kw_only=True):
     text: str
     logprobs: list[Any] = []
 
 
-class ArgumentsDeltaEvent(_Event, kw_only=True):
-    item_id: str
-    output_index: int
+class ArgumentsDeltaEvent(ItemProgressEvent, kw_only=True):
     delta: str
 
 
-class ArgumentsDoneEvent(_Event, kw_only=True):
-    item_id: str
-    output_index: int
+class ArgumentsDoneEvent(ItemProgressEvent, kw_only=True):
     arguments: str
-
-
-class ItemProgressEvent(_Event, kw_only=True):
-    item_id: str
-    output_index: int
 
 
 class ErrorEvent(_Event, kw_only=True):
