@@ -49,6 +49,11 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # the KV connector (disaggregated prefill), vLLM's `--kv-transfer-config`: JSON text or
     # its dict; kept as the dict with defaults filled in (`wire.KVTransferConfig`)
     kv_transfer_config: dict[str, Any] | str | None = None
+    # engine cores, each with its own KV cache, that the edges balance requests over
+    data_parallel_size: int = 1
+    # a directory the engine core records its wire traffic into (`triode replay` reads it);
+    # with several data-parallel engines, each records into its `engine-N` subdirectory
+    record_wire: str | None = None
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -66,7 +71,12 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"{name} must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+        for name in (
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "nnodes",
+            "data_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.distributed_executor_backend not in (None, "mp", "inproc"):
@@ -90,8 +100,17 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("several nodes meet at --master-addr and --master-port: give both")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError("master_port must be a TCP port")
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            raise ValueError("data parallel engines run on one node: give nnodes 1")
+        if self.data_parallel_size > 1 and self.kv_transfer_config is not None:
+            raise ValueError(
+                "a KV connector serves one engine: give data_parallel_size 1 with "
+                "kv_transfer_config"
+            )
         if not self.distributed_timeout > 0:
             raise ValueError("distributed_timeout must be > 0")
+        if self.record_wire is not None and not self.record_wire.strip():
+            raise ValueError("record_wire must name a directory")
 
     @property
     def world_size(self) -> int:

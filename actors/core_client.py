@@ -28,6 +28,7 @@ from triode.wire import (
     encode_input,
 )
 
+from .peer import Peer
 from .process import Child
 
 log = logging.getLogger(__name__)
@@ -69,10 +70,25 @@ class RequestStream:
 
 
 class EngineCoreClient:
-    def __init__(self, input_socket: Socket, output_socket: Socket, child: Child) -> None:
+    """One client's line to one engine core. `process` is the core as a `Child` of this
+    process, or as a `Peer` (a process started by the same parent), which `run` watches."""
+
+    def __init__(
+        self,
+        input_socket: Socket,
+        output_socket: Socket,
+        process: Child | Peer,
+        *,
+        client_index: int = 0,
+        engine_index: int = 0,
+    ) -> None:
         self._input = input_socket
         self._output = output_socket
-        self._child = child
+        self._child = process
+        self.client_index = client_index
+        self.engine_index = engine_index
+        # requests sent since the engine's last stats: they are not in its queue lengths yet
+        self._sent_since_stats = 0
         self._encoder = Encoder()
         self._streams: dict[str, RequestStream] = {}
         self._calls: dict[int, tuple[trio.Event, list[Any]]] = {}
@@ -87,9 +103,17 @@ class EngineCoreClient:
     def pid(self) -> int:
         return self._child.pid
 
+    @property
+    def load(self) -> int:
+        """The engine's queue as this client knows it: its running and waiting requests at
+        its last stats, and what this client has sent since."""
+        return self.stats.num_running_reqs + self.stats.num_waiting_reqs + self._sent_since_stats
+
     async def run(self) -> None:
         """Run the intake, fan-out and death watch until cancelled."""
         async with trio.open_nursery() as nursery:
+            if isinstance(self._child, Peer):
+                nursery.start_soon(self._child.watch)
             nursery.start_soon(self._intake)
             nursery.start_soon(self._fan_out)
             nursery.start_soon(self._watch_engine)
@@ -101,11 +125,13 @@ class EngineCoreClient:
         request. A checkpoint; cancelled means the request was not sent."""
         self._check_alive()
         stream = self._streams[request.request_id] = stream or RequestStream()
+        request.client_index = self.client_index
         try:
             await self._send(EngineCoreRequestType.ADD_REQUEST, request)
         except BaseException:
             del self._streams[request.request_id]
             raise
+        self._sent_since_stats += 1
         return stream
 
     async def abort_requests(self, request_ids: list[str]) -> None:
@@ -128,7 +154,8 @@ class EngineCoreClient:
         done, box = self._calls[call_id] = (trio.Event(), [])
         try:
             await self._send(
-                EngineCoreRequestType.UTILITY, UtilityCall(call_id, method, list(args))
+                EngineCoreRequestType.UTILITY,
+                UtilityCall(call_id, method, list(args), client_index=self.client_index),
             )
             await done.wait()
         finally:
@@ -161,6 +188,7 @@ class EngineCoreClient:
             expected_seq = outputs.seq + 1
             if outputs.scheduler_stats is not None:
                 self.stats = outputs.scheduler_stats
+                self._sent_since_stats = 0
             if outputs.utility_output is not None:
                 self._resolve(outputs.utility_output)
             for output in outputs.outputs:

@@ -10,8 +10,6 @@ async with open_engine(model=None, max_num_seqs=64) as engine:
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -30,18 +28,24 @@ from triode.wire import (
     FinishReason,
     Ready,
     SamplingParams,
+    SchedulerStats,
     Socket,
     topic_for,
 )
+from triode.wire.tensor_ipc import SharedTensor, TensorHandle
 
 from .config import EngineArgs
 from .core_client import EngineCoreClient, EngineDeadError, RequestStream
 from .detokenizer import IncrementalDetokenizer
 from .intake import Intake
+from .launcher import EngineCoreEndpoint, open_engine_cores
 from .outputs import CompletionOutput, RequestOutput, token_logprobs
-from .process import open_child
+from .peer import Peer
+from .process import Child
+from .prompt_embeds import check_prompt_embeds, describe_prompt_embeds, share_prompt_embeds
 
-ENGINE_CORE = "triode.actors.engine_core:serve_engine_core"
+# how long a client waits for its first round trip to each engine core
+CONNECT_TIMEOUT = 30.0
 # The largest seed `SamplingParams` takes (and the negation of the smallest).
 _MAX_SEED = 2**63 - 1
 
@@ -51,17 +55,19 @@ class RequestError(ValueError):
 
 
 class Engine:
-    """A running engine. Use it from the trio run that opened it."""
+    """A running engine: one engine core, or several (data parallel) that requests are
+    balanced over. Use it from the trio run that opened it."""
 
     def __init__(
         self,
-        client: EngineCoreClient,
+        clients: list[EngineCoreClient],
         tokenizer: Tokenizer,
         ready: Ready,
-        addresses: Mapping[str, str] | None = None,
+        endpoints: list[EngineCoreEndpoint] | None = None,
     ) -> None:
-        self._client = client
-        self._addresses = dict(addresses or {})
+        self._clients = clients
+        self._endpoints = list(endpoints or [])
+        self._turn = 0
         self.tokenizer = tokenizer
         self.intake = Intake.from_model_dir(tokenizer, Path(ready.info["model_dir"]))
         self.model_dir = Path(ready.info["model_dir"])
@@ -69,48 +75,81 @@ class Engine:
         # the model's other end-of-sequence ids stop a request like stop_token_ids, as in vLLM
         self.extra_eos_token_ids: list[int] = list(ready.info.get("extra_eos_token_ids") or [])
         self.vocab_size: int = ready.info.get("vocab_size") or tokenizer.get_vocab_size()
+        # what a prompt's embeddings must have per position (0: unknown, any)
+        self.hidden_size: int = ready.info.get("hidden_size") or 0
         self.dtype: str = ready.info.get("dtype", "")
         self.max_model_len = ready.max_model_len
-        self.num_kv_blocks = ready.num_kv_blocks
+        self.num_kv_blocks = ready.num_kv_blocks  # each engine core's
         self.block_size = ready.block_size
         self.tensor_parallel_size: int = ready.info.get("tensor_parallel_size", 1)
         self.pipeline_parallel_size: int = ready.info.get("pipeline_parallel_size", 1)
+        self.data_parallel_size = len(clients)
         # this node's model worker processes (none when the model runs in the engine core)
-        self.worker_pids: list[int] = list(ready.info.get("worker_pids") or [])
+        self.worker_pids: list[int] = [
+            pid for e in self._endpoints for pid in e.ready.info.get("worker_pids") or []
+        ] or list(ready.info.get("worker_pids") or [])
 
     @property
     def dead(self) -> EngineDeadError | None:
-        """Why the engine core is gone, or None while it runs."""
-        return self._client.dead
+        """Why the engine is gone (every engine core of it), or None while one runs."""
+        if any(c.dead is None for c in self._clients):
+            return None
+        return self._clients[0].dead
+
+    @property
+    def engines_alive(self) -> int:
+        """How many of the engine cores still run."""
+        return sum(c.dead is None for c in self._clients)
 
     @property
     def pid(self) -> int:
-        """The engine core's process id."""
-        return self._client.pid
+        """The (first) engine core's process id."""
+        return self._clients[0].pid
+
+    @property
+    def pids(self) -> list[int]:
+        """Every engine core's process id, by engine index."""
+        return [c.pid for c in self._clients]
+
+    @property
+    def endpoints(self) -> list[EngineCoreEndpoint]:
+        """How to reach each engine core (what an API server process connects to)."""
+        return list(self._endpoints)
 
     @property
     def input_address(self) -> str:
-        """The ZMQ address the engine core's input (PULL) socket is bound to."""
-        return self._addresses["input"]
+        """The ZMQ address the (first) engine core's input (PULL) socket is bound to."""
+        return self._endpoints[0].input
 
     @property
     def output_address(self) -> str:
-        """The ZMQ address the engine core's output (XPUB) socket is bound to."""
-        return self._addresses["output"]
+        """The ZMQ address the (first) engine core's output (XPUB) socket is bound to."""
+        return self._endpoints[0].output
 
     @property
-    def stats(self) -> Any:
-        """The scheduler's stats as of the last output received."""
-        return self._client.stats
+    def stats(self) -> SchedulerStats:
+        """The scheduler's stats as of the last output received, summed over engine cores."""
+        return sum_stats([c.stats for c in self._clients])
+
+    def _pick(self) -> EngineCoreClient:
+        """The live engine core with the shortest queue; ties go round in turn."""
+        live = [c for c in self._clients if c.dead is None]
+        if not live:
+            raise self._clients[0].dead or EngineDeadError("no engine core is running")
+        self._turn += 1
+        start = self._turn % len(live)
+        order = live[start:] + live[:start]
+        return min(order, key=lambda c: c.load)
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | None,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
         delta: bool = False,
         kv_transfer_params: dict[str, Any] | None = None,
+        prompt_embeds: Any = None,
     ) -> AsyncIterator[RequestOutput]:
         """Generate for one prompt, yielding cumulative `RequestOutput`s until it finishes.
 
@@ -122,11 +161,68 @@ class Engine:
 
         `kv_transfer_params` go to the engine's KV connector (disaggregated prefill, `n` = 1
         only); what it hands on comes back in the last output's `kv_transfer_params`.
+
+        `prompt_embeds`, with `prompt` None, gives the prompt as embeddings [positions,
+        `hidden_size`]: a numpy array (float32, float16), a CPU torch tensor (float32,
+        bfloat16, float16), or a `TensorHandle` already shared, which the engine takes over.
+        They reach the engine core through shared memory, unlinked when the request ends,
+        however it ends. Not with prompt logprobs or `kv_transfer_params`.
         """
         params = params or SamplingParams()
+        try:
+            prompt_ids = self._prompt_ids(prompt, prompt_embeds, params, kv_transfer_params)
+            client = self._pick()
+            shared: list[tuple[TensorHandle, SharedTensor]] = []
+            if prompt_embeds is not None:
+                shared = share_prompt_embeds(prompt_embeds, params.n, self.hidden_size)
+        except BaseException as e:
+            if isinstance(prompt_embeds, TensorHandle):  # taken over: refused, it goes
+                SharedTensor(prompt_embeds).unlink()
+            if isinstance(e, ValueError | OSError) and not isinstance(e, RequestError):
+                raise RequestError(str(e)) from None
+            raise
+        request_id = request_id or uuid.uuid4().hex
+        handles = [handle for handle, _ in shared]
+        run = _Run(self, request_id, prompt, prompt_ids, params, kv_transfer_params, handles)
+        try:
+            await run.start(client)
+            while not run.finished:
+                for output in await run.stream.get():
+                    run.take(output)
+                for child_id in run.stopped_by_string():
+                    await client.abort_requests([child_id])
+                yield run.snapshot(delta)
+        finally:
+            for _, owner in shared:
+                owner.unlink()
+            with trio.CancelScope(shield=True):
+                await client.abort_requests(run.unfinished_ids())
+
+    def _prompt_ids(
+        self,
+        prompt: str | list[int] | None,
+        prompt_embeds: Any,
+        params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None,
+    ) -> list[int]:
+        """The prompt's token ids (placeholders for embeddings); RequestError for a prompt
+        the engine cannot take."""
         if kv_transfer_params and params.n != 1:
             raise RequestError("kv_transfer_params work with n = 1 only")
-        prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode(prompt)
+        if prompt_embeds is None:
+            if prompt is None:
+                raise RequestError("give a prompt or prompt_embeds")
+            prompt_ids = list(prompt) if isinstance(prompt, list) else self.encode(prompt)
+        else:
+            if prompt is not None:
+                raise RequestError("give a prompt or prompt_embeds, not both")
+            if params.prompt_logprobs is not None or kv_transfer_params:
+                raise RequestError(
+                    "prompt_embeds: prompt_logprobs and kv_transfer_params do not go with them"
+                )
+            dtype, shape = describe_prompt_embeds(prompt_embeds)
+            check_prompt_embeds(dtype, shape, self.hidden_size)
+            prompt_ids = [0] * shape[0]  # placeholders, as in vLLM
         if not prompt_ids:
             raise RequestError("the prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
@@ -134,40 +230,58 @@ class Engine:
                 f"the prompt has {len(prompt_ids)} tokens; this model takes at most "
                 f"{self.max_model_len - 1} so that one can be generated"
             )
-        request_id = request_id or uuid.uuid4().hex
-        run = _Run(self, request_id, prompt, prompt_ids, params, kv_transfer_params)
-        try:
-            await run.start()
-            while not run.finished:
-                for output in await run.stream.get():
-                    run.take(output)
-                for child_id in run.stopped_by_string():
-                    await self._client.abort_requests([child_id])
-                yield run.snapshot(delta)
-        finally:
-            with trio.CancelScope(shield=True):
-                await self._client.abort_requests(run.unfinished_ids())
+        return prompt_ids
 
     def encode(self, text: str) -> list[int]:
         return self.intake.encode_now(text)
 
     async def abort(self, request_ids: list[str]) -> None:
-        await self._client.abort_requests(request_ids)
+        """Abort in every engine core (idempotent there). Bounded in time."""
+        for client in self._clients:
+            await client.abort_requests(request_ids)
 
     async def reset_prefix_cache(self) -> bool:
-        return await self._client.call_utility("reset_prefix_cache")
+        return all(await self._call_all("reset_prefix_cache"))
 
     async def get_stats(self) -> dict[str, Any]:
-        return await self._client.call_utility("get_stats")
+        """The engine cores' stats, summed (`kv_cache_usage` over all their blocks), with
+        each live one's own under `engines`."""
+        per_engine = await self._call_all("get_stats")
+        return sum_stat_dicts(per_engine) | {"engines": per_engine}
 
     async def sleep(self) -> None:
-        await self._client.call_utility("sleep")
+        await self._call_all("sleep")
 
     async def wake_up(self) -> None:
-        await self._client.call_utility("wake_up")
+        await self._call_all("wake_up")
 
     async def is_sleeping(self) -> bool:
-        return await self._client.call_utility("is_sleeping")
+        return all(await self._call_all("is_sleeping"))
+
+    async def _call_all(self, method: str) -> list[Any]:
+        """`method`'s results from every live engine core, in engine order. Raises
+        `EngineDeadError` when none is left."""
+        live = [c for c in self._clients if c.dead is None]
+        if not live:
+            raise self._clients[0].dead or EngineDeadError("no engine core is running")
+        if len(live) == 1:
+            return [await live[0].call_utility(method)]
+        outcomes: list[Any] = [None] * len(live)
+
+        async def call(i: int, client: EngineCoreClient) -> None:
+            try:
+                outcomes[i] = await client.call_utility(method)
+            except Exception as e:  # an engine that died meanwhile, or the method's failure
+                outcomes[i] = e
+
+        async with trio.open_nursery() as nursery:
+            for i, client in enumerate(live):
+                nursery.start_soon(call, i, client)
+        failures = [o for o in outcomes if isinstance(o, Exception)]
+        results = [o for o in outcomes if not isinstance(o, Exception)]
+        if not results or any(not isinstance(f, EngineDeadError) for f in failures):
+            raise failures[0]
+        return results
 
 
 class _Run:
@@ -177,13 +291,15 @@ class _Run:
         self,
         engine: Engine,
         request_id: str,
-        prompt: str | list[int],
+        prompt: str | list[int] | None,
         prompt_ids: list[int],
         params: SamplingParams,
         kv_transfer_params: dict[str, Any] | None = None,
+        embeds: list[TensorHandle] | None = None,
     ) -> None:
         self.engine = engine
         self.kv_transfer_params = kv_transfer_params
+        self.embeds = embeds or []  # one shared copy of the prompt embeddings per child
         self.stream = RequestStream()
         self.params = params
         self.prompt_ids = prompt_ids
@@ -204,16 +320,17 @@ class _Run:
         )
         self.index = {cid: i for i, cid in enumerate(self.child_ids)}
         self.child_params = child_params
+        context = [] if self.embeds else prompt_ids  # placeholders are no text to go on
         self.detokenizers = [
-            IncrementalDetokenizer(engine.tokenizer, prompt_ids, p) for p in child_params
+            IncrementalDetokenizer(engine.tokenizer, context, p) for p in child_params
         ]
         self._stopped: list[str] = []
         self._marks = [(0, 0, 0)] * params.n  # (text, token ids, logprobs) already handed out
         self._prompt_mark = 0
 
-    async def start(self) -> None:
+    async def start(self, client: EngineCoreClient) -> None:
         now = time.time()
-        for cid, p in zip(self.child_ids, self.child_params, strict=True):
+        for i, (cid, p) in enumerate(zip(self.child_ids, self.child_params, strict=True)):
             request = EngineCoreRequest(
                 cid,
                 self.prompt_ids,
@@ -221,8 +338,9 @@ class _Run:
                 self.engine.eos_token_id,
                 arrival_time=now,
                 kv_transfer_params=self.kv_transfer_params,
+                prompt_embeds=self.embeds[i] if self.embeds else None,
             )
-            await self.engine._client.add_request(request, self.stream)
+            await client.add_request(request, self.stream)
 
     @property
     def finished(self) -> bool:
@@ -355,12 +473,6 @@ def _malloc_env(environ: Mapping[str, str]) -> dict[str, str]:
 _MALLOC_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
-def ready_timeout() -> float:
-    """How long a process that loads the model may take to say READY (TRIODE_ENGINE_READY_TIMEOUT
-    seconds, 900 by default: a first start converts the GGUF file)."""
-    return float(os.environ.get("TRIODE_ENGINE_READY_TIMEOUT", 900))
-
-
 def model_process_env(environ: Mapping[str, str]) -> dict[str, str]:
     """What a process that runs the model (the engine core, a worker) adds to `environ`."""
     return _openmp_env(environ) | _malloc_env(environ)
@@ -368,43 +480,96 @@ def model_process_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 @asynccontextmanager
 async def open_engine(model: str | None = None, **engine_args: Any) -> AsyncIterator[Engine]:
-    """Start an engine core process for `model` and yield an `Engine` once it is ready.
+    """Start the engine core process(es) for `model` and yield an `Engine` once ready.
 
     `model` is a Hugging Face directory, a `.gguf` file, or None for the default model;
-    `engine_args` are `EngineArgs` fields (the CLI flags' names). Leaving the block stops the
-    engine process (graceful message, then signals). Raises `TypeError`/`ValueError` for bad
-    arguments and `RemoteError` (in an exception group) if the engine fails to start.
+    `engine_args` are `EngineArgs` fields (the CLI flags' names); `data_parallel_size` starts
+    that many engine cores, each with its own KV cache, and `generate` balances requests over
+    them. Leaving the block stops the engine processes (graceful message, then signals).
+    Raises `TypeError`/`ValueError` for bad arguments and `RemoteError` (in an exception group)
+    if an engine fails to start.
     """
     args = EngineArgs(model=model, **engine_args)
-    tmpdir = tempfile.mkdtemp(prefix="triode-engine-")
-    addresses = {"input": f"ipc://{tmpdir}/input", "output": f"ipc://{tmpdir}/output"}
+    async with open_engine_cores(args, env=model_process_env(os.environ)) as cores:
+        async with connect_engine(
+            [endpoint for endpoint, _ in cores], processes=[child for _, child in cores]
+        ) as engine:
+            yield engine
+
+
+@asynccontextmanager
+async def connect_engine(
+    endpoints: list[EngineCoreEndpoint],
+    *,
+    client_index: int = 0,
+    processes: list[Child | Peer] | None = None,
+) -> AsyncIterator[Engine]:
+    """An `Engine` over engine cores that are already running, as client `client_index` of
+    each (an API server process passes its own index). `processes` are the cores as children
+    of this process; without them each core is watched as a `Peer` by its pid. Returns once
+    every core has answered a round trip, so that this client's subscription is confirmed."""
+    processes = processes or [Peer(f"engine-core-{e.index}", e.pid) for e in endpoints]
+    first = endpoints[0].ready
+    tokenizer = await trio.to_thread.run_sync(
+        Tokenizer.from_file, str(Path(first.info["model_dir"]) / "tokenizer.json")
+    )
     zctx = zmq.Context()
-    input_socket = Socket.open(zctx, zmq.PUSH, connect=addresses["input"])
-    output_socket = Socket.open(zctx, zmq.SUB, connect=addresses["output"], subscribe=topic_for(0))
+    sockets: list[Socket] = []
     try:
-        async with open_child(
-            ENGINE_CORE,
-            name="engine-core",
-            addresses=addresses,
-            options={"engine_args": msgspec.to_builtins(args), "num_clients": 1},
-            raise_on_death=False,
-            env=model_process_env(os.environ),
-            ready_timeout=ready_timeout(),
-        ) as child:
-            assert child.ready is not None
-            tokenizer = await trio.to_thread.run_sync(
-                Tokenizer.from_file, str(Path(child.ready.info["model_dir"]) / "tokenizer.json")
+        clients = []
+        for endpoint, process in zip(endpoints, processes, strict=True):
+            input_socket = Socket.open(zctx, zmq.PUSH, connect=endpoint.input)
+            sockets.append(input_socket)
+            output_socket = Socket.open(
+                zctx, zmq.SUB, connect=endpoint.output, subscribe=topic_for(client_index)
             )
-            client = EngineCoreClient(input_socket, output_socket, child)
-            async with trio.open_nursery() as nursery:
+            sockets.append(output_socket)
+            clients.append(
+                EngineCoreClient(
+                    input_socket,
+                    output_socket,
+                    process,
+                    client_index=client_index,
+                    engine_index=endpoint.index,
+                )
+            )
+        async with trio.open_nursery() as nursery:
+            for client in clients:
                 nursery.start_soon(client.run)
-                yield Engine(client, tokenizer, child.ready, addresses)
-                nursery.cancel_scope.cancel()
+            engine = Engine(clients, tokenizer, first, endpoints)
+            with trio.fail_after(CONNECT_TIMEOUT):
+                await engine._call_all("is_sleeping")
+            yield engine
+            nursery.cancel_scope.cancel()
     finally:
-        input_socket.close()
-        output_socket.close()
+        for socket in sockets:
+            socket.close()
         zctx.term()
-        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-__all__ = ["Engine", "EngineDeadError", "RequestError", "open_engine"]
+def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """Several engine cores' stats as one: counts summed, KV usage over all their blocks."""
+    if len(stats) == 1:
+        return stats[0]
+    fields = SchedulerStats.__struct_fields__
+    total = sum_stat_dicts([{f: getattr(s, f) for f in fields} for s in stats])
+    return SchedulerStats(**{f: total[f] for f in fields})
+
+
+def sum_stat_dicts(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    """Numbers summed key by key, except `kv_cache_usage`: the used share of all blocks."""
+    if len(stats) == 1:
+        return dict(stats[0])
+    total: dict[str, Any] = {}
+    for one in stats:
+        for key, value in one.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                total[key] = total.get(key, 0) + value
+    blocks = sum(s.get("num_total_blocks", 0) for s in stats)
+    if blocks:
+        used = sum(s.get("kv_cache_usage", 0.0) * s.get("num_total_blocks", 0) for s in stats)
+        total["kv_cache_usage"] = used / blocks
+    return total
+
+
+__all__ = ["Engine", "EngineDeadError", "RequestError", "connect_engine", "open_engine"]

@@ -2,8 +2,9 @@
 
 Input arrives on a PULL socket (`[type, msgpack, *aux]`), outputs leave on an XPUB socket
 (`[topic, msgpack, *aux]` per client). XPUB rather than PUB because it reports subscriptions:
-the core says READY only once every expected client's SUB is connected, so no output is ever
-published into the void (ZMQ's slow-joiner problem). The forward pass runs off the trio loop
+an expected client's outputs wait until its SUB is confirmed, so none is published into the
+void (ZMQ's slow-joiner problem), and a client whose subscription ends (its process died) has
+its requests aborted. The forward pass runs off the trio loop
 (on one thread, or in worker processes: `executor.py`), so requests and aborts are taken in while
 the model computes.
 """
@@ -11,12 +12,16 @@ the model computes.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
+from collections.abc import Iterable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import trio
 import zmq
 
@@ -31,12 +36,14 @@ from triode.wire import (
     ModelRunnerOutput,
     ProtocolError,
     Ready,
+    Recorder,
     SchedulerOutput,
+    SchedulerStats,
     Socket,
     UtilityCall,
     UtilityOutput,
     encode_output,
-    topic_for,
+    open_recorder,
 )
 from triode.wire.kv_transfer import parse_kv_transfer_config
 
@@ -44,6 +51,7 @@ from .child import ChildContext
 from .config import EngineArgs
 from .executor import Executor, open_executor
 from .kv_connector import KVConnectorScheduler
+from .prompt_embeds import receive_prompt_embeds
 from .scheduler import Scheduler, SchedulerConfig
 from .structured_output import StructuredOutputManager
 from .vocabulary import out_of_vocabulary
@@ -53,7 +61,13 @@ log = logging.getLogger(__name__)
 # PUB drops at its high-water mark; this is far above what a healthy client lags behind by,
 # and sequence numbers catch the rest.
 OUTPUT_HWM = 100_000
-SUBSCRIBE_TIMEOUT = 30.0
+# How many messages wait for an expected client whose SUB is not confirmed yet (a restarted
+# edge's first request can overtake its subscription); beyond that the oldest drop, and the
+# client sees the gap in its sequence numbers.
+MAX_HELD_OUTPUTS = 10_000
+# How often an engine with several clients, or one of several engines, tells every client its
+# queue lengths (the edges balance requests over engines by them).
+STATS_INTERVAL = 0.05
 # how often an engine with nothing to compute steps while a KV transfer is outstanding, to
 # hear of its end from the workers
 KV_POLL_INTERVAL = 0.005
@@ -63,9 +77,24 @@ class EngineCore:
     """Owns the scheduler and the executor; the step loop and the input actor share them, both
     on the trio thread, so the scheduler needs no locks."""
 
-    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
+    # what the sockets carry goes here too while `serve_engine_core` records (--record-wire)
+    recorder: Recorder | None = None
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        *,
+        num_clients: int = 1,
+        engine_index: int = 0,
+        data_parallel_size: int = 1,
+    ) -> None:
         self.scheduler = scheduler
         self.executor = executor
+        self.num_clients = num_clients
+        self.engine_index = engine_index
+        self.data_parallel_size = data_parallel_size
+        self._stats_sent = 0.0
         self.structured = scheduler.structured
         self._compiling: set[str] = set()  # constrained requests whose grammar is compiling
         self.grammar_errors = 0
@@ -143,6 +172,7 @@ class EngineCore:
         for client, outputs in per_client.items():
             outputs.scheduler_stats = stats
             await self._outbox.send((client, outputs))
+        await self._broadcast_stats(stats, per_client)
 
     async def _poll_pause(self) -> None:
         """After a step that only polled the KV connector: a moment, or less if an input
@@ -165,9 +195,11 @@ class EngineCore:
     async def _receive(self, socket: Socket) -> None:
         decoder = InputDecoder()
         while True:
-            frames = await socket.recv_multipart()
+            frames = [f.buffer for f in await socket.recv_multipart()]
+            if self.recorder is not None:
+                self.recorder.record("in", frames)
             try:
-                kind, payload = decoder.decode([f.buffer for f in frames])
+                kind, payload = decoder.decode(frames)
             except ProtocolError as e:
                 self.protocol_errors += 1
                 log.warning("dropped an undecodable input message: %s", e)
@@ -187,7 +219,13 @@ class EngineCore:
     async def _add(self, request: EngineCoreRequest) -> None:
         if not request.arrival_time:
             request.arrival_time = time.time()
-        problem = out_of_vocabulary(
+        embeds, problem = None, None
+        if request.prompt_embeds is not None:  # copied out and unlinked on arrival
+            try:
+                embeds = receive_prompt_embeds(request.prompt_embeds, self.executor.hidden_size)
+            except ValueError as e:
+                problem = str(e)
+        problem = problem or out_of_vocabulary(
             self.executor.vocab_size,
             prompt=request.prompt_token_ids,
             params=request.sampling_params,
@@ -199,18 +237,20 @@ class EngineCore:
                 problem = f"request id {request.request_id!r} is already in use"
             else:
                 self._compiling.add(request.request_id)
-                self._nursery.start_soon(self._compile_then_add, request)
+                self._nursery.start_soon(self._compile_then_add, request, embeds)
                 return
         rejected = (
             EngineCoreOutput(
                 request.request_id, finish_reason=FinishReason.ERROR, stop_reason=problem
             )
             if problem
-            else self.scheduler.add_request(request)
+            else self.scheduler.add_request(request, prompt_embeds=embeds)
         )
         await self._reject(request, rejected)
 
-    async def _compile_then_add(self, request: EngineCoreRequest) -> None:
+    async def _compile_then_add(
+        self, request: EngineCoreRequest, embeds: np.ndarray | None = None
+    ) -> None:
         """Compile a constrained request's grammar off the step loop, then queue the request;
         one aborted meanwhile is dropped."""
         assert self.structured is not None and request.sampling_params.structured_outputs
@@ -227,7 +267,7 @@ class EngineCore:
             return
         self._compiling.discard(request.request_id)
         if rejected is None:
-            rejected = self.scheduler.add_request(request, grammar)
+            rejected = self.scheduler.add_request(request, grammar, embeds)
         await self._reject(request, rejected)
         self._work.set()
 
@@ -253,13 +293,70 @@ class EngineCore:
         await self._outbox.send((call.client_index, EngineCoreOutputs(utility_output=result)))
 
     async def _publish(self, socket: Socket) -> None:
+        """The XPUB socket's one owner: sends each client's outputs under its topic, and reads
+        the subscriptions the socket reports. A client's topic carries nothing until its SUB
+        is confirmed (messages wait, bounded, until then); a client whose subscription ends
+        (its process died) has its requests aborted, and its topic starts again at sequence 0
+        for whoever subscribes next."""
         encoder = Encoder()
-        seqs: dict[int, int] = {}
-        async for client, outputs in self._publisher_inbox:
-            outputs.seq = seqs.get(client, 0)
-            seqs[client] = outputs.seq + 1
-            outputs.timestamp = time.time()
-            await socket.send_multipart(encode_output(encoder, client, outputs))
+        topics = _Topics(self.num_clients)
+        while True:
+            item, frames = await _next_output_or_subscription(self._publisher_inbox, socket)
+            if frames is not None:
+                self._take_subscription(topics, frames[0])
+                for client, outputs in topics.released():
+                    await self._send_output(socket, encoder, topics, client, outputs)
+            if item is not None:
+                client, outputs = item
+                if topics.hold(client, outputs):
+                    continue
+                await self._send_output(socket, encoder, topics, client, outputs)
+
+    async def _send_output(
+        self,
+        socket: Socket,
+        encoder: Encoder,
+        topics: _Topics,
+        client: int,
+        outputs: EngineCoreOutputs,
+    ) -> None:
+        outputs.engine_index = self.engine_index
+        outputs.seq = topics.next_seq(client)
+        outputs.timestamp = time.time()
+        frames = encode_output(encoder, client, outputs)
+        if self.recorder is not None:
+            self.recorder.record("out", frames)
+        await socket.send_multipart(frames)
+
+    def _take_subscription(self, topics: _Topics, event: bytes) -> None:
+        client = client_of_topic(event[1:])
+        if client is None:
+            return
+        if event[:1] == b"\x01":
+            topics.subscribed(client)
+        elif event[:1] == b"\x00":
+            topics.unsubscribed(client)
+            orphans = [
+                r.request_id for r in self.scheduler.requests.values() if r.client_index == client
+            ]
+            if orphans:
+                log.warning(
+                    "client %d unsubscribed; aborting its %d request(s)", client, len(orphans)
+                )
+                self.scheduler.abort_requests(orphans)
+            self._work.set()
+
+    async def _broadcast_stats(self, stats: SchedulerStats, skip: Iterable[int]) -> None:
+        """Every expected client hears the engine's queue lengths at most `STATS_INTERVAL`
+        apart, also those with no output this step: the edges balance over engines by them."""
+        now = time.monotonic()
+        if self.num_clients < 2 and self.data_parallel_size < 2:
+            return
+        if now - self._stats_sent < STATS_INTERVAL:
+            return
+        self._stats_sent = now
+        for client in set(range(self.num_clients)).difference(skip):
+            await self._outbox.send((client, EngineCoreOutputs(scheduler_stats=stats)))
 
     # Utility methods: called by name through UTILITY messages; results must be msgpack-able.
 
@@ -298,25 +395,97 @@ _UTILITIES = {
 }
 
 
-async def _await_subscribers(socket: Socket, clients: int) -> None:
-    """Wait until `clients` distinct topics are subscribed on the XPUB socket."""
-    expected = {topic_for(i) for i in range(clients)}
-    seen: set[bytes] = set()
-    with trio.fail_after(SUBSCRIBE_TIMEOUT):
-        while not expected <= seen:
-            [frame] = await socket.recv_multipart(copy=True)
-            if frame[:1] == b"\x01":
-                seen.add(frame[1:])
+class _Topics:
+    """The publisher's view of its clients' topics: sequence numbers, which of the expected
+    clients (0 .. `expected` - 1) are subscribed, and what waits for those that are not. A
+    client outside that range (a tool, a fuzzer) is sent to as it comes."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self._seqs: dict[int, int] = {}
+        self._subscribed: set[int] = set()
+        self._held: dict[int, deque[EngineCoreOutputs]] = {}
+        self._released: list[tuple[int, EngineCoreOutputs]] = []
+
+    def hold(self, client: int, outputs: EngineCoreOutputs) -> bool:
+        """Keep `outputs` back if its client is expected but not subscribed yet."""
+        if client in self._subscribed or not 0 <= client < self.expected:
+            return False
+        held = self._held.setdefault(client, deque(maxlen=MAX_HELD_OUTPUTS))
+        if len(held) == held.maxlen:
+            self._seqs[client] = self._seqs.get(client, 0) + 1  # the dropped one's number
+        held.append(outputs)
+        return True
+
+    def subscribed(self, client: int) -> None:
+        self._subscribed.add(client)
+        self._released.extend((client, o) for o in self._held.pop(client, ()))
+
+    def unsubscribed(self, client: int) -> None:
+        self._subscribed.discard(client)
+        self._seqs.pop(client, None)
+        self._held.pop(client, None)
+
+    def released(self) -> list[tuple[int, EngineCoreOutputs]]:
+        out, self._released = self._released, []
+        return out
+
+    def next_seq(self, client: int) -> int:
+        seq = self._seqs.get(client, 0)
+        self._seqs[client] = seq + 1
+        return seq
+
+
+def client_of_topic(topic: bytes) -> int | None:
+    """The client index a subscription's topic names (`topic_for`'s inverse), or None."""
+    return int.from_bytes(topic, "big") if len(topic) == 2 else None
+
+
+async def _next_output_or_subscription(
+    inbox: trio.MemoryReceiveChannel[tuple[int, EngineCoreOutputs]], socket: Socket
+) -> tuple[tuple[int, EngineCoreOutputs] | None, list[bytes] | None]:
+    """The next message to publish, or the next subscription event of the XPUB socket, or
+    both when they come together; whichever is first, without losing the other."""
+    try:
+        return inbox.receive_nowait(), None
+    except trio.WouldBlock:
+        pass
+    item: tuple[int, EngineCoreOutputs] | None = None
+    frames: list[bytes] | None = None
+    async with trio.open_nursery() as nursery:
+
+        async def take_output() -> None:
+            nonlocal item
+            item = await inbox.receive()
+            nursery.cancel_scope.cancel()
+
+        async def take_subscription() -> None:
+            nonlocal frames
+            frames = await socket.recv_multipart(copy=True)
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(take_output)
+        nursery.start_soon(take_subscription)
+    return item, frames
 
 
 async def serve_engine_core(ctx: ChildContext) -> None:
     """The engine-core actor's entry (`triode.actors.engine_core:serve_engine_core`)."""
     args = msgspec.convert(ctx.options["engine_args"], EngineArgs)
+    if ctx.options.get("cpus"):
+        # one of several data-parallel engines: its share of the cores, which its model
+        # threads (and its workers, who inherit it) size themselves by
+        os.sched_setaffinity(0, ctx.options["cpus"])
     input_socket = Socket.open(ctx.zmq_context, zmq.PULL, bind=ctx.addresses["input"])
     output_socket = Socket.open(
         ctx.zmq_context, zmq.XPUB, bind=ctx.addresses["output"], hwm=OUTPUT_HWM
     )
-    async with input_socket, output_socket, open_executor(args) as executor:
+    async with (
+        input_socket,
+        output_socket,
+        _recording(ctx, args) as recorder,
+        open_executor(args) as executor,
+    ):
         connector = None
         if args.kv_transfer_config is not None:
             connector = KVConnectorScheduler(
@@ -345,7 +514,6 @@ async def serve_engine_core(ctx: ChildContext) -> None:
             connector,
             structured,
         )
-        await _await_subscribers(output_socket, ctx.options.get("num_clients", 1))
         await ctx.ready(
             Ready(
                 num_kv_blocks=executor.num_kv_blocks,
@@ -357,6 +525,7 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                     "eos_token_id": executor.eos_token_id,
                     "extra_eos_token_ids": executor.extra_eos_token_ids,
                     "vocab_size": executor.vocab_size,
+                    "hidden_size": executor.hidden_size,
                     "dtype": executor.dtype,
                     "tensor_parallel_size": args.tensor_parallel_size,
                     "pipeline_parallel_size": args.pipeline_parallel_size,
@@ -365,4 +534,28 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                 },
             )
         )
-        await EngineCore(scheduler, executor).run(input_socket, output_socket)
+        core = EngineCore(
+            scheduler,
+            executor,
+            num_clients=ctx.options.get("num_clients", 1),
+            engine_index=ctx.options.get("engine_index", 0),
+            data_parallel_size=args.data_parallel_size,
+        )
+        core.recorder = recorder
+        await core.run(input_socket, output_socket)
+
+
+def _recording(ctx: ChildContext, args: EngineArgs) -> AbstractAsyncContextManager[Recorder | None]:
+    """The recording of this engine core's traffic that `--record-wire` asks for, else None.
+    One of several data-parallel engines records into a directory of its own under it."""
+    if args.record_wire is None:
+        return nullcontext()
+    directory = Path(args.record_wire)
+    if args.data_parallel_size > 1:
+        directory /= f"engine-{ctx.options.get('engine_index', 0)}"
+    meta = {
+        "engine_args": ctx.options["engine_args"],
+        "num_clients": ctx.options.get("num_clients", 1),
+        "engine_index": ctx.options.get("engine_index", 0),
+    }
+    return open_recorder(directory, meta)

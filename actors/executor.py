@@ -38,6 +38,7 @@ class Executor(Protocol):
     eos_token_id: int | None
     extra_eos_token_ids: list[int]
     vocab_size: int
+    hidden_size: int  # what a prompt's embeddings must have per position
     dtype: str
     protocol_errors: int  # broadcast messages the workers could not decode
     # how many steps may be in flight at once: one per pipeline stage
@@ -86,6 +87,7 @@ class InProcessExecutor:
         self.eos_token_id = self._runner.eos_token_id
         self.extra_eos_token_ids = self._runner.extra_eos_token_ids
         self.vocab_size = self._runner.vocab_size
+        self.hidden_size = self._runner.hidden_size
         self.dtype = str(self._runner.dtype).removeprefix("torch.")
         self.kv_endpoints = self._runner.kv_endpoints
         log.info(

@@ -14,6 +14,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from .request import Request
 
 # The parent of a prompt's first block. Random per process, so that nobody outside can craft
@@ -29,6 +31,15 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> by
     """
     digest = hashlib.sha256(NONE_HASH if parent_hash is None else parent_hash)
     digest.update(array("Q", token_ids).tobytes())
+    return digest.digest()
+
+
+def embeds_salt(dtype: str, embeds: np.ndarray) -> bytes:
+    """What starts the block-hash chain of a prompt given as embeddings, in place of
+    `NONE_HASH`: its token ids are placeholders, so the chain must name the embeddings."""
+    digest = hashlib.sha256(NONE_HASH)
+    digest.update(f"prompt_embeds {dtype} {list(embeds.shape)}".encode())
+    digest.update(np.ascontiguousarray(embeds).reshape(-1).view(np.uint8))
     return digest.digest()
 
 
@@ -249,6 +260,6 @@ class KVCacheManager:
         hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else request.cache_salt
             hashes.append(hash_block_tokens(parent, tokens[i * size : (i + 1) * size]))
         return hashes

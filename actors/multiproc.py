@@ -46,8 +46,8 @@ from triode.wire import (
 from triode.wire.shm_ring import RingTimeout, ShmRingWriter
 
 from .config import EngineArgs
-from .engine import ready_timeout
 from .errors import ActorDied
+from .launcher import ready_timeout
 from .process import Child, open_child
 
 if TYPE_CHECKING:
@@ -183,6 +183,7 @@ class MultiprocExecutor:
         self.eos_token_id: int | None = info.get("eos_token_id")
         self.extra_eos_token_ids: list[int] = list(info.get("extra_eos_token_ids") or [])
         self.vocab_size: int = info["vocab_size"]
+        self.hidden_size: int = info.get("hidden_size", 0)
         self.dtype: str = info.get("dtype", "")
         self.kv_endpoints: list[str] = list(info.get("kv_endpoints") or [])
 

@@ -74,6 +74,11 @@ class Child:
     def alive(self) -> bool:
         return not self.exited.is_set()
 
+    def expect_exit(self) -> None:
+        """The child was asked to leave by other means (a signal that drains it): its exit
+        from now on is a stop, not a death."""
+        self._stopping = True
+
     def _exit_error(self) -> ActorDied:
         if self._remote_error is not None:
             return RemoteError(self.name, self.returncode, self._remote_error)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+import numpy as np
+
 from triode.wire.messages import EngineCoreRequest, FinishReason, SamplingParams
 
 
@@ -48,12 +50,18 @@ class Request:
     scheduler advances it when it schedules them, so a chunked prefill continues next step.
     `block_hashes` holds the chained hashes of the full blocks of `all_token_ids`; the KV cache
     manager extends it lazily, so it is never computed when prefix caching is off.
+
+    A prompt given as embeddings keeps them (`prompt_embeds`, [prompt tokens, hidden size] of
+    `prompt_embeds_dtype`) until the request ends, so a recompute after preemption has them;
+    its prompt token ids are placeholders, and `cache_salt`, a digest of the embeddings, starts
+    its block hashes' chain instead, so that only the same embeddings share cached blocks.
     """
 
     __slots__ = (
         "all_token_ids",
         "arrival_time",
         "block_hashes",
+        "cache_salt",
         "client_index",
         "eos_token_id",
         "grammar",
@@ -67,6 +75,8 @@ class Request:
         "num_prompt_tokens",
         "output_token_ids",
         "priority",
+        "prompt_embeds",
+        "prompt_embeds_dtype",
         "prompt_token_ids",
         "request_id",
         "runner_knows",
@@ -88,6 +98,9 @@ class Request:
         client_index: int = 0,
         seq: int = 0,
         kv_transfer_params: dict[str, Any] | None = None,
+        prompt_embeds: np.ndarray | None = None,
+        prompt_embeds_dtype: str | None = None,
+        cache_salt: bytes | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -121,9 +134,21 @@ class Request:
         self.kv_transfer_params_out: dict[str, Any] | None = None
         # the structured-output matcher (`structured_output.Grammar`) of a constrained request
         self.grammar: Any = None
+        self.prompt_embeds = prompt_embeds
+        self.prompt_embeds_dtype = prompt_embeds_dtype
+        self.cache_salt = cache_salt
 
     @classmethod
-    def from_engine_core_request(cls, request: EngineCoreRequest, seq: int) -> Request:
+    def from_engine_core_request(
+        cls,
+        request: EngineCoreRequest,
+        seq: int,
+        prompt_embeds: np.ndarray | None = None,
+        cache_salt: bytes | None = None,
+    ) -> Request:
+        """The scheduler's request for `request`, with its embeddings, copied out of shared
+        memory, when its prompt came as those."""
+        handle = request.prompt_embeds
         return cls(
             request.request_id,
             request.prompt_token_ids,
@@ -134,6 +159,9 @@ class Request:
             client_index=request.client_index,
             seq=seq,
             kv_transfer_params=request.kv_transfer_params,
+            prompt_embeds=prompt_embeds,
+            prompt_embeds_dtype=None if handle is None else handle.dtype,
+            cache_salt=cache_salt,
         )
 
     @property

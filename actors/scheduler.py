@@ -17,6 +17,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from triode.wire.kv_transfer import KVConnectorOutput
 from triode.wire.messages import (
     EngineCoreOutput,
@@ -34,7 +36,7 @@ from triode.wire.step import (
     SchedulerOutput,
 )
 
-from .kv_cache import KVCacheBlock, KVCacheManager
+from .kv_cache import KVCacheBlock, KVCacheManager, embeds_salt
 from .kv_connector import KVConnectorScheduler
 from .request import Request, RequestStatus
 
@@ -105,22 +107,32 @@ class Scheduler:
     # Intake
 
     def add_request(
-        self, request: EngineCoreRequest, grammar: Grammar | None = None
+        self,
+        request: EngineCoreRequest,
+        grammar: Grammar | None = None,
+        prompt_embeds: np.ndarray | None = None,
     ) -> EngineCoreOutput | None:
         """Queue a request, or return the error output that finishes it at once when it could
         never run: a queued request that can never be scheduled would wait forever.
 
-        A request with structured outputs comes with its compiled `grammar`."""
+        A request with structured outputs comes with its compiled `grammar`, one whose prompt
+        came as embeddings with them (`prompt_embeds`, out of shared memory already)."""
         error = self._admission_error(request)
         if error is None and (request.sampling_params.structured_outputs is None) != (
             grammar is None
         ):
             error = "structured_outputs: the request and its compiled grammar must come together"
+        if error is None:
+            error = _embeds_error(request, prompt_embeds)
         if error is not None:
             return EngineCoreOutput(
                 request.request_id, finish_reason=FinishReason.ERROR, stop_reason=error
             )
-        req = Request.from_engine_core_request(request, self._seq)
+        salt = None
+        if prompt_embeds is not None and self.config.enable_prefix_caching:
+            assert request.prompt_embeds is not None
+            salt = embeds_salt(request.prompt_embeds.dtype, prompt_embeds)
+        req = Request.from_engine_core_request(request, self._seq, prompt_embeds, salt)
         req.grammar = grammar
         self._seq += 1
         self.requests[req.request_id] = req
@@ -336,8 +348,12 @@ class Scheduler:
                 sample=start + num_new == req.num_tokens,
             )
             if not req.runner_knows:
-                entry.new = NewRequestData(req.prompt_token_ids, req.sampling_params)
+                entry.new = NewRequestData(
+                    req.prompt_token_ids, req.sampling_params, req.prompt_embeds_dtype
+                )
                 req.runner_knows = True
+            if req.prompt_embeds is not None and start < req.num_prompt_tokens:
+                entry.prompt_embeds = req.prompt_embeds[start : start + num_new]
             # Advance now, so a chunked prefill goes on next step without waiting for results.
             req.num_computed_tokens = start + num_new
             self.prompt_tokens_computed += max(
@@ -496,6 +512,24 @@ class Scheduler:
 
 def _sort_key(req: Request) -> tuple[int, int]:
     return req.sort_key
+
+
+def _embeds_error(request: EngineCoreRequest, prompt_embeds: np.ndarray | None) -> str | None:
+    """Why a request and its prompt embeddings do not go together, or None."""
+    if (request.prompt_embeds is None) != (prompt_embeds is None):
+        return "prompt_embeds: the request and its embeddings must come together"
+    if prompt_embeds is None:
+        return None
+    if len(prompt_embeds) != len(request.prompt_token_ids):
+        return (
+            f"prompt_embeds: {len(prompt_embeds)} rows for {len(request.prompt_token_ids)} "
+            "prompt positions"
+        )
+    if request.sampling_params.prompt_logprobs is not None:
+        return "prompt_logprobs: not supported for a prompt given as embeddings"
+    if request.kv_transfer_params:
+        return "kv_transfer_params: not supported for a prompt given as embeddings"
+    return None
 
 
 def _unsent_prompt_logprobs(

@@ -21,6 +21,17 @@ class ApiKeys:
     def __init__(self, keys: Iterable[str]) -> None:
         self._digests = tuple(_digest(key.encode()) for key in keys if key)
 
+    @classmethod
+    def from_digests(cls, digests: Iterable[bytes]) -> ApiKeys:
+        """Keys given as their digests (`digests`): how they reach another process."""
+        keys = cls(())
+        keys._digests = tuple(digests)
+        return keys
+
+    @property
+    def digests(self) -> tuple[bytes, ...]:
+        return self._digests
+
     @property
     def enabled(self) -> bool:
         """Whether any key is configured; with none, the server is open."""

@@ -7,12 +7,14 @@ import importlib
 import logging
 import os
 import sys
+from functools import partial
 from importlib.metadata import version
 
 BENCHMARKS = {
     "wire": "triode.wire.bench",
     "throughput": "triode.edge.bench_throughput",
     "serve": "triode.edge.bench_serve",
+    "frontend": "triode.edge.bench_frontend",
     "structured": "triode.edge.bench_structured",
     "collectives": "triode.gpu.bench_collectives",
     "kv-transfer": "triode.gpu.bench_kv_transfer",
@@ -47,6 +49,12 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
         help="the model names the API answers to (default: the model's)",
     )
     serve.add_argument("--root-path", default="", help="the path prefix behind a proxy")
+    serve.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API server processes sharing the port (each a client of every engine core)",
+    )
     serve.add_argument(
         "--allowed-origins",
         nargs="*",
@@ -107,6 +115,13 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None
     )
     engine.add_argument("--seed", type=int, default=None)
+    engine.add_argument(
+        "--record-wire",
+        default=None,
+        metavar="DIR",
+        help="record every message the engine core takes in and sends out into DIR (a new "
+        "directory; 8 rotating files of 64 MiB at most), for `triode replay DIR`",
+    )
     parallel = serve.add_argument_group("parallelism (one worker process per rank)")
     parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     parallel.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None)
@@ -116,6 +131,14 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
         default=None,
         help="mp: a worker process per rank; inproc: the model in the engine core (world of "
         "one only; the default there)",
+    )
+    parallel.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=None,
+        help="engine cores, each with its own KV cache (and model workers), that requests are "
+        "balanced over",
     )
     parallel.add_argument("--nnodes", type=int, default=None, help="nodes the ranks span")
     parallel.add_argument("--node-rank", type=int, default=None, help="this node's index")
@@ -162,6 +185,8 @@ ENGINE_FLAGS = (
     "master_port",
     "distributed_timeout",
     "kv_transfer_config",
+    "data_parallel_size",
+    "record_wire",
 )
 
 
@@ -191,6 +216,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise SystemExit("triode serve: --tool-call-timeout must be positive")
     if args.max_tool_turns < 0:
         raise SystemExit("triode serve: --max-tool-turns must not be negative")
+    if not 1 <= args.api_server_count <= 64:
+        raise SystemExit("triode serve: --api-server-count must be between 1 and 64")
     try:
         tool_servers = [s for v in args.tool_server for s in parse_tool_server_specs(v)]
     except ValueError as e:
@@ -217,6 +244,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         port=args.port,
         root_path=args.root_path,
         graceful_timeout=args.graceful_timeout,
+        api_server_count=args.api_server_count,
     )
     trio.run(serve, options, settings, engine_args)
     return 0
@@ -321,6 +349,74 @@ def _run_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    replay = commands.add_parser(
+        "replay",
+        help="replay a --record-wire recording against a new engine and compare its outputs",
+        description="Start an engine core with the recorded engine arguments, send it the "
+        "recorded inputs at their recorded pace, and compare each request's tokens and finish "
+        "reason with the recording. Exit status 0 when they agree, 1 when they differ.",
+    )
+    replay.add_argument("directory", metavar="DIR", help="a --record-wire directory")
+    replay.add_argument("--model", default=None, help="this model instead of the recorded one")
+    replay.add_argument(
+        "--speed",
+        type=float,
+        default=1.0,
+        help="how many times faster than recorded to send the inputs (inf: at once)",
+    )
+    replay.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="give up waiting for the outputs after this long (exit status 1)",
+    )
+    replay.add_argument("--json", action="store_true", help="print the report as JSON")
+    replay.add_argument(
+        "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
+    )
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    import msgspec
+    import trio
+
+    from triode.actors.replay import replay
+    from triode.wire import ProtocolError
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    os.environ.setdefault("TRIODE_LOG_LEVEL", args.log_level.upper())
+    if not args.speed > 0:
+        raise SystemExit("triode replay: --speed must be positive")
+    try:
+        report = trio.run(
+            partial(
+                replay,
+                args.directory,
+                model=args.model,
+                speed=args.speed,
+                max_seconds=args.max_seconds,
+            )
+        )
+    except (FileNotFoundError, ProtocolError, msgspec.ValidationError) as e:
+        raise SystemExit(f"triode replay: {args.directory}: {e}") from None
+    if args.json:
+        print(msgspec.json.encode(report).decode())
+    else:
+        print(
+            f"{report.identical} request(s) identical, {len(report.differences)} differ"
+            f" ({report.inputs} inputs in {report.seconds:.1f} s"
+            f"{', timed out' if report.timed_out else ''})"
+        )
+        for d in report.differences:
+            print(
+                f"  {d.request_id}: at {d.index} recorded {d.recorded!r}, replayed {d.replayed!r}"
+            )
+    return 0 if report.ok else 1
+
+
 def _default_name(model: str | None, engine: object) -> str:
     """The name the API answers to: what was given on the command line, else the model's."""
     if model is None:
@@ -334,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _serve_parser(commands)
     _proxy_parser(commands)
+    _replay_parser(commands)
     bench = commands.add_parser("bench", help="run a benchmark and print its table")
     bench.add_argument("which", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
@@ -356,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_serve(args)
     if args.command == "proxy":
         return _run_proxy(args)
+    if args.command == "replay":
+        return _run_replay(args)
     if args.command == "fuzz":
         return importlib.import_module("triode.fuzz.live").main([args.mode, *args.args])
     if args.command == "bench":

@@ -1,7 +1,15 @@
-"""Prometheus metrics under vLLM's names, prefixed `triode:`, each labelled with `model_name`."""
+"""Prometheus metrics under vLLM's names, prefixed `triode:`, each labelled with `model_name`.
+
+Several API server processes (`--api-server-count`) share their metrics through
+prometheus-client's multiprocess mode: the parent points `PROMETHEUS_MULTIPROC_DIR` at a
+directory of its own before they start, each process's counters and histograms live in files
+there, and whichever process answers `/metrics` adds them all up. The scheduler gauges are the
+engine's, so the most recent one set wins.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -14,6 +22,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from triode.wire import FinishReason
@@ -33,6 +42,7 @@ REQUEST_LATENCY_BUCKETS = (
 )  # fmt: skip
 
 _LABELS = ("model_name",)
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 class Metrics:
@@ -44,10 +54,13 @@ class Metrics:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._model_name = model_name
+        self._multiproc_dir = os.environ.get(MULTIPROC_DIR_ENV)
         r = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, _LABELS, registry=r).labels(model_name)
+            return Gauge(name, doc, _LABELS, registry=r, multiprocess_mode="mostrecent").labels(
+                model_name
+            )
 
         def counter(name: str, doc: str) -> Counter:
             # prometheus-client exposes a Counter as `<name>_total`.
@@ -114,8 +127,14 @@ class Metrics:
         self.engine.stats = dict(stats)
 
     def render(self) -> tuple[bytes, bytes]:
-        """The exposition text and its content type, for `GET /metrics`."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST.encode()
+        """The exposition text and its content type, for `GET /metrics`: this process's
+        metrics, or with several API servers all of theirs."""
+        registry = self.registry
+        if self._multiproc_dir:
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry, path=self._multiproc_dir)
+            registry.register(self.engine)
+        return generate_latest(registry), CONTENT_TYPE_LATEST.encode()
 
 
 # two counters, then two gauges: (name, the engine's stat, help)

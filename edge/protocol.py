@@ -221,24 +221,37 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
-    """A `POST /v1/completions` body."""
+    """A `POST /v1/completions` body.
 
-    prompt: str | list[str | _TokenId | list[_TokenId]]
+    `prompt_embeds` (vLLM's): base64 of a `torch.save`d tensor, or a list of them, each one
+    prompt given as embeddings (`edge/prompt_embeds.py`). With them `prompt` may be left out,
+    null or empty; prompts from both run embeddings first.
+    """
+
+    prompt: str | list[str | _TokenId | list[_TokenId]] | None = None
     max_tokens: _Count | None = 16
     logprobs: _NumLogprobs | None = None
     best_of: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
-    prompt_embeds: Any = None
+    prompt_embeds: str | list[str] | None = None
 
     _REFUSED = {
         **_GenerationRequest._REFUSED,
         "suffix": "suffix (insertion)",
-        "prompt_embeds": "prompt embeddings",
     }
 
     def __post_init__(self) -> None:
         self._check_common()
+        embeds = self.prompt_embeds
+        if embeds is not None:
+            parts = embeds if isinstance(embeds, list) else [embeds]
+            _check(bool(parts) and all(parts), "prompt_embeds", "must not be empty")
+            if self.prompt in ("", []):
+                self.prompt = None  # the openai client must send a prompt: "" stands for none
+            if self.prompt is None:
+                return
+        _check(self.prompt is not None, "prompt", "give a prompt, prompt_embeds or both")
         prompt = self.prompt
         kinds = {type(p) for p in prompt} if isinstance(prompt, list) else {str}
         _check(
@@ -259,13 +272,23 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
             raise APIError(400, "best_of: must be null or equal to n", param="best_of")
 
     def prompts(self) -> list[str | list[int]]:
-        """The prompts to complete, one choice set each: texts or token id lists."""
+        """The prompts to complete, one choice set each: texts or token id lists (those after
+        the prompts given as embeddings, `embeds_prompts`)."""
         prompt = self.prompt
+        if prompt is None:
+            return []
         if isinstance(prompt, str):
             return [prompt]
         if isinstance(prompt[0], int):
             return [prompt]  # type: ignore[list-item]
         return prompt  # type: ignore[return-value]
+
+    def embeds_prompts(self) -> list[str]:
+        """The base64 payloads of the prompts given as embeddings."""
+        embeds = self.prompt_embeds
+        if embeds is None:
+            return []
+        return [embeds] if isinstance(embeds, str) else embeds
 
 
 class TokenizeRequest(_Body, kw_only=True):

@@ -35,6 +35,7 @@ class ServeOptions:
     port: int = 8000
     root_path: str = ""
     graceful_timeout: float = 10.0
+    api_server_count: int = 1
 
 
 async def serve(
@@ -45,7 +46,30 @@ async def serve(
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or cancellation). `settings(engine)` builds the app's
-    settings once the engine is up; `task_status` gets the bound URLs."""
+    settings once the engine is up (`settings(None)` with several API servers); `task_status`
+    gets the bound URLs. With `options.api_server_count` > 1 the app runs in that many
+    processes (`api_servers.py`)."""
+    if options.api_server_count > 1:
+        from .api_servers import serve_api_servers
+
+        await serve_api_servers(
+            model=options.model,
+            engine_args=engine_args,
+            settings=settings(None),
+            count=options.api_server_count,
+            host=options.host,
+            port=options.port,
+            root_path=options.root_path,
+            graceful_timeout=options.graceful_timeout,
+            announce=lambda url: log.info(
+                "serving the OpenAI API on %s%s/v1 from %d processes",
+                url,
+                options.root_path,
+                options.api_server_count,
+            ),
+            task_status=task_status,
+        )
+        return
     started = time.perf_counter()
     log.info("starting the engine core for %s", options.model or "the default model")
     async with open_engine(options.model, **engine_args) as engine:
@@ -81,13 +105,15 @@ async def serve_asgi(
     graceful_timeout: float,
     root_path: str = "",
     announce: Callable[[str], None] = lambda url: None,
+    fd: int | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the ASGI `app` in hypercorn's trio worker until SIGINT/SIGTERM (see
     `_on_signals`) or cancellation; `announce(url)` for each bound URL, which `task_status`
-    gets too."""
+    gets too. With `fd`, serve on that listening socket (one that several API server
+    processes share) instead of binding `host` and `port`."""
     config = Config()
-    config.bind = [f"{_host(host)}:{port}"]
+    config.bind = [f"fd://{fd}" if fd is not None else f"{_host(host)}:{port}"]
     config.root_path = root_path
     config.graceful_timeout = graceful_timeout
     config.accesslog = None

@@ -11,6 +11,7 @@ request's stream, never in an unbounded queue here).
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
@@ -30,6 +31,7 @@ from triode.wire import SamplingParams, StructuredOutputsParams
 from .errors import APIError, check_engine_alive, engine_error, error_body, validation_error
 from .http import ClientDisconnected, Request, encode_json, respond_json
 from .metrics import Metrics
+from .prompt_embeds import decode_prompt_embeds
 from .protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -85,9 +87,10 @@ _MIN_LOGPROB = -9999.0
 class _Prompt:
     """One prompt of a request and what its generation has produced so far."""
 
-    token_ids: list[int]
+    token_ids: list[int]  # placeholders for a prompt given as embeddings
     text: str | None
     choices: list[CompletionOutput] = field(default_factory=list)
+    embeds: Any = None  # the prompt as embeddings: a torch tensor [positions, hidden size]
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     kv_transfer_params: dict[str, Any] | None = None
@@ -264,7 +267,7 @@ class Serving:
         self.check_model(req.model)
         check_engine_alive(self.engine)
         intake = self.engine.intake
-        prompts = []
+        prompts = await self._embeds_prompts(req)
         for p in req.prompts():
             if isinstance(p, str):
                 ids = await intake.encode(p, add_special_tokens=req.add_special_tokens)
@@ -316,6 +319,31 @@ class Serving:
             kv_transfer_params=prompts[0].kv_transfer_params,
         )
         await respond_json(request.send, response)
+
+    async def _embeds_prompts(self, req: CompletionRequest) -> list[_Prompt]:
+        """The prompts given as embeddings, decoded off the event loop. Raises a 400 for a
+        payload that is not one, or for options that need the prompt's tokens."""
+        payloads = req.embeds_prompts()
+        if not payloads:
+            return []
+        for name, value in (
+            ("echo", req.echo),
+            ("prompt_logprobs", req.prompt_logprobs is not None),
+            ("kv_transfer_params", req.kv_transfer_params),
+        ):
+            if value:
+                raise APIError(400, f"{name}: not supported with prompt_embeds", param=name)
+        decode = functools.partial(
+            decode_prompt_embeds,
+            hidden_size=self.engine.hidden_size,
+            max_model_len=self.engine.max_model_len,
+            max_bytes=self.settings.max_body_size,
+        )
+        prompts = []
+        for payload in payloads:
+            embeds = await trio.to_thread.run_sync(decode, payload)
+            prompts.append(_Prompt([0] * len(embeds), None, embeds=embeds))
+        return prompts
 
     def _completion_logprobs(
         self,
@@ -384,11 +412,12 @@ class Serving:
             async with channel:
                 try:
                     generation = self.engine.generate(
-                        prompt.token_ids,
+                        prompt.token_ids if prompt.embeds is None else None,
                         params,
                         rid,
                         delta=True,
                         kv_transfer_params=kv_transfer_params,
+                        prompt_embeds=prompt.embeds,
                     )
                     with scopes[index]:
                         async with aclosing(generation) as outputs:

@@ -5,13 +5,15 @@ Seeds are real messages, captured where triode makes them: frames from the wire 
 messages), request bodies as the openai client sends them, Authorization headers, SSE streams of
 real chunks, and chat conversations. Each goes into the input layout of its harness. Files are
 named by content; a harness's directory is emptied of `.bin` files first, so the output depends
-only on this code.
+only on this code. `--from-recording DIR` adds the input messages of a wire recording
+(`triode serve --record-wire DIR`) to the wire harness's seeds: traffic as real clients sent it.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import random
 from collections.abc import Callable, Iterable
@@ -54,11 +56,14 @@ from triode.wire import (
     SchedulerOutput,
     SchedulerStats,
     Shutdown,
+    TensorHandle,
     UtilityCall,
     UtilityOutput,
     encode_input,
     encode_output,
+    read_records,
 )
+from triode.wire.tensor_ipc import NAME_PREFIX
 
 from .harnesses import HARNESSES, auth, chat, http_body, shm_ring, sse, wire
 from .run import CORPUS_DIR
@@ -74,6 +79,10 @@ def wire_seeds() -> Iterable[bytes]:
     )  # fmt: skip
     request = EngineCoreRequest("chatcmpl-0a1b2c/0", PROMPT, params, 2, 1.7e9, 1)
     greedy = EngineCoreRequest("cmpl-3", PROMPT[:4], SamplingParams(temperature=0.0), 2)
+    embeds = TensorHandle(NAME_PREFIX + "5e" * 16, "bfloat16", (4, 576), 4 * 576 * 2)
+    from_embeds = EngineCoreRequest(
+        "cmpl-4", [0] * 4, greedy.sampling_params, 2, prompt_embeds=embeds
+    )
     add, abort, utility = (
         EngineCoreRequestType.ADD_REQUEST,
         EngineCoreRequestType.ABORT_REQUEST,
@@ -82,6 +91,7 @@ def wire_seeds() -> Iterable[bytes]:
     inputs = [
         encode_input(encoder, add, request),
         encode_input(encoder, add, greedy),
+        encode_input(encoder, add, from_embeds),
         encode_input(encoder, abort, ["chatcmpl-0a1b2c/0", "chatcmpl-0a1b2c/1"]),
         encode_input(encoder, utility, UtilityCall(3, "reset_prefix_cache")),
         encode_input(encoder, utility, UtilityCall(4, "get_stats", [], 1)),
@@ -111,6 +121,17 @@ def wire_seeds() -> Iterable[bytes]:
     yield wire.frames_input("ndarray", encoder.encode(np.arange(80, dtype=np.int32)))
     for target in range(len(wire.TARGET_NAMES)):  # mutate mode: one valid message each
         yield bytes([1, target]) + random.Random(target).randbytes(64)
+
+
+# The most input messages a recording gives the wire corpus: a long one mostly repeats itself.
+MAX_RECORDED_SEEDS = 512
+
+
+def recorded_wire_seeds(directory: Path) -> Iterable[bytes]:
+    """The input messages of a wire recording (`triode serve --record-wire DIR`), as seeds."""
+    inputs = (r.frames for r in read_records(directory) if r.direction == "in")
+    for frames in itertools.islice(inputs, MAX_RECORDED_SEEDS):
+        yield wire.frames_input("input", frames)
 
 
 def _logprobs(rows: int, k: int) -> Logprobs:
@@ -149,6 +170,15 @@ def _step_messages(encoder: Encoder) -> Iterable[tuple[str, list[Any]]]:
         [
             ScheduledRequest("a", PROMPT[:16], 0, [0], True, new),
             ScheduledRequest("b", [1534], 40, [3, 4, 9], True),
+            ScheduledRequest(
+                "e",
+                [0] * 4,
+                0,
+                [5],
+                True,
+                NewRequestData([0] * 4, SamplingParams(max_tokens=8), "float32"),
+                np.linspace(-1, 1, 4 * 16, dtype=np.float32).reshape(4, 16),
+            ),
         ],
         ["c"],
     )
@@ -374,15 +404,19 @@ SEEDS: dict[str, Callable[[], Iterable[bytes]]] = {
 }
 
 
-def write_corpus(root: Path) -> dict[str, int]:
-    """Write every harness's seeds under `root`; the number of files per harness."""
+def write_corpus(root: Path, *, recording: Path | None = None) -> dict[str, int]:
+    """Write every harness's seeds under `root`, the wire harness's with the input messages of
+    the wire `recording` directory if given; the number of files per harness."""
     counts = {}
     for name in HARNESSES:
         directory = root / name
         directory.mkdir(parents=True, exist_ok=True)
         for old in directory.glob("*.bin"):
             old.unlink()
-        seeds = {hashlib.sha256(data).hexdigest()[:16]: data for data in SEEDS[name]()}
+        made = SEEDS[name]()
+        if name == "wire" and recording is not None:
+            made = itertools.chain(made, recorded_wire_seeds(recording))
+        seeds = {hashlib.sha256(data).hexdigest()[:16]: data for data in made}
         for digest, data in seeds.items():
             (directory / f"{digest}.bin").write_bytes(data)
         counts[name] = len(seeds)
@@ -392,8 +426,15 @@ def write_corpus(root: Path) -> dict[str, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m triode.fuzz.make_corpus")
     parser.add_argument("--out", type=Path, default=CORPUS_DIR, help="corpora root")
+    parser.add_argument(
+        "--from-recording",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="add the input messages of a --record-wire recording to the wire corpus",
+    )
     args = parser.parse_args()
-    for name, count in write_corpus(args.out).items():
+    for name, count in write_corpus(args.out, recording=args.from_recording).items():
         size = sum(p.stat().st_size for p in (args.out / name).glob("*.bin"))
         print(f"{name:<10} {count:>3} seeds, {size:>7} bytes")
 

@@ -122,7 +122,8 @@ Intermediate = tuple[torch.Tensor, torch.Tensor]  # (hidden, float32 residual) b
 class LlamaModel(nn.Module):
     """The decoder, or this pipeline stage's contiguous run of its layers (`stage_layers`).
 
-    The first stage embeds; a later stage starts from the previous stage's `Intermediate`;
+    The first stage embeds, taking given rows (`embeds`: row indices and values in the model's
+    dtype) in place of the lookup; a later stage starts from the previous stage's `Intermediate`;
     every stage but the last returns an `Intermediate`, the last the normalised hidden states.
     """
 
@@ -157,9 +158,12 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         intermediate: Intermediate | None = None,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | Intermediate:
         if self.first_stage:
             hidden, residual = self.embed_tokens(input_ids), None
+            if embeds is not None:  # rows of prompts given as embeddings replace the lookup
+                hidden.index_copy_(0, *embeds)
         else:
             if intermediate is None:
                 raise ValueError("a later pipeline stage starts from the previous stage's output")
@@ -210,8 +214,9 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         intermediate: Intermediate | None = None,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | Intermediate:
-        return self.model(input_ids, positions, meta, intermediate)
+        return self.model(input_ids, positions, meta, intermediate, embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The last stage's logits, on its TP rank 0 (None on the other TP ranks)."""

@@ -45,6 +45,8 @@ DENSE_MIN_ROWS = 64
 PROMPT_LOGPROBS_ROWS = 256
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# how prompt embeddings of each dtype travel in a step (bfloat16: its bits)
+_EMBEDS_NUMPY = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 
 @dataclass
@@ -53,6 +55,7 @@ class _Request:
     params: SamplingParams
     sampling: SamplingState | None  # on the rank that samples (`ParallelLayout.is_driver`)
     next_prompt_logprob: int = 1  # prompt logprob rows before this one were already returned
+    embeds_dtype: str | None = None  # a prompt given as embeddings: their dtype
 
 
 @dataclass
@@ -63,6 +66,8 @@ class _Batch:
     positions: torch.Tensor
     meta: AttentionMetadata
     start: dict[str, int]  # request id -> its first row
+    # rows whose input is a given embedding instead of the lookup: (row indices, values)
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -114,6 +119,7 @@ class ModelRunner:
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.max_model_len = _max_model_len(self.config, max_model_len)
         self.vocab_size: int = self.config.vocab_size
+        self.hidden_size: int = self.config.hidden_size
         eos = eos_token_ids(self.model_dir, self.config)
         self.eos_token_id: int | None = eos[0] if eos else None
         self.extra_eos_token_ids = eos[1:]
@@ -238,10 +244,15 @@ class ModelRunner:
         for r in sched.requests:
             if r.new is not None:
                 prompt, params = r.new.prompt_token_ids, r.new.sampling_params
+                embeds_dtype = r.new.prompt_embeds_dtype
                 state = None
                 if self.parallel.is_driver:
-                    state = SamplingState(params, prompt, self.eos_token_id, self.vocab_size)
-                self._requests[r.request_id] = _Request(prompt, params, state)
+                    # placeholder ids are no tokens that a repetition penalty could count
+                    known = [] if embeds_dtype is not None else prompt
+                    state = SamplingState(params, known, self.eos_token_id, self.vocab_size)
+                self._requests[r.request_id] = _Request(
+                    prompt, params, state, embeds_dtype=embeds_dtype
+                )
         if sched.num_scheduled_tokens > self.max_num_batched_tokens:
             raise ValueError(f"{sched.num_scheduled_tokens} tokens exceed max_num_batched_tokens")
         if len(sched.requests) > self.max_num_seqs:
@@ -322,7 +333,7 @@ class ModelRunner:
             dist.recv(hidden, src=stage.prev_rank, group=group)
             dist.recv(residual, src=stage.prev_rank, group=group)
             intermediate = (hidden, residual)
-        out = self.model(batch.input_ids, batch.positions, batch.meta, intermediate)
+        out = self.model(batch.input_ids, batch.positions, batch.meta, intermediate, batch.embeds)
         if stage.is_last_stage:
             assert isinstance(out, torch.Tensor)
             return out
@@ -389,12 +400,17 @@ class ModelRunner:
         starts: dict[str, int] = {}
         tables: list[list[int]] = []
         prefills: list[PrefillChunk] = []
+        embed_rows: list[int] = []
+        embeds: list[torch.Tensor] = []
         for r in ordered:
             begin, end = r.num_computed_tokens, r.num_computed_tokens + len(r.token_ids)
             table = r.block_ids[: -(-end // bs)]
             if len(table) * bs < end:
                 raise ValueError(f"{r.request_id}: {len(r.block_ids)} blocks for {end} tokens")
             starts[r.request_id] = len(ids)
+            if r.prompt_embeds is not None and self.parallel.is_first_stage:
+                embeds.append(self._embeds(r))
+                embed_rows += range(len(ids), len(ids) + len(embeds[-1]))
             ids += r.token_ids
             positions += range(begin, end)
             slots += [table[p // bs] * bs + p % bs for p in range(begin, end)]
@@ -426,7 +442,27 @@ class ModelRunner:
             decodes=tuple(groups),
             prefills=tuple(prefills),
         )
-        return _Batch(self._tensor(ids), self._tensor(positions), meta, starts)
+        batch = _Batch(self._tensor(ids), self._tensor(positions), meta, starts)
+        if embeds:
+            values = torch.cat(embeds).to(device=self.device, dtype=self.dtype)
+            batch.embeds = (self._tensor(embed_rows), values)
+        return batch
+
+    def _embeds(self, r: ScheduledRequest) -> torch.Tensor:
+        """The rows of `r`'s prompt embeddings, as a CPU tensor of their own dtype. Raises
+        ValueError for rows that do not fit the request, the chunk or the model."""
+        rows, dtype = r.prompt_embeds, self._requests[r.request_id].embeds_dtype
+        assert rows is not None
+        if dtype is None or rows.dtype != _EMBEDS_NUMPY.get(dtype):
+            raise ValueError(f"{r.request_id}: prompt embeddings of {rows.dtype} for {dtype}")
+        if rows.ndim != 2 or rows.shape[1] != self.hidden_size or len(rows) > len(r.token_ids):
+            raise ValueError(
+                f"{r.request_id}: prompt embeddings of shape {list(rows.shape)} for a chunk of "
+                f"{len(r.token_ids)} positions of hidden size {self.hidden_size}"
+            )
+        if dtype == "bfloat16":
+            return torch.tensor(rows.view(np.int16)).view(torch.bfloat16)
+        return torch.tensor(rows)
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)

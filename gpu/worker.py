@@ -139,6 +139,7 @@ class Worker:
                 "eos_token_id": runner.eos_token_id,
                 "extra_eos_token_ids": runner.extra_eos_token_ids,
                 "vocab_size": runner.vocab_size,
+                "hidden_size": runner.hidden_size,
                 "dtype": str(runner.dtype).removeprefix("torch."),
                 "rank": self.layout.rank,
                 "pid": os.getpid(),

@@ -16,6 +16,7 @@ WIRE = {
     "ScheduledRequest", "SchedulerOutput", "WorkerMessageType", "RingClosed", "RingHandle",
     "RingTimeout", "ShmRingReader", "ShmRingWriter", "KVConnectorMetadata", "KVConnectorOutput",
     "KVExpose", "KVGeometry", "KVLoad", "KVReply", "KVRequest", "KVShmRef", "KVTransferConfig",
+    "TensorHandle", "Record", "Recorder", "open_recorder", "read_meta", "read_records",
 }  # fmt: skip
 ACTORS = {
     "ActorDied", "ActorError", "Child", "ChildContext", "HandshakeError", "RemoteError",

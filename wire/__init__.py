@@ -2,8 +2,9 @@
 
 Message types, the codec (out-of-band array frames), framing for the engine's sockets, control
 (handshake) messages, the trio adapter for pyzmq sockets, and the shared-memory ring that
-broadcasts each step to the model workers, and the KV connector's messages (disaggregated
-prefill). Nothing here imports torch.
+broadcasts each step to the model workers, the KV connector's messages (disaggregated
+prefill), recordings of an engine core's traffic, and handles of tensors that travel through
+shared memory. Nothing here imports torch.
 """
 
 from .codec import DEFAULT_AUX_THRESHOLD as DEFAULT_AUX_THRESHOLD
@@ -44,6 +45,11 @@ from .messages import SchedulerStats as SchedulerStats
 from .messages import StructuredOutputsParams as StructuredOutputsParams
 from .messages import UtilityCall as UtilityCall
 from .messages import UtilityOutput as UtilityOutput
+from .recording import Record as Record
+from .recording import Recorder as Recorder
+from .recording import open_recorder as open_recorder
+from .recording import read_meta as read_meta
+from .recording import read_records as read_records
 from .shm_ring import RingClosed as RingClosed
 from .shm_ring import RingTimeout as RingTimeout
 from .shm_ring import ShmRingReader as ShmRingReader
@@ -55,4 +61,5 @@ from .step import RequestStepResult as RequestStepResult
 from .step import ScheduledRequest as ScheduledRequest
 from .step import SchedulerOutput as SchedulerOutput
 from .step import WorkerMessageType as WorkerMessageType
+from .tensor_ipc import TensorHandle as TensorHandle
 from .zsocket import Socket as Socket

@@ -13,6 +13,8 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
+from .tensor_ipc import TensorHandle
+
 _HOT = {"array_like": True, "omit_defaults": True, "gc": False}
 
 # Largest seed accepted; matches the int64 range torch generators take.
@@ -180,6 +182,9 @@ class EngineCoreRequest(msgspec.Struct, **_HOT):
     client_index: int = 0
     priority: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    # The prompt as embeddings [len(prompt_token_ids), hidden size] in shared memory, in place
+    # of the embedding lookup; its token ids are then placeholders (zeros).
+    prompt_embeds: TensorHandle | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.request_id), "request_id", "must not be empty")

@@ -24,6 +24,7 @@ header, so a writer scribbling over the chunk meanwhile cannot push a read out o
 
 from __future__ import annotations
 
+import _posixshmem  # type: ignore[import-not-found]
 import struct
 import sys
 import threading
@@ -118,7 +119,7 @@ class RingSegment:
     def attach(cls, handle: RingHandle) -> RingSegment:
         """Map the segment `handle` names. ProtocolError if it is not that ring's segment;
         FileNotFoundError if no segment has that name (the writer closed it)."""
-        shm = _attach_untracked(handle.shm_name)
+        shm = open_untracked(handle.shm_name)
         geometry = (handle.n_readers, handle.n_chunks, handle.chunk_bytes)
         try:
             if shm.size < cls.size(*geometry):
@@ -244,23 +245,35 @@ class RingSegment:
         self._buf[base : base + self.chunk_bytes] = content
 
 
-def _attach_untracked(name: str) -> SharedMemory:
-    """Map segment `name` without handing it to the resource tracker.
+def open_untracked(name: str, *, create: bool = False, size: int = 0) -> SharedMemory:
+    """Map segment `name`, or with `create` make it `size` bytes, without handing it to the
+    resource tracker.
 
     Before 3.13 every SharedMemory registers with the tracker, which unlinks (and warns about)
     the segment when the registering process exits, so a reader would destroy the writer's
     ring. Unregistering afterwards is wrong too: children started by multiprocessing share the
     parent's tracker, and the reader's unregister would drop the writer's own registration.
-    So the reader never registers."""
+    So the reader never registers. A segment made here is removed with `unlink_untracked`."""
     if sys.version_info >= (3, 13):
-        return SharedMemory(name, track=False)  # type: ignore[call-arg]
+        return SharedMemory(name, create=create, size=size, track=False)  # type: ignore[call-arg]
     with _UNTRACKED:
         register = resource_tracker.register
         resource_tracker.register = _ignore  # type: ignore[assignment]
         try:
-            return SharedMemory(name)
+            return SharedMemory(name, create=create, size=size)
         finally:
             resource_tracker.register = register
+
+
+def unlink_untracked(name: str) -> bool:
+    """Remove segment `name`'s name; False when there is none (already removed). Idempotent.
+    `SharedMemory.unlink` would also tell the tracker to forget a name it was never given,
+    which the tracker reports as an error."""
+    try:
+        _posixshmem.shm_unlink("/" + name)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 _UNTRACKED = threading.Lock()

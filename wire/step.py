@@ -22,6 +22,9 @@ class NewRequestData(msgspec.Struct, **_HOT):
 
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    # Set when the prompt came as embeddings (its token ids are placeholders): their dtype,
+    # which each chunk's `ScheduledRequest.prompt_embeds` rows are in.
+    prompt_embeds_dtype: str | None = None
 
 
 class ScheduledRequest(msgspec.Struct, **_HOT):
@@ -32,6 +35,11 @@ class ScheduledRequest(msgspec.Struct, **_HOT):
     (the request's whole block table: position p lives in block `block_ids[p // block_size]`,
     slot `p % block_size`). When `sample` is set, the chunk ends at the last known token and the
     runner samples the next one from the logits of the last position.
+
+    For a prompt given as embeddings, `prompt_embeds` holds the rows [rows, hidden size] of the
+    chunk's first `rows` positions, those in the prompt: the runner uses them in place of the
+    embedding lookup of `token_ids` there. They are in the request's `prompt_embeds_dtype`,
+    bfloat16 as its uint16 bits.
     """
 
     request_id: str
@@ -40,6 +48,7 @@ class ScheduledRequest(msgspec.Struct, **_HOT):
     block_ids: list[int]
     sample: bool = True
     new: NewRequestData | None = None
+    prompt_embeds: np.ndarray | None = None
 
 
 class SchedulerOutput(msgspec.Struct, **_HOT):

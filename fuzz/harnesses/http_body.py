@@ -140,7 +140,8 @@ def _check_accepted(req: Any, prompt_len: int, max_model_len: int) -> None:
         _check_messages(req.messages)
     else:
         prompts = req.prompts()
-        assert prompts, "no prompts"
+        assert prompts or req.embeds_prompts(), "no prompts"
+        assert all(req.embeds_prompts()), "an empty prompt_embeds was accepted"
         for prompt in prompts:
             assert prompt, "an empty prompt was accepted"
             assert isinstance(prompt, str) or all(type(t) is int and t >= 0 for t in prompt)

@@ -29,11 +29,13 @@ from triode.wire import (
     SchedulerOutput,
     SchedulerStats,
     Shutdown,
+    TensorHandle,
     UtilityCall,
     UtilityOutput,
     encode_input,
     encode_output,
 )
+from triode.wire.tensor_ipc import NAME_PREFIX
 
 from .source import ByteSource
 
@@ -115,7 +117,15 @@ def engine_core_request(src: ByteSource) -> EngineCoreRequest:
         client_index=src.int(0, 2**16 - 1),
         priority=src.int(-(2**63), 2**63 - 1),
         kv_transfer_params=None if src.bool() else {_str(src, 8): _any(src) for _ in range(2)},
+        prompt_embeds=None if src.bool() else tensor_handle(src),
     )
+
+
+def tensor_handle(src: ByteSource) -> TensorHandle:
+    dtype, itemsize = src.choice([("float32", 4), ("bfloat16", 2), ("float16", 2), ("uint8", 1)])
+    shape = tuple(src.int(1, 64) for _ in range(src.int(0, 3)))
+    name = NAME_PREFIX + src.take(16).ljust(16, b"\0").hex()
+    return TensorHandle(name, dtype, shape, math.prod(shape) * itemsize)
 
 
 def random_array(src: ByteSource, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -203,7 +213,8 @@ def scheduler_output(src: ByteSource) -> SchedulerOutput:
     for _ in range(src.int(0, 3)):
         new = None
         if src.bool():
-            new = NewRequestData(_tokens(src, 1, 8), sampling_params(src))
+            embeds_dtype = None if src.bool() else src.choice(["float32", "bfloat16"])
+            new = NewRequestData(_tokens(src, 1, 8), sampling_params(src), embeds_dtype)
         requests.append(
             ScheduledRequest(
                 _str(src, 8) or "r",
@@ -212,6 +223,7 @@ def scheduler_output(src: ByteSource) -> SchedulerOutput:
                 _tokens(src, 0, 4),
                 src.bool(),
                 new,
+                None if src.bool() else random_array(src, "float32", (src.int(0, 4), 8)),
             )
         )
     return SchedulerOutput(

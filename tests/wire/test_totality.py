@@ -441,7 +441,9 @@ DEFAULT_REQUEST = {
     "client_index": 0,
     "priority": 0,
     "kv_transfer_params": None,
+    "prompt_embeds": None,
 }
+_SHM = "triode_tensor_" + "ab" * 16
 
 
 def raw_request(*, sampling: list[Any] | None = None, **fields: Any) -> bytes:
@@ -523,6 +525,16 @@ def test_hand_built_valid_request_decodes() -> None:
         {"client_index": -1},
         {"eos_token_id": "eos"},
         {"kv_transfer_params": [1]},
+        {"prompt_embeds": ["psm_cd99894b", "float32", [2, 3], 24]},  # not a tensor's segment
+        {"prompt_embeds": ["../" + _SHM, "float32", [2, 3], 24]},
+        {"prompt_embeds": [_SHM, "float32", [2, 3], 25]},  # nbytes disagrees with the shape
+        {"prompt_embeds": [_SHM, "complex64", [2, 3], 48]},
+        {"prompt_embeds": [_SHM, "float32", [2, -3], 24]},
+        {"prompt_embeds": [_SHM, "float32", [], 0]},
+        {"prompt_embeds": [_SHM, "float32", [1] * 33, 4]},
+        {"prompt_embeds": [_SHM, "float32", [1 << 40], 1 << 42]},  # beyond the largest tensor
+        {"prompt_embeds": [_SHM, "float32", [2, 3]]},
+        {"prompt_embeds": {"shm_name": _SHM}},
     ],
     ids=repr,
 )

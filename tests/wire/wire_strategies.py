@@ -7,6 +7,8 @@ the name is prefixed so that it cannot shadow a helper of another test folder.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from hypothesis import strategies as st
 
@@ -18,9 +20,11 @@ from triode.wire import (
     Logprobs,
     SamplingParams,
     SchedulerStats,
+    TensorHandle,
     UtilityCall,
     UtilityOutput,
 )
+from triode.wire.tensor_ipc import NAME_PREFIX
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -82,6 +86,15 @@ def sampling_params(draw: st.DrawFn) -> SamplingParams:
     )
 
 
+@st.composite
+def tensor_handles(draw: st.DrawFn) -> TensorHandle:
+    dtype = draw(st.sampled_from(["float32", "bfloat16", "float16", "int64", "bool"]))
+    shape = tuple(draw(st.lists(st.integers(1, 64), min_size=0, max_size=3)))
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "bool": 1}[dtype]
+    name = NAME_PREFIX + draw(st.binary(min_size=16, max_size=16)).hex()
+    return TensorHandle(name, dtype, shape, math.prod(shape) * itemsize)
+
+
 engine_core_requests = st.builds(
     EngineCoreRequest,
     request_id=st.text(min_size=1, max_size=16),
@@ -92,6 +105,7 @@ engine_core_requests = st.builds(
     client_index=st.integers(0, 2**16 - 1),
     priority=st.integers(INT64_MIN, INT64_MAX),
     kv_transfer_params=st.none() | any_dicts,
+    prompt_embeds=st.none() | tensor_handles(),
 )
 
 

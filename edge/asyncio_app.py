@@ -1,0 +1,114 @@
+"""triode's ASGI app under an asyncio server (uvicorn), through trio's guest mode.
+
+```python
+import uvicorn
+from triode.edge.asyncio_app import create_app
+
+uvicorn.run(create_app("tiny-random", max_num_seqs=16), host="127.0.0.1", port=8000)
+```
+
+The wrapper owns lifespan: startup opens the loop's trio guest run and, in it, the engine and
+the app; shutdown closes them. Each HTTP call then runs the trio app in the guest run, its
+`receive` and `send` being uvicorn's, called as asyncio tasks; a client that disconnects reaches
+the app as `http.disconnect`, which aborts its generation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+from triode.actors import open_engine
+from triode.actors.asyncio import Bridge, open_bridge
+
+from .app import Settings, open_app
+from .http import Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class AsyncioASGI:
+    """An asyncio ASGI app serving the trio ASGI app that `open_trio_app()` (a trio async
+    context manager, entered in the guest run at lifespan startup) yields."""
+
+    def __init__(self, open_trio_app: Callable[[], AbstractAsyncContextManager[ASGIApp]]) -> None:
+        self._open_trio_app = open_trio_app
+        self._running: tuple[Bridge, ASGIApp] | None = None
+
+    @property
+    def trio_app(self) -> ASGIApp | None:
+        """The trio app while it serves (from lifespan startup to shutdown), else None."""
+        return None if self._running is None else self._running[1]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if self._running is None:
+            raise RuntimeError("the app serves after lifespan startup: run uvicorn with lifespan")
+        bridge, app = self._running
+
+        async def trio_receive() -> Message:
+            return await bridge.run_asyncio(receive)
+
+        async def trio_send(message: Message) -> None:
+            await bridge.run_asyncio(send, message)
+
+        await bridge.run(app, scope, trio_receive, trio_send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        await receive()  # lifespan.startup: ASGI's first message
+        started = False
+        try:
+            async with open_bridge() as bridge, bridge.enter(self._open_trio_app) as app:
+                self._running = bridge, app
+                await send({"type": "lifespan.startup.complete"})
+                started = True
+                while (await receive())["type"] != "lifespan.shutdown":
+                    pass
+                self._running = None
+        except Exception as e:
+            self._running = None
+            log.exception("lifespan %s failed", "shutdown" if started else "startup")
+            failed = "lifespan.shutdown.failed" if started else "lifespan.startup.failed"
+            await send({"type": failed, "message": repr(e)})
+            return
+        await send({"type": "lifespan.shutdown.complete"})
+
+
+def asyncio_asgi(open_trio_app: Callable[[], AbstractAsyncContextManager[ASGIApp]]) -> AsyncioASGI:
+    """The trio ASGI app that `open_trio_app()` yields, as an asyncio ASGI app. A trio app
+    that needs nothing opened is `asyncio_asgi(lambda: contextlib.nullcontext(app))`."""
+    return AsyncioASGI(open_trio_app)
+
+
+def create_app(
+    model: str | None = None, *, settings: Settings | None = None, **engine_args: Any
+) -> AsyncioASGI:
+    """triode's OpenAI-compatible API as an asyncio ASGI app, for `uvicorn.run(...)`: its
+    lifespan starts the engine for `model` (`engine_args` are `EngineArgs` fields) and stops
+    it. `settings` default to serving under the model's name with no API keys."""
+    settings = settings or Settings(served_model_names=[_model_name(model)])
+    return AsyncioASGI(functools.partial(_open_triode_app, model, engine_args, settings))
+
+
+@contextlib.asynccontextmanager
+async def _open_triode_app(
+    model: str | None, engine_args: dict[str, Any], settings: Settings
+) -> AsyncIterator[ASGIApp]:
+    async with open_engine(model, **engine_args) as engine, open_app(engine, settings) as app:
+        yield app
+
+
+def _model_name(model: str | None) -> str:
+    """What `triode serve` answers to for `model` without --served-model-name."""
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    return os.path.basename(os.path.normpath(model)).removesuffix(".gguf")

@@ -1,0 +1,103 @@
+"""`data_parallel_size`: several engine cores behind one `Engine`, on a tiny model built here."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import trio
+
+from triode.actors import EngineDeadError, SamplingParams, open_engine
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5 + i, 17, 42, 9 + i, 100, 3] for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from triode.gpu.testing import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("dp") / "tiny", num_layers=2)
+
+
+def _engine_args(**extra: object) -> dict[str, object]:
+    return {"dtype": "float32", "kv_cache_memory": "16MiB", "max_model_len": 1024, **extra}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+async def _generate_all(engine: object, params: SamplingParams) -> list[list[int]]:
+    results: list[list[int]] = [[] for _ in PROMPTS]
+
+    async def one(i: int) -> None:
+        async for out in engine.generate(PROMPTS[i], params):  # type: ignore[attr-defined]
+            results[i] = out.outputs[0].token_ids
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(PROMPTS)):
+            nursery.start_soon(one, i)
+    return results
+
+
+async def test_two_engines_share_the_requests_and_agree_with_one(tiny_model: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    async with open_engine(str(tiny_model), **_engine_args()) as one:
+        expected = await _generate_all(one, params)
+    async with open_engine(str(tiny_model), **_engine_args(data_parallel_size=2)) as two:
+        assert len(set(two.pids)) == 2
+        got = await _generate_all(two, params)
+        stats = await two.get_stats()
+        pids = two.pids
+    assert got == expected
+    per_engine = [e["prompt_tokens_computed"] for e in stats["engines"]]
+    assert len(per_engine) == 2 and all(n > 0 for n in per_engine), per_engine
+    assert stats["prompt_tokens_computed"] == sum(per_engine) == sum(map(len, PROMPTS))
+    assert not any(_alive(pid) for pid in pids)
+
+
+async def test_a_dead_engine_fails_its_requests_and_the_other_serves_on(tiny_model: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+    async with open_engine(str(tiny_model), **_engine_args(data_parallel_size=2)) as engine:
+        outcomes: list[object] = [None] * 4
+        first_tokens = trio.Semaphore(0)
+
+        async def one(i: int) -> None:
+            tokens = 0
+            try:
+                async for out in engine.generate(PROMPTS[i], params, delta=True):
+                    if tokens == 0:
+                        first_tokens.release()
+                    tokens += len(out.outputs[0].token_ids)
+            except EngineDeadError as e:
+                outcomes[i] = e
+            else:
+                outcomes[i] = tokens
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(one, i)
+                for _ in range(4):
+                    await first_tokens.acquire()
+                os.kill(engine.pids[1], signal.SIGKILL)
+        failed = [o for o in outcomes if isinstance(o, EngineDeadError)]
+        finished = [o for o in outcomes if o == 900]
+        assert len(failed) == 2 and len(finished) == 2, outcomes
+        assert engine.engines_alive == 1 and engine.dead is None
+        short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        for prompt in PROMPTS[:3]:  # every new request goes to the live engine
+            outputs = [out async for out in engine.generate(prompt, short)]
+            assert len(outputs[-1].outputs[0].token_ids) == 4
+        stats = await engine.get_stats()
+        assert stats["num_running_reqs"] == 0 and len(stats["engines"]) == 1
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]

@@ -1,0 +1,152 @@
+"""`triode serve --api-server-count 2 --data-parallel-size 2` on the default model: two API
+server processes on one port over two engine cores."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from server import Server, running_server
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smol"
+PROMPTS = [f"Write one sentence about the number {i}." for i in range(16)]
+
+
+def _children(pid: int) -> dict[str, int]:
+    """The server's child processes by actor name (`api-server-0`, `engine-core-1`, ...)."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            found[argv[6].decode()] = int(child)
+    return found
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _metric(server: Server, name: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M))
+
+
+@pytest.fixture(scope="module")
+def scaled(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("scaled") / "serve.log"
+    args = ["--api-server-count", "2", "--data-parallel-size", "2", "--dtype", "float32",
+            "--max-model-len", "1024", "--kv-cache-memory", "256MiB",
+            "--served-model-name", MODEL]  # fmt: skip
+    with running_server(args, log) as server:
+        yield server
+    assert not any(_alive(pid) for pid in server.children_seen), server.output()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture
+def client(scaled: Server) -> openai.OpenAI:
+    scaled.children_seen = getattr(scaled, "children_seen", set()) | set(  # type: ignore[attr-defined]
+        _children(scaled.process.pid).values()
+    )
+    return openai.OpenAI(base_url=f"{scaled.url}/v1", api_key="none", max_retries=0)
+
+
+def _streamed(client: openai.OpenAI, prompt: str) -> tuple[str, str | None]:
+    """A streamed completion's text and finish reason."""
+    stream = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True
+    )
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    return "".join(c.text for c in chunks), chunks[-1].finish_reason
+
+
+def test_both_api_servers_serve_and_each_stream_gets_only_its_own_tokens(
+    scaled: Server, client: openai.OpenAI
+) -> None:
+    children = _children(scaled.process.pid)
+    edges = [children["api-server-0"], children["api-server-1"]]
+    before = [_cpu_seconds(pid) for pid in edges]
+    served = _metric(scaled, "triode:request_success_total")
+    model = MODEL
+    # a connection per request: the kernel spreads them over both processes by their ports
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        streamed = list(pool.map(lambda p: _streamed(_fresh(scaled), p), PROMPTS))
+    after = [_cpu_seconds(pid) for pid in edges]
+    whole = [
+        client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0).choices[0]
+        for p in PROMPTS
+    ]
+    assert streamed == [(c.text, c.finish_reason) for c in whole]
+    assert (
+        len({c.text for c in whole}) > 1
+    )  # distinct prompts, distinct answers: no stream took another's
+    assert all(b > a for a, b in zip(before, after, strict=True)), (before, after)
+    # each scrape is answered by one process, with every process's counts
+    assert _metric(scaled, "triode:request_success_total") == served + 2 * len(PROMPTS)
+
+
+def _fresh(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{server.url}/v1",
+        api_key="none",
+        max_retries=0,
+        http_client=httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)),
+    )
+
+
+def test_a_killed_api_server_is_replaced_and_its_requests_freed(
+    scaled: Server, client: openai.OpenAI
+) -> None:
+    victim = _children(scaled.process.pid)["api-server-1"]
+
+    def long_stream(_: int) -> str:
+        try:
+            stream = _fresh(scaled).completions.create(
+                model=MODEL, prompt="Count:", max_tokens=120, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            return "done" if sum(1 for _ in stream) > 100 else "short"
+        except (openai.APIError, httpx.HTTPError):
+            return "failed"
+
+    with ThreadPoolExecutor(6) as pool:
+        outcomes = pool.map(long_stream, range(6))
+        deadline = time.monotonic() + 30
+        while _metric(scaled, "triode:num_requests_running") < 6:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        os.kill(victim, signal.SIGKILL)
+        outcomes = list(outcomes)
+    assert "done" in outcomes and set(outcomes) <= {"done", "failed", "short"}, outcomes
+    deadline = time.monotonic() + 30
+    while (new := _children(scaled.process.pid).get("api-server-1")) in (None, victim):
+        assert time.monotonic() < deadline, scaled.output()
+        time.sleep(0.2)
+    # the dead edge's requests were aborted in the engines: nothing is left running
+    deadline = time.monotonic() + 30
+    while _metric(scaled, "triode:num_requests_running"):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda p: _streamed(_fresh(scaled), p), PROMPTS))
+    assert all(reason in ("stop", "length") for _, reason in answers), answers
+    assert _alive(new) and not _alive(victim)
+    assert "API server 1 died" in scaled.output()
