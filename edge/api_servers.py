@@ -185,10 +185,12 @@ class _ApiServers:
         count: int,
         options: Callable[[int], ApiServerOptions],
         metrics_dir: str,
+        target: str = API_SERVER,
     ) -> None:
         self.count = count
         self._options = options
         self._metrics_dir = metrics_dir
+        self._target = target
         self.pids: list[int | None] = [None] * count
         self._children: list[Child | None] = [None] * count
         self.restarts = 0
@@ -202,7 +204,7 @@ class _ApiServers:
         env = {MULTIPROC_DIR_ENV: self._metrics_dir}
         while True:
             async with open_child(
-                API_SERVER,
+                self._target,
                 name=f"api-server-{index}",
                 options=msgspec.to_builtins(self._options(index)),
                 raise_on_death=False,

@@ -65,6 +65,23 @@ async def test_two_engines_share_the_requests_and_agree_with_one(tiny_model: Pat
     assert not any(_alive(pid) for pid in pids)
 
 
+async def test_data_parallel_combines_with_tensor_parallel(tiny_model: Path) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    async with open_engine(str(tiny_model), **_engine_args()) as one:
+        expected = await _generate_all(one, params)
+    args = _engine_args(data_parallel_size=2, tensor_parallel_size=2)
+    async with open_engine(str(tiny_model), **args) as engine:
+        assert engine.tensor_parallel_size == 2 and engine.data_parallel_size == 2
+        workers = engine.worker_pids
+        assert len(set(workers)) == 4 and all(_alive(pid) for pid in workers)
+        got = await _generate_all(engine, params)
+        stats = await engine.get_stats()
+        pids = [*engine.pids, *workers]
+    assert got == expected
+    assert all(e["prompt_tokens_computed"] > 0 for e in stats["engines"]), stats["engines"]
+    assert not any(_alive(pid) for pid in pids)
+
+
 async def test_a_dead_engine_fails_its_requests_and_the_other_serves_on(tiny_model: Path) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
     async with open_engine(str(tiny_model), **_engine_args(data_parallel_size=2)) as engine:

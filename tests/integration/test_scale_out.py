@@ -3,6 +3,8 @@ server processes on one port over two engine cores."""
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import re
 import signal
@@ -14,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from server import Server, running_server
 
 pytestmark = pytest.mark.slow
@@ -62,19 +65,21 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture
-def client(scaled: Server) -> openai.OpenAI:
+def client(scaled: Server) -> Iterator[openai.OpenAI]:
     scaled.children_seen = getattr(scaled, "children_seen", set()) | set(  # type: ignore[attr-defined]
         _children(scaled.process.pid).values()
     )
-    return openai.OpenAI(base_url=f"{scaled.url}/v1", api_key="none", max_retries=0)
+    with openai.OpenAI(base_url=f"{scaled.url}/v1", api_key="none", max_retries=0) as client:
+        yield client
 
 
-def _streamed(client: openai.OpenAI, prompt: str) -> tuple[str, str | None]:
-    """A streamed completion's text and finish reason."""
-    stream = client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True
-    )
-    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+def _streamed(server: Server, prompt: str) -> tuple[str, str | None]:
+    """A streamed completion's text and finish reason, on a connection of its own."""
+    with _fresh(server) as client:
+        stream = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stream=True
+        )
+        chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
     return "".join(c.text for c in chunks), chunks[-1].finish_reason
 
 
@@ -88,7 +93,7 @@ def test_both_api_servers_serve_and_each_stream_gets_only_its_own_tokens(
     model = MODEL
     # a connection per request: the kernel spreads them over both processes by their ports
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        streamed = list(pool.map(lambda p: _streamed(_fresh(scaled), p), PROMPTS))
+        streamed = list(pool.map(lambda p: _streamed(scaled, p), PROMPTS))
     after = [_cpu_seconds(pid) for pid in edges]
     whole = [
         client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0).choices[0]
@@ -119,11 +124,12 @@ def test_a_killed_api_server_is_replaced_and_its_requests_freed(
 
     def long_stream(_: int) -> str:
         try:
-            stream = _fresh(scaled).completions.create(
-                model=MODEL, prompt="Count:", max_tokens=120, temperature=0, stream=True,
-                extra_body={"ignore_eos": True},
-            )  # fmt: skip
-            return "done" if sum(1 for _ in stream) > 100 else "short"
+            with _fresh(scaled) as fresh:
+                stream = fresh.completions.create(
+                    model=MODEL, prompt="Count:", max_tokens=120, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                return "done" if sum(1 for _ in stream) > 100 else "short"
         except (openai.APIError, httpx.HTTPError):
             return "failed"
 
@@ -146,7 +152,40 @@ def test_a_killed_api_server_is_replaced_and_its_requests_freed(
         assert time.monotonic() < deadline
         time.sleep(0.2)
     with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda p: _streamed(_fresh(scaled), p), PROMPTS))
+        answers = list(pool.map(lambda p: _streamed(scaled, p), PROMPTS))
     assert all(reason in ("stop", "length") for _, reason in answers), answers
     assert _alive(new) and not _alive(victim)
     assert "API server 1 died" in scaled.output()
+
+
+def test_health_answers_on_every_connection(scaled: Server) -> None:
+    # each a connection of its own, which the kernel hands to either API server
+    answers = [httpx.get(f"{scaled.url}/health", timeout=10).status_code for _ in range(20)]
+    assert answers == [200] * 20
+
+
+def test_prompt_embeds_complete_as_the_prompt_s_token_ids_do(
+    client: openai.OpenAI, model_dir: Path
+) -> None:
+    from safetensors import safe_open
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode("The capital of").ids
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as weights:
+        rows = weights.get_tensor("model.embed_tokens.weight")[ids]
+    saved = io.BytesIO()
+    torch.save(rows, saved)
+    payload = base64.b64encode(saved.getvalue()).decode()
+
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    by_embeds = client.completions.create(
+        model=MODEL, prompt="", max_tokens=12, temperature=0,
+        extra_body={"prompt_embeds": payload},
+    )  # fmt: skip
+    assert by_embeds.choices[0].text == by_ids.choices[0].text
+    assert by_embeds.usage.prompt_tokens == len(ids) == by_ids.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="prompt_embeds"):
+        client.completions.create(
+            model=MODEL, prompt="", max_tokens=4,
+            extra_body={"prompt_embeds": base64.b64encode(b"not a tensor").decode()},
+        )  # fmt: skip
