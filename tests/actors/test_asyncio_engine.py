@@ -10,12 +10,12 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
+from processes import alive
 
 from triode.actors import RequestOutput, SamplingParams
 from triode.actors import open_engine as open_trio_engine
@@ -25,14 +25,6 @@ ENGINE_ARGS = {"dtype": "float32", "kv_cache_memory": "16MiB", "max_model_len": 
 PROMPT = "The capital of France is"
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=1800, ignore_eos=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 # The bridge alone
@@ -202,7 +194,7 @@ def observed() -> Observed:
                 await task
             stats = await engine.get_stats()
             pid, max_model_len = engine.pid, engine.max_model_len
-        return Observed(greedy, "".join(streamed), stats, max_model_len, pid, _alive(pid))
+        return Observed(greedy, "".join(streamed), stats, max_model_len, pid, alive(pid))
 
     return asyncio.run(main())
 

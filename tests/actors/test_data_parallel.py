@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from processes import alive
 
 from triode.actors import EngineDeadError, SamplingParams, open_engine
 
@@ -25,15 +26,6 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _engine_args(**extra: object) -> dict[str, object]:
     return {"dtype": "float32", "kv_cache_memory": "16MiB", "max_model_len": 1024, **extra}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 async def _generate_all(engine: object, params: SamplingParams) -> list[list[int]]:
@@ -62,7 +54,7 @@ async def test_two_engines_share_the_requests_and_agree_with_one(tiny_model: Pat
     per_engine = [e["prompt_tokens_computed"] for e in stats["engines"]]
     assert len(per_engine) == 2 and all(n > 0 for n in per_engine), per_engine
     assert stats["prompt_tokens_computed"] == sum(per_engine) == sum(map(len, PROMPTS))
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
 
 
 async def test_data_parallel_combines_with_tensor_parallel(tiny_model: Path) -> None:
@@ -73,13 +65,13 @@ async def test_data_parallel_combines_with_tensor_parallel(tiny_model: Path) -> 
     async with open_engine(str(tiny_model), **args) as engine:
         assert engine.tensor_parallel_size == 2 and engine.data_parallel_size == 2
         workers = engine.worker_pids
-        assert len(set(workers)) == 4 and all(_alive(pid) for pid in workers)
+        assert len(set(workers)) == 4 and all(alive(pid) for pid in workers)
         got = await _generate_all(engine, params)
         stats = await engine.get_stats()
         pids = [*engine.pids, *workers]
     assert got == expected
     assert all(e["prompt_tokens_computed"] > 0 for e in stats["engines"]), stats["engines"]
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(alive(pid) for pid in pids)
 
 
 async def test_a_dead_engine_fails_its_requests_and_the_other_serves_on(tiny_model: Path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from processes import alive
 
 from triode.actors.config import EngineArgs
 from triode.actors.multiproc import WorkerDied, open_multiproc_executor
@@ -52,15 +53,6 @@ def _prefill(step: int = 0) -> SchedulerOutput:
     return SchedulerOutput(step=step, requests=[request])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is gone for every purpose but its exit status
-    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-
-
 async def _greedy(executor: object, steps: int) -> list[int]:
     """Prefill, then `steps` decodes of one request; the tokens the driver sampled."""
     out = await executor.execute(_prefill())  # type: ignore[attr-defined]
@@ -83,7 +75,7 @@ async def test_workers_step_in_lockstep_and_leave_nothing_behind(tiny_model: Pat
         assert len(ex.worker_pids) == 4
         assert await _greedy(ex, 6) == single
         pids += ex.worker_pids
-    assert not [pid for pid in pids if _alive(pid)]
+    assert not [pid for pid in pids if alive(pid)]
 
 
 async def test_an_undecodable_broadcast_is_counted_and_the_next_step_runs(
@@ -112,7 +104,7 @@ async def test_a_killed_worker_fails_the_executor_at_once_and_kills_the_others(
                 await ex.execute(_prefill(step=1))
     assert time.monotonic() - started < 2
     assert caught.group_contains(WorkerDied)
-    assert not [pid for pid in pids if _alive(pid)]
+    assert not [pid for pid in pids if alive(pid)]
 
 
 async def test_a_hung_worker_fails_the_executor_after_the_collective_timeout(
@@ -130,7 +122,7 @@ async def test_a_hung_worker_fails_the_executor_after_the_collective_timeout(
     elapsed = time.monotonic() - started
     assert 1.5 < elapsed < 6, elapsed  # the collective timeout, then at once
     assert caught.group_contains(WorkerDied)
-    assert not [pid for pid in pids if _alive(pid)]
+    assert not [pid for pid in pids if alive(pid)]
 
 
 async def test_a_worker_that_cannot_start_fails_the_executor(tmp_path: Path) -> None:
@@ -155,4 +147,4 @@ async def test_stopping_while_a_step_is_stuck_in_a_collective_leaves_no_process(
         started = time.monotonic()
     # rank 0 leaves although its step never ends; rank 1 is killed by the escalation
     assert time.monotonic() - started < 6
-    assert not [pid for pid in pids if _alive(pid)]
+    assert not [pid for pid in pids if alive(pid)]

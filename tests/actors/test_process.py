@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import trio
 import zmq
+from processes import alive
 
 from triode.actors import ActorDied, HandshakeError, RemoteError, open_child
 
@@ -207,18 +208,8 @@ async def test_child_exits_when_its_parent_is_killed(tmp_path: Path) -> None:
         parent.kill()
         await parent.wait()
         with trio.fail_after(2):
-            while _alive(child_pid):  # noqa: ASYNC110 - another process; we can only poll
+            while alive(child_pid):  # noqa: ASYNC110 - another process; we can only poll
                 await trio.sleep(0.05)
     finally:
         parent.kill()
         await parent.wait()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie whose parent is gone is reaped by init; anything else is still running.
-    state = Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1]
-    return state != "Z"

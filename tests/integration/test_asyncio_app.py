@@ -8,13 +8,13 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 import uvicorn
+from processes import alive
 from prometheus_client.parser import text_string_to_metric_families
 from server import free_port
 from starlette.applications import Starlette
@@ -33,14 +33,6 @@ ENGINE_ARGS = {"dtype": "float32", "kv_cache_memory": "16MiB", "max_model_len": 
 NAME = "tiny"
 PROMPT = [5, 17, 42, 9, 100, 3]
 START_TIMEOUT = 60.0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @dataclass
@@ -178,18 +170,18 @@ def test_a_starlette_app_generates_with_the_asyncio_engine(
             got = client.post("/generate", json={"prompt": PROMPT, "max_tokens": 10}).json()
             stats = client.get("/stats").json()
         pid = stats["pid"]
-        assert _alive(pid)
+        assert alive(pid)
     assert len(got["token_ids"]) == 10
     assert got["text"] == reference
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
-    assert not _alive(pid)
+    assert not alive(pid)
 
 
 def test_lifespan_shutdown_stops_the_engine(triode_app: tuple[Uvicorn, AsyncioASGI]) -> None:
     server, app = triode_app
     assert app.trio_app is not None
     pid = app.trio_app.engine.pid  # type: ignore[attr-defined]
-    assert _alive(pid)
+    assert alive(pid)
     server.stop()
     assert app.trio_app is None
-    assert not _alive(pid)
+    assert not alive(pid)

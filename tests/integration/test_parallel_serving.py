@@ -22,6 +22,7 @@ import httpx
 import openai
 import pytest
 import trio
+from processes import alive
 from reference import Reference
 from server import free_port, running_server, stream_and_kill
 
@@ -71,23 +72,15 @@ def actors(pids: list[int]) -> dict[str, int]:
     return found
 
 
-def alive(pids: list[int]) -> list[int]:
-    left = []
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if state != "Z":
-            left.append(pid)
-    return left
+def alive_of(pids: list[int]) -> list[int]:
+    return [pid for pid in pids if alive(pid)]
 
 
 def wait_gone(pids: list[int], timeout: float) -> list[int]:
     deadline = time.monotonic() + timeout
-    while alive(pids) and time.monotonic() < deadline:
+    while alive_of(pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return alive(pids)
+    return alive_of(pids)
 
 
 @pytest.fixture(scope="module")

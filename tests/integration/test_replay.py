@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from processes import alive
 
 from triode.actors import Engine, SamplingParams, open_engine
 from triode.actors.replay import replay
@@ -26,14 +27,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 TAMPERED = ("plain-0", 3)  # the request and token index the tampered recording changes
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _engine_cores_of(parent: int) -> list[int]:
     """Live engine-core processes started by `parent` (its pid ends their command line)."""
     found = []
@@ -42,7 +35,7 @@ def _engine_cores_of(parent: int) -> list[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
             continue
-        if b"triode.actors" in argv and str(parent).encode() in argv and _alive(int(entry.name)):
+        if b"triode.actors" in argv and str(parent).encode() in argv and alive(int(entry.name)):
             found.append(int(entry.name))
     return found
 
@@ -86,7 +79,7 @@ async def _record(directory: Path) -> None:
             nursery.start_soon(stopped)
         pid = engine.pid
     assert ends == {"plain-0": "length", "plain-1": "length", "stopped": "stop"}
-    assert not _alive(pid)
+    assert not alive(pid)
 
 
 def _tamper(source: Path, target: Path) -> tuple[int, int]:

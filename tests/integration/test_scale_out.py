@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 import torch
+from processes import alive
 from server import Server, running_server
 
 pytestmark = pytest.mark.slow
@@ -53,15 +54,7 @@ def scaled(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             "--served-model-name", MODEL]  # fmt: skip
     with running_server(args, log) as server:
         yield server
-    assert not any(_alive(pid) for pid in server.children_seen), server.output()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    assert not any(alive(pid) for pid in server.children_seen), server.output()
 
 
 @pytest.fixture
@@ -154,7 +147,7 @@ def test_a_killed_api_server_is_replaced_and_its_requests_freed(
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda p: _streamed(scaled, p), PROMPTS))
     assert all(reason in ("stop", "length") for _, reason in answers), answers
-    assert _alive(new) and not _alive(victim)
+    assert alive(new) and not alive(victim)
     assert "API server 1 died" in scaled.output()
 
 
