@@ -43,6 +43,7 @@ from triode.actors.launcher import EngineCoreEndpoint, open_engine_cores
 from .app import Settings, open_app
 from .auth import ApiKeys
 from .metrics import MULTIPROC_DIR_ENV
+from .server import BACKLOG, serve_asgi
 
 log = logging.getLogger("triode.serve")
 
@@ -51,7 +52,6 @@ MAX_RESTARTS = 5
 RESTART_WINDOW = 60.0
 # what an API server gets beyond the graceful timeout to exit on its own before it is stopped
 EXIT_GRACE = 5.0
-BACKLOG = 4096
 
 
 class ApiServerOptions(msgspec.Struct, kw_only=True):
@@ -84,8 +84,6 @@ async def serve_api_server(ctx: ChildContext) -> None:
     """An API server process's actor (`triode.edge.api_servers:serve_api_server`): connects
     to every engine core as client `client_index`, then serves the app on the inherited
     socket until SIGTERM (which drains) or SHUTDOWN."""
-    from .server import serve_asgi
-
     options = msgspec.convert(ctx.options, ApiServerOptions)
     settings = settings_from_builtins(options.settings, options.api_key_digests)
     listener = bind_shared(options.host, options.port)

@@ -158,6 +158,8 @@ class _Chunk(msgspec.Struct):
 
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
+# seconds an idle connection stays in the client's pool
+KEEPALIVE_EXPIRY = 2.0
 
 
 async def run_benchmark(
@@ -179,7 +181,13 @@ async def run_benchmark(
     fails and `httpx.HTTPError` if the server cannot be reached. Cancelling it abandons the
     requests in flight (the server sees the connections close)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max_concurrency + 1, max_keepalive_connections=None)
+    # An idle connection is dropped here well before servers drop it (uvicorn and hypercorn
+    # after 5 s, httpx's own default too): reusing one as the server closes it fails the request.
+    limits = httpx.Limits(
+        max_connections=max_concurrency + 1,
+        max_keepalive_connections=None,
+        keepalive_expiry=KEEPALIVE_EXPIRY,
+    )
     timeout = httpx.Timeout(30.0, read=None, pool=None)
     async with httpx.AsyncClient(
         base_url=base_url, headers=headers, limits=limits, timeout=timeout
@@ -367,15 +375,24 @@ async def open_server(
     *,
     ready_timeout: float = 300.0,
     stop_timeout: float = 30.0,
+    env: dict[str, str] | None = None,
 ) -> AsyncIterator[trio.Process]:
     """Run the server `command` until `GET {base_url}/health` answers 200, then yield it.
 
-    Leaving the block sends SIGINT, waits `stop_timeout` seconds for the server to drain and
-    exit, then kills it. Raises `RuntimeError` (with the end of the server's output) if it exits
-    before it is ready and `TimeoutError` if it is not ready within `ready_timeout` seconds.
+    The server runs in a process group of its own. Leaving the block sends it SIGINT, waits
+    `stop_timeout` seconds for it to drain and exit, then kills it and whatever of its group is
+    left (a server's children that outlived it). Raises `RuntimeError` (with the end of the
+    server's output) if it exits before it is ready and `TimeoutError` if it is not ready within
+    `ready_timeout` seconds. `env` adds environment variables.
     """
     with tempfile.TemporaryFile() as log:
-        process = await trio.lowlevel.open_process(command, stdout=log, stderr=subprocess.STDOUT)
+        process = await trio.lowlevel.open_process(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
         try:
             await _wait_until_healthy(process, base_url, ready_timeout, log)
             yield process
@@ -416,6 +433,10 @@ async def _stop(process: trio.Process, grace: float) -> None:
     if process.returncode is None:
         process.kill()
         await process.wait()
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # the group is the server's: it leads it
+    except ProcessLookupError:
+        pass  # nothing of it is left
 
 
 def format_report(summary: dict[str, Any], title: str = "Serving benchmark") -> str:

@@ -26,6 +26,10 @@ from triode.actors import open_engine
 from .app import Settings, open_app
 
 log = logging.getLogger("triode.serve")
+# Connections the kernel queues for accept: a burst of clients connecting at once (hypercorn's
+# default of 100 overflows at a few hundred, and each dropped SYN costs its client a second or
+# more). The kernel caps it at net.core.somaxconn.
+BACKLOG = 4096
 
 
 @dataclass
@@ -116,6 +120,7 @@ async def serve_asgi(
     config.bind = [f"fd://{fd}" if fd is not None else f"{_host(host)}:{port}"]
     config.root_path = root_path
     config.graceful_timeout = graceful_timeout
+    config.backlog = BACKLOG
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
     shutdown = trio.Event()

@@ -17,6 +17,7 @@ import pytest
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
+from processes import alive
 
 from triode.edge.bench_serve import (
     RequestResult,
@@ -326,6 +327,26 @@ async def test_open_server_waits_for_health_and_stops_the_server(kind: str) -> N
             assert (await client.get("/health")).status_code == 200
         with pytest.raises(httpx.ConnectError):
             await client.get("/health")
+
+
+ORPHANING_SERVER = """
+import os, signal, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)"])
+open(sys.argv[2], "w").write(str(child.pid))
+""" + HEALTH_SERVER.replace("sys.argv[2] ==", "'polite' ==")
+
+
+@pytest.mark.slow
+async def test_leaving_open_server_ends_the_children_the_server_left(tmp_path: Path) -> None:
+    port, pid_file = free_port(), tmp_path / "child.pid"
+    url = f"http://127.0.0.1:{port}"
+    async with open_server(_python(ORPHANING_SERVER, str(port), str(pid_file)), url):
+        child = int(pid_file.read_text())
+        assert alive(child)
+    with trio.fail_after(5):
+        while alive(child):  # noqa: ASYNC110 - another process (reaped by init)
+            await trio.sleep(0.05)
 
 
 @pytest.mark.slow
