@@ -63,14 +63,14 @@ def test_api_server_counts_are_checked() -> None:
 
 
 @pytest.mark.slow
-def test_a_short_run_prints_a_row_per_count() -> None:
+def test_a_short_run_of_two_api_servers_prints_its_row() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "triode.edge.cli", "bench", "frontend", "--num-prompts", "8",
-         "--max-concurrency", "4", "--output-len", "4", "--api-server-counts", "1,2"],
+         "--max-concurrency", "4", "--output-len", "4", "--api-server-counts", "2"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| triode")]
-    assert [r[1] for r in rows] == ["1", "2"]
+    assert [r[1] for r in rows] == ["2"]
     assert all(r[-1].strip(" |") == "0" for r in rows)  # no request failed
     assert all(float(r[2].replace(",", "")) > 0 for r in rows)

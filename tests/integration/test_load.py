@@ -164,16 +164,17 @@ def _http_request(server: Server, body: dict[str, Any]) -> tuple[h11.Connection,
     return connection, wire
 
 
-async def _hang_up_after(server: Server, body: dict[str, Any], chunks: int) -> _Stream:
-    """POST a streaming completion over a plain socket and close the socket once `chunks`
-    chunks with tokens have arrived, as a client that goes away mid-stream does."""
+async def _hang_up_after(server: Server, body: dict[str, Any], tokens: int) -> _Stream:
+    """POST a streaming completion over a plain socket and close the socket once `tokens`
+    tokens have arrived, as a client that goes away mid-stream does. (Counted in tokens, not
+    chunks: a loaded server coalesces several tokens into one chunk.)"""
     seen = _Stream()
     connection, request = _http_request(server, body)
     host, port = server.url.removeprefix("http://").split(":")
     async with await trio.open_tcp_stream(host, int(port)) as stream:
         await stream.send_all(request)
         parser = SSEParser()
-        while seen.token_chunks < chunks:
+        while seen.tokens < tokens:
             data = await stream.receive_some()
             assert data, "the stream ended early"
             connection.receive_data(data)
@@ -249,7 +250,7 @@ async def test_256_streams_with_a_third_disconnecting_finish_and_free_everything
 
         for i, seen in results.items():
             if i in leavers:
-                assert not seen.done and seen.token_chunks >= stop_after[i]
+                assert not seen.done and seen.tokens >= stop_after[i]
             else:
                 _assert_complete(seen, max_tokens[i])
         after = await _wait_until_idle(client)

@@ -153,7 +153,7 @@ def test_an_empty_prompt_is_400(client: httpx.Client, prompt: Any) -> None:
 
 def test_a_missing_prompt_is_400_naming_it(client: httpx.Client) -> None:
     error = expect_error(client.post(COMPLETIONS, json={"max_tokens": 1}), 400, param="prompt")
-    assert error["message"] == "prompt: missing required field"
+    assert error["message"] == "prompt: give a prompt, prompt_embeds or both"
 
 
 @pytest.mark.parametrize(
