@@ -430,6 +430,9 @@ async def _stop(process: trio.Process, grace: float) -> None:
     process.send_signal(signal.SIGINT)
     with trio.move_on_after(grace):
         await process.wait()
+        # and its children, which may outlive it by their own clean-up (shared memory, ...)
+        while _group_alive(process.pid):  # noqa: ASYNC110 - other processes: we can only poll
+            await trio.sleep(0.1)
     if process.returncode is None:
         process.kill()
         await process.wait()
@@ -437,6 +440,14 @@ async def _stop(process: trio.Process, grace: float) -> None:
         os.killpg(process.pid, signal.SIGKILL)  # the group is the server's: it leads it
     except ProcessLookupError:
         pass  # nothing of it is left
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def format_report(summary: dict[str, Any], title: str = "Serving benchmark") -> str:

@@ -341,7 +341,8 @@ open(sys.argv[2], "w").write(str(child.pid))
 async def test_leaving_open_server_ends_the_children_the_server_left(tmp_path: Path) -> None:
     port, pid_file = free_port(), tmp_path / "child.pid"
     url = f"http://127.0.0.1:{port}"
-    async with open_server(_python(ORPHANING_SERVER, str(port), str(pid_file)), url):
+    command = _python(ORPHANING_SERVER, str(port), str(pid_file))
+    async with open_server(command, url, stop_timeout=1.0):
         child = int(pid_file.read_text())
         assert alive(child)
     with trio.fail_after(5):
