@@ -19,7 +19,7 @@ import signal
 import trio
 
 from .config import EngineArgs
-from .engine import model_process_env
+from .model_env import model_process_env
 from .multiproc import WorkerGroup, worker_options
 
 log = logging.getLogger(__name__)

@@ -22,6 +22,7 @@ import trio
 from triode.wire import Ready
 
 from .config import EngineArgs
+from .model_env import model_process_env
 from .process import Child, open_child
 
 ENGINE_CORE = "triode.actors.engine_core:serve_engine_core"
@@ -62,10 +63,11 @@ def engine_args_of(args: EngineArgs, index: int) -> EngineArgs:
 
 @asynccontextmanager
 async def open_engine_cores(
-    args: EngineArgs, *, num_clients: int = 1, env: dict[str, str] | None = None
+    args: EngineArgs, *, num_clients: int = 1
 ) -> AsyncIterator[list[tuple[EngineCoreEndpoint, Child]]]:
-    """Start `args.data_parallel_size` engine cores for `num_clients` clients and yield each
-    one's endpoint and child once all are READY. Raises (in an exception group) what
+    """Start `args.data_parallel_size` engine cores for `num_clients` clients, each in the
+    model processes' environment (`model_process_env`), and yield each one's endpoint and
+    child once all are READY. Raises (in an exception group) what
     `open_child` raises if any fails to start; the others are then stopped. Leaving the block
     stops them all. A core that dies later does not raise here: its `Child` says so, and its
     clients fail its requests."""
@@ -92,7 +94,7 @@ async def open_engine_cores(
             addresses=addresses,
             options=options,
             raise_on_death=False,
-            env=env,
+            env=model_process_env(os.environ),
             ready_timeout=ready_timeout(),
         ) as child:
             assert child.ready is not None

@@ -46,7 +46,6 @@ from triode.wire import (
 
 from .config import EngineArgs
 from .core_client import EngineDeadError
-from .engine import model_process_env
 from .launcher import EngineCoreEndpoint, open_engine_cores
 from .process import Child
 
@@ -191,9 +190,7 @@ async def replay(
     args = _replay_args(meta, model, engine_arg_overrides)
     recording = await trio.to_thread.run_sync(_read_recording, directory)
     num_clients = meta.get("num_clients", 1)
-    async with open_engine_cores(
-        args, num_clients=num_clients, env=model_process_env(os.environ)
-    ) as cores:
+    async with open_engine_cores(args, num_clients=num_clients) as cores:
         [(endpoint, child)] = cores
         replayer = _Replayer(endpoint, recording)
         try:

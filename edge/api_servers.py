@@ -37,7 +37,7 @@ import trio
 from prometheus_client import multiprocess
 
 from triode.actors import Child, ChildContext, EngineArgs, open_child
-from triode.actors.engine import connect_engine, model_process_env
+from triode.actors.engine import connect_engine
 from triode.actors.launcher import EngineCoreEndpoint, open_engine_cores
 
 from .app import Settings, open_app
@@ -143,9 +143,7 @@ async def serve_api_servers(
     metrics_dir = tempfile.mkdtemp(prefix="triode-metrics-")
     fields, digests = settings_to_builtins(settings)
     try:
-        async with open_engine_cores(
-            args, num_clients=count, env=model_process_env(os.environ)
-        ) as cores:
+        async with open_engine_cores(args, num_clients=count) as cores:
             log.info("%d engine core(s) ready; starting %d API servers", len(cores), count)
             endpoints = [endpoint for endpoint, _ in cores]
             servers = _ApiServers(

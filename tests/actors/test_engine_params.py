@@ -52,7 +52,7 @@ def test_the_models_other_eos_ids_join_the_stop_ids_unless_eos_is_ignored() -> N
 
 
 def test_engine_process_allocator_and_openmp_settings_yield_to_the_users() -> None:
-    from triode.actors.engine import _malloc_env, _openmp_env
+    from triode.actors.model_env import _malloc_env, _openmp_env
 
     assert _malloc_env({}) == {
         "MALLOC_MMAP_THRESHOLD_": str(256 << 20),
