@@ -17,9 +17,10 @@ import io
 import zipfile
 from typing import Any
 
+from triode.actors.prompt_embeds import check_prompt_embeds, describe_prompt_embeds
+
 from .errors import APIError
 
-DTYPES = ("float32", "bfloat16", "float16")
 PARAM = "prompt_embeds"
 
 
@@ -44,18 +45,13 @@ def decode_prompt_embeds(
     if loaded.layout != torch.strided or loaded.is_quantized or loaded.device.type != "cpu":
         raise _invalid("must be a dense tensor")
     tensor = loaded.detach().as_subclass(torch.Tensor)
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    if dtype not in DTYPES:
-        raise _invalid(f"dtype must be one of {', '.join(DTYPES)}, not {dtype}")
     if tensor.ndim == 3 and tensor.shape[0] == 1:
         tensor = tensor[0]
-    if tensor.ndim != 2:
-        raise _invalid(f"must be [positions, hidden size], not {list(tensor.shape)}")
-    positions, width = tensor.shape
-    if positions == 0:
-        raise _invalid("must hold at least one position")
-    if hidden_size and width != hidden_size:
-        raise _invalid(f"rows of {width} values, but the model's hidden size is {hidden_size}")
+    try:
+        check_prompt_embeds(*describe_prompt_embeds(tensor), hidden_size)
+    except ValueError as e:  # the engine's own check, named for the field here
+        raise _invalid(str(e).removeprefix(f"{PARAM}: ")) from None
+    positions = tensor.shape[0]
     if positions >= max_model_len:
         raise _invalid(
             f"{positions} positions, but this model's maximum context length is "
