@@ -45,6 +45,7 @@ from triode.wire import (
     encode_output,
     open_recorder,
 )
+from triode.wire.framing import client_of_topic
 from triode.wire.kv_transfer import parse_kv_transfer_config
 
 from .child import ChildContext
@@ -77,9 +78,6 @@ class EngineCore:
     """Owns the scheduler and the executor; the step loop and the input actor share them, both
     on the trio thread, so the scheduler needs no locks."""
 
-    # what the sockets carry goes here too while `serve_engine_core` records (--record-wire)
-    recorder: Recorder | None = None
-
     def __init__(
         self,
         scheduler: Scheduler,
@@ -88,9 +86,12 @@ class EngineCore:
         num_clients: int = 1,
         engine_index: int = 0,
         data_parallel_size: int = 1,
+        recorder: Recorder | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
+        # what the sockets carry goes here too while the engine records (--record-wire)
+        self.recorder = recorder
         self.num_clients = num_clients
         self.engine_index = engine_index
         self.data_parallel_size = data_parallel_size
@@ -436,11 +437,6 @@ class _Topics:
         return seq
 
 
-def client_of_topic(topic: bytes) -> int | None:
-    """The client index a subscription's topic names (`topic_for`'s inverse), or None."""
-    return int.from_bytes(topic, "big") if len(topic) == 2 else None
-
-
 async def _next_output_or_subscription(
     inbox: trio.MemoryReceiveChannel[tuple[int, EngineCoreOutputs]], socket: Socket
 ) -> tuple[tuple[int, EngineCoreOutputs] | None, list[bytes] | None]:
@@ -540,8 +536,8 @@ async def serve_engine_core(ctx: ChildContext) -> None:
             num_clients=ctx.options.get("num_clients", 1),
             engine_index=ctx.options.get("engine_index", 0),
             data_parallel_size=args.data_parallel_size,
+            recorder=recorder,
         )
-        core.recorder = recorder
         await core.run(input_socket, output_socket)
 
 

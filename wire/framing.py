@@ -23,6 +23,11 @@ def topic_for(client_index: int) -> bytes:
     return client_index.to_bytes(2, "big")
 
 
+def client_of_topic(topic: bytes) -> int | None:
+    """The client index `topic` names (`topic_for`'s inverse), or None if it names none."""
+    return int.from_bytes(topic, "big") if len(topic) == 2 else None
+
+
 def encode_input(
     encoder: Encoder, kind: EngineCoreRequestType, payload: InputPayload
 ) -> list[Buffer]:
@@ -62,10 +67,10 @@ class OutputDecoder:
     def decode(self, frames: Sequence[Any]) -> tuple[int, EngineCoreOutputs]:
         if len(frames) < 2:
             raise ProtocolError(f"output message needs at least 2 frames, got {len(frames)}")
-        topic = _small_bytes(frames[0], 2)
-        if topic is None:
+        client = client_of_topic(_small_bytes(frames[0], 2) or b"")
+        if client is None:
             raise ProtocolError("topic frame must be 2 bytes")
-        return int.from_bytes(topic, "big"), self._decoder.decode(frames[1:])
+        return client, self._decoder.decode(frames[1:])
 
 
 def _small_bytes(frame: Any, size: int) -> bytes | None:
