@@ -173,7 +173,7 @@ class Engine:
             client = self._pick()
             shared: list[tuple[TensorHandle, SharedTensor]] = []
             if prompt_embeds is not None:
-                shared = share_prompt_embeds(prompt_embeds, params.n, self.hidden_size)
+                shared = share_prompt_embeds(prompt_embeds, params.n)
         except BaseException as e:
             if isinstance(prompt_embeds, TensorHandle):  # taken over: refused, it goes
                 SharedTensor(prompt_embeds).unlink()

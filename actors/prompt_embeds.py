@@ -43,30 +43,22 @@ def describe_prompt_embeds(embeds: Any) -> tuple[str, tuple[int, ...]]:
     return dtype, tuple(getattr(embeds, "shape", ()))
 
 
-def share_prompt_embeds(
-    embeds: Any, copies: int, hidden_size: int
-) -> list[tuple[TensorHandle, SharedTensor]]:
+def share_prompt_embeds(embeds: Any, copies: int) -> list[tuple[TensorHandle, SharedTensor]]:
     """One segment per child request (each engine core unlinks its own on receipt) holding
-    `embeds`: a numpy array (float32, float16), a CPU torch tensor (those and bfloat16), or a
-    `TensorHandle` already shared, which this takes over (and unlinks when done with).
+    `embeds`, which `check_prompt_embeds` has passed: a numpy array (float32, float16), a CPU
+    torch tensor (those and bfloat16), or a `TensorHandle` already shared, which this takes
+    over (the caller unlinks it if this raises).
 
-    Raises ValueError for embeddings of the wrong shape or dtype, and OSError when shared
-    memory has no room; nothing stays shared then."""
-    dtype, shape = describe_prompt_embeds(embeds)
+    Raises ValueError for a handle whose segment is not there, and OSError when shared memory
+    has no room; nothing this made stays shared then."""
     if isinstance(embeds, TensorHandle):
-        try:
-            check_prompt_embeds(dtype, shape, hidden_size)
-        except ValueError:
-            SharedTensor(embeds).unlink()
-            raise
         if copies == 1:
             return [(embeds, SharedTensor(embeds))]
         try:
             embeds = open_shared(embeds, unlink=True)
         except ProtocolError as e:
             raise ValueError(f"prompt_embeds: {e}") from None
-    else:
-        check_prompt_embeds(dtype, shape, hidden_size)
+    dtype, _ = describe_prompt_embeds(embeds)
     shared: list[tuple[TensorHandle, SharedTensor]] = []
     try:
         for _ in range(copies):

@@ -16,7 +16,7 @@ import trio
 from safetensors.torch import load_file
 
 from triode.actors import EngineDeadError, RequestError, SamplingParams, open_engine
-from triode.wire.tensor_ipc import NAME_PREFIX
+from triode.wire.tensor_ipc import NAME_PREFIX, share
 
 pytestmark = pytest.mark.slow
 
@@ -81,6 +81,20 @@ async def test_embeddings_of_a_prompt_generate_what_its_token_ids_do(
         assert await _tokens(engine, None, GREEDY, prompt_embeds=embedding[changed]) == expected
         stats = await engine.get_stats()
     assert stats["num_running_reqs"] == 0
+
+
+async def test_a_tensor_already_shared_is_taken_over_and_unlinked(
+    tiny_model: Path, embedding: torch.Tensor, before: set[str]
+) -> None:
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=6, n=2, ignore_eos=True)
+    async with open_engine(str(tiny_model), **_engine_args()) as engine:
+        expected = await _tokens(engine, PROMPTS[0], seeded)
+        handle, _ = share(embedding[PROMPTS[0]])
+        assert await _tokens(engine, None, seeded, prompt_embeds=handle) == expected
+        wrong, _ = share(torch.zeros(3, embedding.shape[1] + 1))
+        with pytest.raises(RequestError, match="hidden size"):
+            await _tokens(engine, None, seeded, prompt_embeds=wrong)
+        assert not _segments() - before  # both taken over: the refused one unlinked too
 
 
 async def test_a_long_prompt_of_embeddings_is_prefilled_in_chunks(
