@@ -187,13 +187,17 @@ class _ApiServers:
         self._options = options
         self._metrics_dir = metrics_dir
         self._target = target
-        self.pids: list[int | None] = [None] * count
         self._children: list[Child | None] = [None] * count
         self.restarts = 0
         self.draining = False
         self.all_ready = trio.Event()
         self.all_exited = trio.Event()
         self._running = 0
+
+    @property
+    def pids(self) -> list[int | None]:
+        """Each API server's latest process id (None before its first start)."""
+        return [None if child is None else child.pid for child in self._children]
 
     async def supervise(self, index: int) -> None:
         deaths: deque[float] = deque(maxlen=MAX_RESTARTS)
@@ -207,13 +211,12 @@ class _ApiServers:
                 env=env,
                 ready_timeout=120.0,
             ) as child:
-                self.pids[index] = child.pid
                 self._children[index] = child
                 if self.draining:  # started again just as the drain began
                     child.expect_exit()
                     os.kill(child.pid, signal.SIGTERM)
                 self._running += 1
-                if all(pid is not None for pid in self.pids):
+                if all(self._children):
                     self.all_ready.set()
                 try:
                     await child.exited.wait()
