@@ -131,12 +131,19 @@ async def measure(
     return result
 
 
-def model_dir(model: str) -> Path:
-    """The directory `triode serve MODEL` loads (tiny-random is built on first use), found by
-    the model process's side of triode, which the edge does not import."""
-    code = "import sys; from triode.gpu.loader import resolve_model as r; print(r(sys.argv[1]))"
+def model_dir(model: str | None) -> Path:
+    """The directory `triode serve MODEL` loads (None: the default model; tiny-random is built
+    and a GGUF file converted on first use), found by the model process's side of triode, which
+    the edge does not import."""
+    code = (
+        "import sys; from triode.gpu.loader import resolve_model as r; "
+        "print(r(sys.argv[1] if len(sys.argv) > 1 else None))"
+    )
     done = subprocess.run(
-        [sys.executable, "-c", code, model], capture_output=True, text=True, check=True
+        [sys.executable, "-c", code, *([] if model is None else [model])],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return Path(done.stdout.strip())
 
@@ -178,11 +185,11 @@ def format_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"{r['engine_cpu_s']:.1f} | {r['client_cpu_s']:.1f} | "
             f"{r['output_tokens_per_edge_cpu_s']:,.0f} | {r['failed']} |"
         )
-    lines.append(f"\nCPUs: {len(os.sched_getaffinity(0))} ({_cpu_model()})")
+    lines.append(f"\nCPUs: {len(os.sched_getaffinity(0))} ({cpu_model()})")
     return "\n".join(lines)
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()

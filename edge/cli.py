@@ -15,8 +15,10 @@ BENCHMARKS = {
     "throughput": "triode.edge.bench_throughput",
     "serve": "triode.edge.bench_serve",
     "frontend": "triode.edge.bench_frontend",
+    "vllm": "triode.edge.bench_vllm",
     "structured": "triode.edge.bench_structured",
     "collectives": "triode.gpu.bench_collectives",
+    "step": "triode.gpu.bench_step",
     "kv-transfer": "triode.gpu.bench_kv_transfer",
 }
 
