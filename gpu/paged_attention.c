@@ -61,7 +61,7 @@ int triode_max_heads(void) { return MAX_HEADS; }
  * A work item is a sequence and a range of its KV heads: all of them when there are sequences
  * enough to share out, so each cached token row (every KV head side by side) streams from
  * memory once and in order; one head each for a few sequences, so both cores have work. */
-void triode_paged_decode_attention_bf16(
+static void paged_decode_generic(
     const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
     const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -154,4 +154,235 @@ void triode_paged_decode_attention_bf16(
             for (int64_t d = 0; d < head_dim; d++) oh[d] = f32_to_bf16(acc[h][d] * inv);
         }
     }
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* 32 bfloat16 values as two float32 vectors, the even elements and the odd ones: the bits
+ * moved up to the high half, or kept there; no shuffle. */
+static inline void load32(const uint16_t *p, __m512 *even, __m512 *odd) {
+    const __m512i v = _mm512_loadu_si512((const void *)p);
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+/* exp_nonpositive on 16 lanes: the same polynomial, the power of two by scalef */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, whole);
+    __m512 p = _mm512_set1_ps(1.8775767e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.9893397e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5826318e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4015361e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9315308e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999994e-1f));
+    return _mm512_scalef_ps(p, whole);
+}
+
+/* lane j = the sum of v[j]'s 16 lanes: 15 adds and 30 shuffles for 16 sums */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: pairs of v[2i] and v[2i + 1] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per 128-bit lane: v[4i] .. v[4i + 3] */
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++) /* 128-bit lanes 0 + 1 and 2 + 3 of two groups of four */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                         _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+}
+
+#define TILE 16 /* tokens whose scores are one vector */
+
+/* One (sequence, KV head): its G query heads against the KV head's tokens, D / 32 pairs of
+ * vectors a row (even and odd elements apart: `load32`). G and D are constants at each call
+ * site, so the compiler keeps the queries and the running sums in registers. Per tile of 16
+ * tokens: each head's 16 scores as one vector (`sum16`), one online-softmax rescale per head,
+ * then the values weighted into the sums. */
+static inline __attribute__((always_inline)) void attend_one(
+    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
+    int64_t context, uint16_t *out, int64_t token_stride, int64_t block_size, float scale,
+    const int G, const int D) {
+    enum { MAXC = 4 }; /* D <= 128 */
+    const int C = D / 32;
+#if defined(__AVX512BF16__)
+    __m512bh q_pairs[8][MAXC]; /* the query as it is: products of bfloat16 pairs are exact */
+#else
+    __m512 q_even[8][MAXC], q_odd[8][MAXC];
+#endif
+    __m512 acc_even[8][MAXC], acc_odd[8][MAXC];
+    float running_max[8], denom[8];
+    for (int g = 0; g < G; g++) {
+        for (int c = 0; c < C; c++) {
+#if defined(__AVX512BF16__)
+            q_pairs[g][c] = (__m512bh)_mm512_loadu_si512((const void *)(q + g * D + c * 32));
+#else
+            load32(q + g * D + c * 32, &q_even[g][c], &q_odd[g][c]);
+#endif
+            acc_even[g][c] = acc_odd[g][c] = _mm512_setzero_ps();
+        }
+        running_max[g] = -INFINITY;
+        denom[g] = 0.0f;
+    }
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    /* the next token's place in the cache, advanced one token at a time (no division) */
+    int64_t block = 0, slot = 0;
+    int64_t rows[2][TILE]; /* element offsets of this tile's token rows and the next one's */
+    const int64_t first_n = context < TILE ? context : TILE;
+    for (int j = 0; j < first_n; j++) {
+        rows[0][j] = (table[block] * block_size + slot) * token_stride;
+        if (++slot == block_size) slot = 0, block++;
+    }
+    for (int64_t start = 0, tile = 0; start < context; start += TILE, tile ^= 1) {
+        const int n = context - start < TILE ? (int)(context - start) : TILE;
+        const int64_t *here = rows[tile];
+        const __mmask16 live = (__mmask16)((1u << n) - 1u);
+        /* the next tile's rows, fetched while this one computes */
+        const int64_t next = context - start - n < TILE ? context - start - n : TILE;
+        for (int j = 0; j < next; j++) {
+            const int64_t row = (table[block] * block_size + slot) * token_stride;
+            rows[tile ^ 1][j] = row;
+            if (++slot == block_size) slot = 0, block++;
+            for (int b = 0; b < D * 2; b += 64) {
+                _mm_prefetch((const char *)(k_cache + row) + b, _MM_HINT_T0);
+                _mm_prefetch((const char *)(v_cache + row) + b, _MM_HINT_T0);
+            }
+        }
+        float weights[8][TILE] __attribute__((aligned(64)));
+        __m512 dots[8][TILE]; /* per head and token: 16 partial sums of its score */
+        for (int j = 0; j < TILE; j++) {
+            if (j >= n) {
+                for (int g = 0; g < G; g++) dots[g][j] = _mm512_setzero_ps();
+                continue;
+            }
+#if defined(__AVX512BF16__)
+            __m512bh key[MAXC];
+            for (int c = 0; c < C; c++)
+                key[c] = (__m512bh)_mm512_loadu_si512((const void *)(k_cache + here[j] + c * 32));
+            for (int g = 0; g < G; g++) {
+                __m512 dot = _mm512_setzero_ps();
+                for (int c = 0; c < C; c++) dot = _mm512_dpbf16_ps(dot, q_pairs[g][c], key[c]);
+                dots[g][j] = dot;
+            }
+#else
+            __m512 k_even[MAXC], k_odd[MAXC];
+            for (int c = 0; c < C; c++) load32(k_cache + here[j] + c * 32, &k_even[c], &k_odd[c]);
+            for (int g = 0; g < G; g++) {
+                __m512 dot = _mm512_mul_ps(q_even[g][0], k_even[0]);
+                dot = _mm512_fmadd_ps(q_odd[g][0], k_odd[0], dot);
+                for (int c = 1; c < C; c++) {
+                    dot = _mm512_fmadd_ps(q_even[g][c], k_even[c], dot);
+                    dot = _mm512_fmadd_ps(q_odd[g][c], k_odd[c], dot);
+                }
+                dots[g][j] = dot;
+            }
+#endif
+        }
+        for (int g = 0; g < G; g++) {
+            const __m512 scores = _mm512_mask_mov_ps(
+                _mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(sum16(dots[g]), scale16));
+            const float tile_max = _mm512_reduce_max_ps(scores);
+            const float new_max = tile_max > running_max[g] ? tile_max : running_max[g];
+            /* the first tile rescales empty sums: the factor does not matter */
+            const float rescale = exp_nonpositive(running_max[g] - new_max);
+            running_max[g] = new_max;
+            const __m512 p = _mm512_maskz_mov_ps(
+                live, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+            denom[g] = denom[g] * rescale + _mm512_reduce_add_ps(p);
+            _mm512_store_ps(weights[g], p);
+            const __m512 r = _mm512_set1_ps(rescale);
+            for (int c = 0; c < C; c++) {
+                acc_even[g][c] = _mm512_mul_ps(acc_even[g][c], r);
+                acc_odd[g][c] = _mm512_mul_ps(acc_odd[g][c], r);
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            for (int c = 0; c < C; c++) {
+                __m512 v_even, v_odd;
+                load32(v_cache + here[j] + c * 32, &v_even, &v_odd);
+                for (int g = 0; g < G; g++) {
+                    const __m512 p = _mm512_set1_ps(weights[g][j]);
+                    acc_even[g][c] = _mm512_fmadd_ps(p, v_even, acc_even[g][c]);
+                    acc_odd[g][c] = _mm512_fmadd_ps(p, v_odd, acc_odd[g][c]);
+                }
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const __m512 inv = _mm512_set1_ps(denom[g] > 0.0f ? 1.0f / denom[g] : 0.0f);
+        float even[16] __attribute__((aligned(64))), odd[16] __attribute__((aligned(64)));
+        for (int c = 0; c < C; c++) {
+            _mm512_store_ps(even, _mm512_mul_ps(acc_even[g][c], inv));
+            _mm512_store_ps(odd, _mm512_mul_ps(acc_odd[g][c], inv));
+            for (int i = 0; i < 16; i++) {
+                out[g * D + c * 32 + 2 * i] = f32_to_bf16(even[i]);
+                out[g * D + c * 32 + 2 * i + 1] = f32_to_bf16(odd[i]);
+            }
+        }
+    }
+}
+
+#define ATTEND(G, D)                                                                          \
+    attend_one(q + (s * num_heads + kv * (G)) * (D), k_cache + kv * (D), v_cache + kv * (D),  \
+               block_tables + s * max_blocks, context_lens[s],                                \
+               out + (s * num_heads + kv * (G)) * (D), token_stride, block_size, scale, G, D)
+
+#define CASES(D)                                                                              \
+    switch (group) {                                                                          \
+    case 1: ATTEND(1, D); break;                                                              \
+    case 2: ATTEND(2, D); break;                                                              \
+    case 3: ATTEND(3, D); break;                                                              \
+    case 4: ATTEND(4, D); break;                                                              \
+    case 5: ATTEND(5, D); break;                                                              \
+    case 6: ATTEND(6, D); break;                                                              \
+    case 7: ATTEND(7, D); break;                                                              \
+    case 8: ATTEND(8, D); break;                                                              \
+    }
+
+static int vector_path(int64_t group, int64_t head_dim) {
+    return group >= 1 && group <= 8 && (head_dim == 64 || head_dim == 128);
+}
+
+/* Work items are (sequence, KV head) pairs, handed out one at a time. */
+static void paged_decode_avx512(
+    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+    const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t max_blocks, float scale) {
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t token_stride = num_kv_heads * head_dim;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
+        const int64_t s = item / num_kv_heads, kv = item % num_kv_heads;
+        if (head_dim == 64) {
+            CASES(64)
+        } else {
+            CASES(128)
+        }
+    }
+}
+#endif
+
+void triode_paged_decode_attention_bf16(
+    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+    const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t max_blocks, float scale) {
+#if defined(__AVX512F__)
+    if (vector_path(num_heads / num_kv_heads, head_dim)) {
+        paged_decode_avx512(q, k_cache, v_cache, block_tables, context_lens, out, num_seqs,
+                            num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);
+        return;
+    }
+#endif
+    paged_decode_generic(q, k_cache, v_cache, block_tables, context_lens, out, num_seqs,
+                         num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);
 }

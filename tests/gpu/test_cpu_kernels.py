@@ -28,7 +28,15 @@ def _reference(q, k_cache, v_cache, tables, lens, scale):  # type: ignore[no-unt
 @needs_kernel
 @pytest.mark.parametrize(
     ("seqs", "heads", "kv_heads", "head_dim", "block_size"),
-    [(3, 9, 3, 64, 16), (12, 9, 3, 64, 16), (2, 4, 4, 128, 8), (9, 8, 1, 32, 16)],
+    [
+        (3, 9, 3, 64, 16),
+        (12, 9, 3, 64, 16),
+        (2, 4, 4, 128, 8),
+        (9, 8, 1, 32, 16),  # a head size the vector path does not take
+        (4, 12, 1, 64, 16),  # nor 12 query heads to a KV head
+        (6, 32, 4, 128, 32),
+        (5, 2, 2, 64, 5),  # blocks that tiles of 16 tokens straddle
+    ],
 )
 def test_kernel_matches_attention_over_shuffled_blocks(
     seqs: int, heads: int, kv_heads: int, head_dim: int, block_size: int
