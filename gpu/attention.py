@@ -106,13 +106,20 @@ class Attention(nn.Module):
         self.paged_kernel: Callable[..., torch.Tensor] | None = None
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        cached: bool = False,
     ) -> torch.Tensor:
-        """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]. Returns [T, heads * head_dim]."""
-        flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim], written to the cache unless
+        `cached` (the caller did). Returns [T, heads * head_dim]."""
+        if not cached:
+            flat_k = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+            flat_v = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+            flat_k.index_copy_(0, meta.slot_mapping, k)
+            flat_v.index_copy_(0, meta.slot_mapping, v)
         parts = []  # in row order: each decode group, then each prefill chunk
         for group in meta.decodes:
             rows = slice(group.start, group.start + group.block_tables.shape[0])

@@ -1,10 +1,11 @@
 """CPU kernels written in C, built at first use with the machine's compiler, called by ctypes.
 
-`paged_attention.c` holds decode attention that reads the paged KV cache in place. It is built
-once per source, compiler and CPU into `$TRIODE_CACHE/kernels/` with -O3 -march=native -fopenmp;
-its OpenMP runtime is the one torch already loaded (the same soname), so its threads are
-torch's. Without a C compiler, or with TRIODE_CPU_KERNELS=0, `paged_decode_attention` is None
-and attention takes the torch path.
+`paged_attention.c` holds decode attention that reads the paged KV cache in place;
+`fused_ops.c` the bfloat16 operations between a layer's projections, fused (`FusedOps`). Both
+are built into one library, once per source, compiler and CPU, in `$TRIODE_CACHE/kernels/`
+with -O3 -march=native -fopenmp; its OpenMP runtime is the one torch already loaded (the same
+soname), so its threads are torch's. Without a C compiler, or with TRIODE_CPU_KERNELS=0,
+`paged_decode_attention` and `fused_ops` are None and the model takes the torch path.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,7 +28,8 @@ from .loader import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.c", "fused_ops.c"))
+HEADERS = (Path(__file__).with_name("simd.h"),)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 Kernel = Callable[..., torch.Tensor]
@@ -44,18 +47,35 @@ def paged_decode_attention_for(num_heads: int, num_kv_heads: int, head_dim: int)
 
 
 @functools.cache
-def paged_decode_attention() -> Kernel | None:
-    """The built kernel as `f(q, k_cache, v_cache, block_tables, context_lens, scale)`, or None."""
+def _library() -> ctypes.CDLL | None:
     if os.environ.get("TRIODE_CPU_KERNELS", "1") == "0":
         return None
     try:
-        library = ctypes.CDLL(str(_build()))
+        return ctypes.CDLL(str(_build()))
     except (OSError, subprocess.CalledProcessError) as e:
-        log.warning("CPU attention kernel unavailable (%s); using the torch path", e)
+        log.warning("CPU kernels unavailable (%s); using the torch path", e)
         return None
-    function = library.triode_paged_decode_attention_bf16
+
+
+def _function(name: str, *argtypes: Any) -> Any:
+    library = _library()
+    assert library is not None
+    function = getattr(library, name)
     function.restype = None
-    function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+    function.argtypes = list(argtypes)
+    return function
+
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+@functools.cache
+def paged_decode_attention() -> Kernel | None:
+    """The built kernel as `f(q, k_cache, v_cache, block_tables, context_lens, scale)`, or None."""
+    library = _library()
+    if library is None:
+        return None
+    function = _function("triode_paged_decode_attention_bf16", _P, _I, *[_P] * 5, *[_I] * 6, _F)
     max_head_dim, max_heads = library.triode_max_head_dim(), library.triode_max_heads()
 
     def run(
@@ -66,8 +86,10 @@ def paged_decode_attention() -> Kernel | None:
         context_lens: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """q [seqs, heads, head_dim] bfloat16; caches [blocks, block_size, kv_heads, head_dim];
-        block_tables [seqs, max_blocks] and context_lens [seqs] int64. Returns like q."""
+        """q [seqs, heads, head_dim] bfloat16, each sequence's heads contiguous (its rows may be
+        apart: a view into the QKV projection's output); caches [blocks, block_size, kv_heads,
+        head_dim]; block_tables [seqs, max_blocks] and context_lens [seqs] int64. Returns
+        [seqs, heads, head_dim]."""
         seqs, heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
         if head_dim > max_head_dim or heads > max_heads or heads % kv_heads:
@@ -75,12 +97,13 @@ def paged_decode_attention() -> Kernel | None:
         for t in (k_cache, v_cache):
             if t.dtype != torch.bfloat16 or not t.is_contiguous():
                 raise ValueError("the KV cache must be contiguous bfloat16")
-        q = q.contiguous()
+        if q.dtype != torch.bfloat16 or q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
         tables = block_tables.to(torch.int64).contiguous()
         lens = context_lens.to(torch.int64).contiguous()
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)
         function(
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
             lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, head_dim, block_size,
             tables.shape[1], scale,
         )  # fmt: skip
@@ -90,16 +113,109 @@ def paged_decode_attention() -> Kernel | None:
     return run
 
 
+class FusedOps:
+    """`fused_ops.c`'s kernels on bfloat16 CPU tensors (see each C function)."""
+
+    def __init__(self) -> None:
+        self._norm = _function(
+            "triode_add_rms_norm_bf16", _P, _I, *[_P] * 3, _I, _I, _F, ctypes.c_int
+        )
+        self._rope = _function("triode_rope_cache_bf16", _P, *[_I] * 5, *[_P] * 6)
+        self._silu_mul = _function("triode_silu_mul_bf16", _P, _P, _I, _I)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual) * weight in bfloat16, x + residual in float32); the sum is made
+        in place in `residual` (a fresh float32 copy of x when it is None)."""
+        rows, hidden = x.shape
+        _check(x, rows, hidden, last_contiguous=True)
+        add = residual is not None
+        if residual is None:
+            residual = torch.empty(rows, hidden, dtype=torch.float32)
+        elif residual.dtype != torch.float32 or not residual.is_contiguous():
+            raise ValueError("the residual stream must be contiguous float32")
+        out = x.new_empty(rows, hidden)
+        self._norm(
+            x.data_ptr(), x.stride(0), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            rows, hidden, eps, int(add),
+        )  # fmt: skip
+        return out, residual
+
+    def rope_cache(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """Rotate qkv's queries and keys in place for `positions` (cos and sin: the float32
+        tables [positions, head_dim]) and write its keys and values to cache `slots`."""
+        rows, width = qkv.shape
+        head_dim = cos.shape[1]
+        if width != (num_heads + 2 * num_kv_heads) * head_dim or head_dim > 512 or head_dim % 2:
+            raise ValueError(f"qkv of width {width} for {num_heads} + 2 x {num_kv_heads} heads")
+        _check(qkv, rows, width, last_contiguous=True)
+        for t in (k_cache, v_cache):
+            if t.dtype != torch.bfloat16 or not t.is_contiguous():
+                raise ValueError("the KV cache must be contiguous bfloat16")
+        for t in (cos, sin):
+            if t.dtype != torch.float32 or not t.is_contiguous():
+                raise ValueError("the rotary tables must be contiguous float32")
+        positions, slots = (
+            positions.to(torch.int64).contiguous(),
+            slots.to(torch.int64).contiguous(),
+        )
+        if len(positions) != rows or len(slots) != rows:
+            raise ValueError("one position and one slot per row")
+        self._rope(
+            qkv.data_ptr(), qkv.stride(0), rows, num_heads, num_kv_heads, head_dim,
+            positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), slots.data_ptr(),
+        )  # fmt: skip
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of x = [gate, up] along its last dimension."""
+        rows, width = x.shape
+        _check(x, rows, width, last_contiguous=False)
+        out = x.new_empty(rows, width // 2)
+        self._silu_mul(x.data_ptr(), out.data_ptr(), rows, width // 2)
+        return out
+
+
+def _check(x: torch.Tensor, rows: int, width: int, last_contiguous: bool) -> None:
+    """bfloat16 rows of `width` contiguous elements, rows apart by their stride (or, without
+    `last_contiguous`, whole and contiguous)."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError("the fused CPU ops take bfloat16 CPU tensors")
+    if last_contiguous and x.stride(1) == 1 and (rows < 2 or x.stride(0) >= width):
+        return
+    if not x.is_contiguous():
+        raise ValueError("the fused CPU ops take contiguous rows")
+
+
+@functools.cache
+def fused_ops() -> FusedOps | None:
+    """`fused_ops.c`'s kernels, or None where the library is not built."""
+    return FusedOps() if _library() is not None else None
+
+
 def _build() -> Path:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(FLAGS).encode(), _cpu_flags()):
+    parts = [*(path.read_bytes() for path in (*SOURCES, *HEADERS)), version.encode()]
+    for part in (*parts, " ".join(FLAGS).encode(), _cpu_flags()):
         key.update(part)
         key.update(b"\0")
-    out = cache_dir() / "kernels" / f"paged_attention-{key.hexdigest()[:16]}.so"
+    out = cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -107,7 +223,7 @@ def _build() -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             text=True,

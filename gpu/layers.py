@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,9 @@ from torch import nn
 
 from . import parallel_state
 from .int4 import Int4Linear, Int4Weight
+
+if TYPE_CHECKING:
+    from .cpu_kernels import FusedOps
 
 WeightLoader = Callable[..., None]
 
@@ -75,6 +78,17 @@ class RowPaths:
 
     int4: int = 0
     dense_min: int = 0
+
+
+def use_fused_ops(model: nn.Module, ops: FusedOps | None) -> int:
+    """Give every module of `model` that can take them the fused CPU kernels (`cpu_kernels`),
+    or take them back (None); returns how many modules have them."""
+    count = 0
+    for module in model.modules():
+        if "fused" in dir(type(module)):
+            module.fused = ops
+            count += ops is not None
+    return count
 
 
 def share_row_paths(model: nn.Module) -> RowPaths:
@@ -402,6 +416,8 @@ class RMSNorm(nn.Module):
     output is in the weight's dtype, what the next projection reads.
     """
 
+    fused: FusedOps | None = None  # `use_fused_ops`: one C pass for bfloat16 on the CPU
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
@@ -419,14 +435,26 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             return self._norm(x)
+        if self.fused is not None:  # the sum made in place in `residual`
+            return self.fused.add_rms_norm(x, residual, self.weight, self.eps)
         x = x + residual
         return self._norm(x), x
+
+    def start(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x), x in float32): the first layer's norm, where the residual stream starts."""
+        if self.fused is not None:
+            return self.fused.add_rms_norm(x, None, self.weight, self.eps)
+        return self._norm(x), x.float()
 
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up over the two halves of the last dimension (the merged gate_up output)."""
 
+    fused: FusedOps | None = None  # `use_fused_ops`: one C pass for bfloat16 on the CPU
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and x.dtype == torch.bfloat16:
+            return self.fused.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -456,6 +484,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), -1), persistent=False)
         self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), -1), persistent=False)
 
+    def step(self, positions: torch.Tensor, dtype: torch.dtype, look_up: bool = True) -> Rope:
+        """What every layer of a step reads: `positions` [T], the tables, and (`look_up`) cos
+        and sin looked up for them (`lookup`); the fused kernel reads the tables itself."""
+        looked_up = self.lookup(positions, dtype) if look_up else None
+        return Rope(positions, self.cos, self.sin, looked_up)
+
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos and signed sin for `positions` [T], shaped [T, 1, head_dim] to broadcast over
         heads, in the activations' dtype as Hugging Face applies them."""
@@ -464,8 +498,11 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
     @staticmethod
-    def apply(x: torch.Tensor, rope: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def apply(x: torch.Tensor, rope: tuple[torch.Tensor, ...] | Rope) -> torch.Tensor:
         """Rotate x [T, heads, head_dim] (queries and keys stacked on the heads axis)."""
+        if isinstance(rope, Rope):
+            assert rope.looked_up is not None, "a step for the fused kernel"
+            rope = rope.looked_up
         cos, sin = rope
         return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
 
@@ -475,6 +512,16 @@ class RotaryEmbedding(nn.Module):
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; positions: [T]."""
         rope = self.lookup(positions, q.dtype)
         return self.apply(q, rope), self.apply(k, rope)
+
+
+class Rope(NamedTuple):
+    """One step's rotary embedding, for every layer (`RotaryEmbedding.step`)."""
+
+    positions: torch.Tensor  # [T]
+    cos_table: torch.Tensor  # float32 [max_position, head_dim]
+    sin_table: torch.Tensor  # float32, the first half negated
+    looked_up: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [T, 1, head_dim] in the
+    # activations' dtype; None where only the fused kernel reads them
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:

@@ -9,7 +9,7 @@ rows the runner needs.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from .layers import (
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
+    Rope,
     RotaryEmbedding,
     RowParallelLinear,
     SiluAndMul,
@@ -30,8 +31,13 @@ from .layers import (
     default_weight_loader,
 )
 
+if TYPE_CHECKING:
+    from .cpu_kernels import FusedOps
+
 
 class LlamaAttention(nn.Module):
+    fused: FusedOps | None = None  # `use_fused_ops`: rotary embedding and cache write in C
+
     def __init__(self, config: Any, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
         self.head_dim = head_dim(config)
@@ -56,11 +62,19 @@ class LlamaAttention(nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
         )
 
-    def forward(
-        self, rope: tuple[torch.Tensor, ...], hidden: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, rope: Rope, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         qk_size = self.q_size + self.kv_size
+        if self.fused is not None and qkv.dtype == torch.bfloat16:
+            attn = self.attn
+            self.fused.rope_cache(
+                qkv, self.num_heads, self.num_kv_heads, rope.positions, rope.cos_table,
+                rope.sin_table, attn.k_cache, attn.v_cache, meta.slot_mapping,
+            )  # fmt: skip
+            q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size : qk_size].view(-1, self.num_kv_heads, self.head_dim)
+            v = qkv[:, qk_size:].view(-1, self.num_kv_heads, self.head_dim)
+            return self.o_proj(attn(q, k, v, meta, cached=True))
         # queries and keys rotate as one [T, heads + kv_heads, head_dim] tensor: half the ops
         qk = RotaryEmbedding.apply(
             qkv[:, :qk_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), rope
@@ -94,13 +108,13 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        rope: tuple[torch.Tensor, ...],
+        rope: Rope,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:  # the first layer starts the float32 residual stream
-            hidden, residual = self.input_layernorm(hidden), hidden.float()
+            hidden, residual = self.input_layernorm.start(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(rope, hidden, meta)
@@ -126,6 +140,8 @@ class LlamaModel(nn.Module):
     dtype) in place of the lookup; a later stage starts from the previous stage's `Intermediate`;
     every stage but the last returns an `Intermediate`, the last the normalised hidden states.
     """
+
+    fused: FusedOps | None = None  # `use_fused_ops`: the layers read the rotary tables
 
     def __init__(self, config: Any, max_position: int, qkv_bias: bool, o_bias: bool) -> None:
         super().__init__()
@@ -168,7 +184,8 @@ class LlamaModel(nn.Module):
             if intermediate is None:
                 raise ValueError("a later pipeline stage starts from the previous stage's output")
             hidden, residual = intermediate
-        rope = self.rotary_emb.lookup(positions, hidden.dtype)  # once per step, for all layers
+        # once per step, for all layers
+        rope = self.rotary_emb.step(positions, hidden.dtype, look_up=self.fused is None)
         for layer in self.stage_layers:
             hidden, residual = layer(rope, hidden, residual, meta)
         if not self.last_stage:

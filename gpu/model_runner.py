@@ -33,7 +33,12 @@ from triode.wire import (
 from . import cpu_kernels, int4, parallel_state
 from .attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from .kv_connector import FinishedTransfers, KVConnectorWorker
-from .layers import cpu_weight_packing_supported, pack_cpu_weights, share_row_paths
+from .layers import (
+    cpu_weight_packing_supported,
+    pack_cpu_weights,
+    share_row_paths,
+    use_fused_ops,
+)
 from .llama import head_dim, model_class
 from .loader import resolve_model
 from .sampler import Sampler, SamplingState, apply_token_bitmask, compute_logprobs
@@ -159,6 +164,11 @@ class ModelRunner:
         self.paged_kernel = kernel is not None
         for layer in self.model.model.stage_layers:
             layer.self_attn.attn.paged_kernel = kernel
+        # and the operations between the projections, fused, on the same terms
+        ops = None
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            ops = cpu_kernels.fused_ops()
+        self.fused_ops = use_fused_ops(self.model, ops)
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
 

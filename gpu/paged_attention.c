@@ -54,7 +54,8 @@ static inline float exp_nonpositive(float x) {
 int triode_max_head_dim(void) { return MAX_HEAD_DIM; }
 int triode_max_heads(void) { return MAX_HEADS; }
 
-/* q, out: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
+/* q: [num_seqs, num_heads, head_dim] with q_stride elements from one sequence's row to the
+ * next; out: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
  * num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs].
  * Query head h reads KV head h / (num_heads / num_kv_heads). A context of 0 gives zeros.
  *
@@ -62,7 +63,7 @@ int triode_max_heads(void) { return MAX_HEADS; }
  * enough to share out, so each cached token row (every KV head side by side) streams from
  * memory once and in order; one head each for a few sequences, so both cores have work. */
 static void paged_decode_generic(
-    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+    const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
     const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, int64_t max_blocks, float scale) {
@@ -83,7 +84,7 @@ static void paged_decode_generic(
         float running_max[MAX_HEADS], denom[MAX_HEADS];
         float scores[MAX_HEADS][CHUNK];
         for (int64_t h = 0; h < n_heads; h++) {
-            const uint16_t *qh = q + (s * num_heads + first_head + h) * head_dim;
+            const uint16_t *qh = q + s * q_stride + (first_head + h) * head_dim;
             for (int64_t d = 0; d < head_dim; d++) {
                 query[h][d] = bf16_to_f32(qh[d]) * scale;
                 acc[h][d] = 0.0f;
@@ -157,7 +158,7 @@ static void paged_decode_generic(
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
+#include "simd.h"
 
 /* 32 bfloat16 values as two float32 vectors, the even elements and the odd ones: the bits
  * moved up to the high half, or kept there; no shuffle. */
@@ -165,21 +166,6 @@ static inline void load32(const uint16_t *p, __m512 *even, __m512 *odd) {
     const __m512i v = _mm512_loadu_si512((const void *)p);
     *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
     *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
-/* exp_nonpositive on 16 lanes: the same polynomial, the power of two by scalef */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, whole);
-    __m512 p = _mm512_set1_ps(1.8775767e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.9893397e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5826318e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4015361e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9315308e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999994e-1f));
-    return _mm512_scalef_ps(p, whole);
 }
 
 /* lane j = the sum of v[j]'s 16 lanes: 15 adds and 30 shuffles for 16 sums */
@@ -331,7 +317,7 @@ static inline __attribute__((always_inline)) void attend_one(
 }
 
 #define ATTEND(G, D)                                                                          \
-    attend_one(q + (s * num_heads + kv * (G)) * (D), k_cache + kv * (D), v_cache + kv * (D),  \
+    attend_one(q + s * q_stride + kv * (G) * (D), k_cache + kv * (D), v_cache + kv * (D),  \
                block_tables + s * max_blocks, context_lens[s],                                \
                out + (s * num_heads + kv * (G)) * (D), token_stride, block_size, scale, G, D)
 
@@ -353,7 +339,7 @@ static int vector_path(int64_t group, int64_t head_dim) {
 
 /* Work items are (sequence, KV head) pairs, handed out one at a time. */
 static void paged_decode_avx512(
-    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+    const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
     const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, int64_t max_blocks, float scale) {
@@ -372,17 +358,17 @@ static void paged_decode_avx512(
 #endif
 
 void triode_paged_decode_attention_bf16(
-    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+    const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
     const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, int64_t max_blocks, float scale) {
 #if defined(__AVX512F__)
     if (vector_path(num_heads / num_kv_heads, head_dim)) {
-        paged_decode_avx512(q, k_cache, v_cache, block_tables, context_lens, out, num_seqs,
+        paged_decode_avx512(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, num_seqs,
                             num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);
         return;
     }
 #endif
-    paged_decode_generic(q, k_cache, v_cache, block_tables, context_lens, out, num_seqs,
+    paged_decode_generic(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, num_seqs,
                          num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);
 }

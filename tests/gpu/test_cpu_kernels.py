@@ -93,14 +93,113 @@ def test_shapes_past_what_the_kernel_was_built_for_take_the_torch_path() -> None
     assert cpu_kernels.paged_decode_attention_for(8, 8, 512) is None  # head_dim over 256
 
 
-def test_without_a_compiler_attention_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+def _clear() -> None:
+    for cached in (cpu_kernels._library, cpu_kernels.paged_decode_attention, cpu_kernels.fused_ops):
+        cached.cache_clear()
+
+
+def test_without_a_compiler_the_kernels_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    cpu_kernels.paged_decode_attention.cache_clear()
+    _clear()
     try:
         assert cpu_kernels.paged_decode_attention() is None
+        assert cpu_kernels.fused_ops() is None
         monkeypatch.setenv("CC", "cc")
         monkeypatch.setenv("TRIODE_CPU_KERNELS", "0")
-        cpu_kernels.paged_decode_attention.cache_clear()
+        _clear()
         assert cpu_kernels.paged_decode_attention() is None
+        assert cpu_kernels.fused_ops() is None
     finally:
-        cpu_kernels.paged_decode_attention.cache_clear()
+        _clear()
+
+
+ops = cpu_kernels.fused_ops()
+needs_ops = pytest.mark.skipif(ops is None, reason="no C compiler to build the kernels")
+
+
+def _within_a_bfloat16_step(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """One rounding apart at most: the fused ops round once where torch rounds per op."""
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=1.6e-2)
+
+
+@needs_ops
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_fused_norm_adds_the_residual_in_place_and_normalises_like_torch(rows: int) -> None:
+    from triode.gpu.layers import RMSNorm
+
+    torch.manual_seed(rows)
+    norm = RMSNorm(576, eps=1e-5)
+    norm.weight.data = torch.randn(576).bfloat16()
+    x = torch.randn(rows, 576).bfloat16()
+    residual = torch.randn(rows, 576)
+    expected_out, expected_sum = norm(x, residual.clone())
+    start_out, start_residual = norm.start(x)
+    norm.fused = ops
+    out, summed = norm(x, residual)
+    assert summed is residual and out.dtype == torch.bfloat16
+    torch.testing.assert_close(summed, expected_sum)
+    _within_a_bfloat16_step(out, expected_out)
+    out, residual = norm.start(x)
+    torch.testing.assert_close(residual, start_residual)
+    _within_a_bfloat16_step(out, start_out)
+
+
+@needs_ops
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 128), (2, 1, 48)])
+def test_fused_rope_rotates_like_torch_and_writes_keys_and_values_to_their_slots(
+    heads: int, kv_heads: int, head_dim: int
+) -> None:
+    from triode.gpu.layers import RotaryEmbedding
+
+    torch.manual_seed(head_dim)
+    rope = RotaryEmbedding(head_dim, 512, 10000.0)
+    rows = 5
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim).bfloat16()
+    positions = torch.tensor([0, 7, 100, 511, 3])
+    slots = torch.tensor([12, 0, 33, 7, 40])
+    k_cache = torch.zeros(3, 16, kv_heads, head_dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(rows, -1, head_dim)
+    expected = RotaryEmbedding.apply(qk, rope.lookup(positions, torch.bfloat16))
+    values = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    wide = torch.cat([qkv, torch.zeros(rows, 8, dtype=torch.bfloat16)], 1)  # rows apart
+    fused = wide[:, : qkv.shape[1]]
+    assert ops is not None
+    ops.rope_cache(fused, heads, kv_heads, positions, rope.cos, rope.sin, k_cache, v_cache, slots)
+    _within_a_bfloat16_step(fused[:, : (heads + kv_heads) * head_dim], expected.flatten(1))
+    assert torch.equal(fused[:, (heads + kv_heads) * head_dim :], values)
+    flat_k, flat_v = k_cache.view(-1, kv_heads * head_dim), v_cache.view(-1, kv_heads * head_dim)
+    assert torch.equal(flat_k[slots], fused[:, heads * head_dim : (heads + kv_heads) * head_dim])
+    assert torch.equal(flat_v[slots], values)
+    untouched = torch.ones(48, dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+@needs_ops
+@pytest.mark.parametrize("size", [1536, 21])  # whole vectors, and a tail
+def test_fused_silu_mul_matches_torch(size: int) -> None:
+    from triode.gpu.layers import SiluAndMul
+
+    torch.manual_seed(size)
+    x = (torch.randn(7, 2 * size) * 6).bfloat16()
+    x[0, :3] = torch.tensor([-200.0, 200.0, 0.0])  # exp's clamped ends
+    act = SiluAndMul()
+    expected = act(x)
+    act.fused = ops
+    _within_a_bfloat16_step(act(x), expected)
+
+
+@needs_ops
+def test_fused_ops_refuse_what_they_cannot_read() -> None:
+    assert ops is not None
+    with pytest.raises(ValueError, match="bfloat16"):
+        ops.silu_mul(torch.randn(2, 8))
+    with pytest.raises(ValueError, match="float32"):
+        ops.add_rms_norm(torch.randn(2, 8).bfloat16(), torch.randn(2, 8).bfloat16(),
+                         torch.ones(8).bfloat16(), 1e-5)  # fmt: skip
+    cache = torch.zeros(2, 16, 1, 64, dtype=torch.bfloat16)
+    table = torch.zeros(10, 64)
+    with pytest.raises(ValueError, match="width"):
+        ops.rope_cache(torch.zeros(1, 100).bfloat16(), 1, 1, torch.zeros(1), table, table,
+                       cache, cache, torch.zeros(1))  # fmt: skip
