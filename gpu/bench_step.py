@@ -136,6 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=37)
     parser.add_argument("--context", type=int, default=100, help="tokens before the timed steps")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--profile", type=int, metavar="N", help="profile the steps of N requests")
@@ -152,12 +153,13 @@ def main(argv: list[str] | None = None) -> None:
 
     largest = max([*args.sizes, args.profile or 0])
     model_dir = resolve_model(Path(args.model) if args.model else None)
-    tokens = largest * (args.context + args.steps + 32)
+    tokens = max(largest * (args.context + args.steps + 32), args.max_model_len)
     runner = ModelRunner(
         model_dir,
         dtype=args.dtype,
         quantization=args.quantization,
         kv_cache_memory=_kv_bytes(model_dir, tokens),
+        max_model_len=args.max_model_len,
         max_num_seqs=max(256, largest),
     )
     peak = matmul_peak(runner.dtype)

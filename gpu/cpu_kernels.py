@@ -1,8 +1,9 @@
 """CPU kernels written in C, built at first use with the machine's compiler, called by ctypes.
 
 `paged_attention.c` holds decode attention that reads the paged KV cache in place;
-`fused_ops.c` the bfloat16 operations between a layer's projections, fused (`FusedOps`). Both
-are built into one library, once per source, compiler and CPU, in `$TRIODE_CACHE/kernels/`
+`fused_ops.c` the bfloat16 operations between a layer's projections, fused (`FusedOps`);
+`int4_amx.c` projections from 4-bit weights on Intel AMX (`int4_amx_matmul`). All are built
+into one library, once per source, compiler and CPU, in `$TRIODE_CACHE/kernels/`
 with -O3 -march=native -fopenmp; its OpenMP runtime is the one torch already loaded (the same
 soname), so its threads are torch's. Without a C compiler, or with TRIODE_CPU_KERNELS=0,
 `paged_decode_attention` and `fused_ops` are None and the model takes the torch path.
@@ -28,7 +29,9 @@ from .loader import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention.c", "fused_ops.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("paged_attention.c", "fused_ops.c", "int4_amx.c")
+)
 HEADERS = (Path(__file__).with_name("simd.h"),)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
@@ -186,6 +189,24 @@ class FusedOps:
         out = x.new_empty(rows, width // 2)
         self._silu_mul(x.data_ptr(), out.data_ptr(), rows, width // 2)
         return out
+
+
+Int4Matmul = Callable[..., int]
+
+
+@functools.cache
+def int4_amx_matmul() -> Int4Matmul | None:
+    """`int4_amx.c`'s kernel where this CPU and the compiler's target have AMX (and the
+    operating system grants its tile state), else None. See `int4.Int4Linear` for its use."""
+    if _library() is None:
+        return None
+    available = _library().triode_int4_amx_available  # type: ignore[union-attr]
+    available.restype = ctypes.c_int
+    if not available():
+        return None
+    function = _function("triode_int4_matmul_amx", _P, _I, _I, _I, *[_P] * 4, _I, _P, _I)
+    function.restype = ctypes.c_int
+    return function
 
 
 def _check(x: torch.Tensor, rows: int, width: int, last_contiguous: bool) -> None:

@@ -27,12 +27,15 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from . import cpu_kernels
+
 log = logging.getLogger(__name__)
 
 GROUP = 32  # inputs per block: GGUF's Q4 block and the kernel's group size
 INT4_DIR = "int4"  # under a converted model directory
 INT4_FILE = "weights.safetensors"
-INT4_MAX_ROWS = 8
+INT4_MAX_ROWS = TORCH_MAX_ROWS = 8  # torch's kernel
+AMX_MAX_ROWS = 64  # measured: no faster than the dense weights past 64
 
 
 class Int4Weight(NamedTuple):
@@ -84,11 +87,22 @@ def kernel_available(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
+def max_rows() -> int:
+    """The most rows of a step that go through the 4-bit weights (see the module's doc)."""
+    return AMX_MAX_ROWS if cpu_kernels.int4_amx_matmul() is not None else INT4_MAX_ROWS
+
+
 class Int4Linear:
-    """y = x W^T through torch's int4 CPU kernel; x is bfloat16 [rows, cols]."""
+    """y = x W^T from W's 4-bit codes; x is bfloat16 [rows, cols].
+
+    Up to `TORCH_MAX_ROWS` rows go through torch's int4 CPU kernel, which reads the codes and
+    multiplies in one pass and is the fastest for a row or two. Where the CPU has AMX (and W has
+    whole blocks of 16 outputs), more rows go through `int4_amx.c`, which widens each block of
+    weights once for all the rows. `max_rows`: the most rows worth sending this way.
+    """
 
     def __init__(self, weight: Int4Weight) -> None:
-        self.shape = weight.shape
+        self.shape = rows, cols = weight.shape
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.unpacked_codes(), 1)
         # the kernel dequantizes (code - 8) * scale + zero per group: zero = minimum + 8 * scale;
         # [cols // 32, rows, 2] is the layout it reads
@@ -96,11 +110,38 @@ class Int4Linear:
         self.scales_and_zeros = (
             torch.stack((weight.scale, zero), dim=-1).transpose(0, 1).contiguous().bfloat16()
         )
+        self.max_rows = INT4_MAX_ROWS
+        self.amx = cpu_kernels.int4_amx_matmul() if rows % 16 == 0 else None
+        if self.amx is not None:
+            self.max_rows = AMX_MAX_ROWS
+            # per block of 16 outputs and group of 32 inputs: byte [r // 4][n][r % 4] = output
+            # n's codes for inputs 2r and 2r + 1; the group's 16 scales and 16 minimums apart
+            blocks = (rows // 16, 16, cols // GROUP)
+            codes = weight.codes.view(*blocks, 4, 4)  # [block, n, group, r // 4, r % 4]
+            self.codes = codes.permute(0, 2, 3, 1, 4).contiguous()
+            self.scale = weight.scale.view(blocks).transpose(1, 2).contiguous()
+            self.minimum = weight.minimum.view(blocks).transpose(1, 2).contiguous()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, self.packed, GROUP, self.scales_and_zeros
-        )
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.amx is None or x.shape[0] <= TORCH_MAX_ROWS:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x, self.packed, GROUP, self.scales_and_zeros
+            )
+            return y if bias is None else y + bias
+        rows, cols = x.shape
+        if x.dtype != torch.bfloat16 or cols != self.shape[1] or x.stride(1) != 1:
+            raise ValueError(f"x of {x.dtype} {list(x.shape)} for a {list(self.shape)} weight")
+        y = x.new_empty(rows, self.shape[0])
+        if bias is not None:
+            bias = bias.to(torch.bfloat16).contiguous()
+        done = self.amx(
+            x.data_ptr(), x.stride(0), rows, cols, self.codes.data_ptr(), self.scale.data_ptr(),
+            self.minimum.data_ptr(), None if bias is None else bias.data_ptr(), self.shape[0],
+            y.data_ptr(), y.stride(0),
+        )  # fmt: skip
+        if done != 0:
+            raise ValueError(f"the AMX kernel refused a {list(self.shape)} weight")
+        return y
 
 
 def load_int4_weights(model_dir: Path) -> dict[str, Int4Weight]:

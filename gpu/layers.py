@@ -153,11 +153,9 @@ class LinearBase(nn.Module):
         return self.tp_rank * size, size
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.int4 is not None and self.rows.int4:
-            n = self.rows.int4
-            y = self.int4(x[:n])
-            if bias is not None:
-                y = y + bias
+        n = self.rows.int4
+        if self.int4 is not None and 0 < n <= self.int4.max_rows:
+            y = self.int4(x[:n], bias)
             return y if n == x.shape[0] else torch.cat([y, self._dense(x[n:], bias)])
         return self._dense(x, bias)
 

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
-from triode.gpu import int4
+from triode.gpu import cpu_kernels, int4
 from triode.gpu.int4 import INT4_MAX_ROWS, Int4Linear, Int4Weight, _from_blocks
 from triode.gpu.layers import (
     ColumnParallelLinear,
@@ -30,6 +30,9 @@ from triode.wire import NewRequestData, SamplingParams, ScheduledRequest, Schedu
 needs_kernel = pytest.mark.skipif(
     not int4.kernel_available(torch.bfloat16, torch.device("cpu")),
     reason="this torch has no int4 CPU kernel",
+)
+needs_amx = pytest.mark.skipif(
+    cpu_kernels.int4_amx_matmul() is None, reason="this CPU has no AMX (or no C compiler)"
 )
 
 
@@ -62,6 +65,35 @@ def test_int4_kernel_computes_x_times_the_dequantized_weight(rows: int) -> None:
     got = Int4Linear(weight)(x).float()
     # bfloat16 output, and scale and zero point rounded to bfloat16 once per block
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [9, 16, 17, 64, 100])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_amx_kernel_computes_x_times_the_dense_bfloat16_weights(rows: int, with_bias: bool) -> None:
+    # 100 rows: more than one pass of 64; 17: a last block of one row
+    weight = _random_weight(96, 128)
+    linear = Int4Linear(weight)
+    assert linear.amx is not None and linear.max_rows == int4.AMX_MAX_ROWS
+    x = torch.randn(rows, 128).bfloat16()
+    bias = torch.randn(96).bfloat16() if with_bias else None
+    # the weights as the dense bfloat16 path holds them: the same bits, widened
+    dense = weight.dequantize().bfloat16().float()
+    expected = x.float() @ dense.t() + (bias.float() if bias is not None else 0)
+    got = linear(x, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    # float32 sums in another order, then one rounding to bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=8e-3, atol=1e-3)
+    rows_apart = torch.cat([x, torch.zeros(rows, 32, dtype=torch.bfloat16)], 1)[:, :128]
+    torch.testing.assert_close(linear(rows_apart, bias), got, rtol=0, atol=0)
+
+
+@needs_amx
+def test_amx_takes_the_rows_past_torchs_kernel_and_refuses_a_wrong_input() -> None:
+    linear = Int4Linear(_random_weight(96, 128))
+    assert int4.max_rows() == int4.AMX_MAX_ROWS > int4.TORCH_MAX_ROWS
+    with pytest.raises(ValueError, match="for a"):
+        linear(torch.randn(int4.TORCH_MAX_ROWS + 1, 64).bfloat16())
 
 
 @needs_kernel
@@ -138,16 +170,24 @@ def test_converted_default_model_keeps_every_projection_in_exact_4_bit_codes(
         assert torch.equal(weights[name].dequantize(), dense[name])
 
 
-def _teacher_forced(runner: ModelRunner, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _teacher_forced(
+    runner: ModelRunner, tokens: list[int], copies: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-5 ids, top-5 logprobs) predicting each next token: the first token as a one-token
-    prompt, then every later one fed as a decode step (the rows the int4 path runs)."""
+    prompt, then every later one fed as a decode step (the rows the int4 path runs), for
+    `copies` requests decoding together; the last copy's."""
     params = SamplingParams(temperature=0.0, max_tokens=len(tokens), logprobs=5)
     ids, logprobs = [], []
-    blocks = list(range(-(-len(tokens) // runner.block_size)))
+    width = -(-len(tokens) // runner.block_size)
     for step, token in enumerate(tokens[:-1]):
         new = NewRequestData(tokens[:1], params) if step == 0 else None
-        request = ScheduledRequest("r", [token], step, blocks, new=new)
-        [result] = runner.execute(SchedulerOutput(step, [request])).results
+        requests = [
+            ScheduledRequest(
+                f"r{i}", [token], step, list(range(i * width, (i + 1) * width)), new=new
+            )
+            for i in range(copies)
+        ]
+        result = runner.execute(SchedulerOutput(step, requests)).results[-1]
         assert result.logprobs is not None
         ids.append(torch.from_numpy(result.logprobs.token_ids[:, 1:].copy()))
         logprobs.append(torch.from_numpy(result.logprobs.logprobs[:, 1:].copy()))
@@ -156,7 +196,8 @@ def _teacher_forced(runner: ModelRunner, tokens: list[int]) -> tuple[torch.Tenso
 
 @needs_kernel
 @pytest.mark.slow
-def test_int4_bfloat16_model_predicts_like_float32(smollm2: Path) -> None:
+@pytest.mark.parametrize("copies", [1, 12])  # torch's int4 kernel; AMX's where the CPU has it
+def test_int4_bfloat16_model_predicts_like_float32(smollm2: Path, copies: int) -> None:
     from transformers import AutoTokenizer
 
     text = (
@@ -169,7 +210,7 @@ def test_int4_bfloat16_model_predicts_like_float32(smollm2: Path) -> None:
     ref_ids, ref_lp = _teacher_forced(reference, tokens)
     ours = ModelRunner(smollm2, dtype="bfloat16", quantization="auto", **options)
     assert ours.int4_projections == 30 * 4  # qkv, o, gate_up, down
-    ids, lp = _teacher_forced(ours, tokens)
+    ids, lp = _teacher_forced(ours, tokens, copies)
 
     same = ids[:, 0] == ref_ids[:, 0]
     assert same.float().mean() >= 0.9

@@ -1,0 +1,176 @@
+/* y = x W^T with W in GGUF's 4-bit blocks, on Intel AMX: the weights stream from memory at a
+ * quarter of the bytes of bfloat16 ones and are widened in L1, 16 outputs by 32 inputs at a
+ * time, into the bfloat16 values the dense path holds, for up to 64 rows of x at once.
+ *
+ * W arrives packed for this kernel (`int4.py`): for each block of 16 outputs and each group of
+ * 32 inputs, 256 bytes of codes, byte [r / 4][n][r % 4] holding output n's codes for inputs 2r
+ * (low nibble) and 2r + 1 (high nibble), and 16 float32 scales and 16 minimums. A weight is
+ * scale * code + minimum in float32, then rounded to bfloat16 (nearest, ties to even): the
+ * same arithmetic, and so the same bits, as the dense bfloat16 weights the checkpoint
+ * dequantizes to. Rows of 16 outputs x 32 inputs in bfloat16 pairs are the B operand of
+ * TDPBF16PS as they stand; 16 rows of x the A operand; sums are float32.
+ *
+ * Work is split by blocks of outputs over torch's OpenMP threads; each thread configures and
+ * releases its own tiles. Built with the other CPU kernels by `cpu_kernels.py`; where the
+ * compiler's target has no AMX, `triode_int4_amx_available` says 0.
+ */
+#define _GNU_SOURCE /* syscall */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include "simd.h"
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* 1 once the kernel asked the kernel for AMX's tile state (every thread may then use it) */
+int triode_int4_amx_available(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+typedef struct {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* tiles 0-3: sums for up to 4 blocks of 16 rows; 4: 16 rows of x; 5: the weights; 6: the
+ * last rows of x when fewer than 16 (the tile intrinsics take literal numbers) */
+#define A_TILE 4
+#define B_TILE 5
+#define A_TAIL 6
+#define MAX_BLOCKS 4
+
+/* x rounded to bfloat16 (nearest, ties to even), as float32 bits; x is finite */
+static inline __m512i round_finite(__m512 x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    return _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+}
+
+/* the group's 16 x 32 weights as TDPBF16PS's B operand: 16 rows (input pairs) of 16 outputs.
+ * Codes come 64 bytes per 4 rows: 32-bit lane n holds output n's bytes for rows 4q .. 4q + 3,
+ * so each row's codes are shifts and masks away, with no shuffle. */
+static inline void widen(const uint8_t *codes, const float *scale, const float *minimum,
+                         uint16_t *b) {
+    const __m512 d = _mm512_loadu_ps(scale), m = _mm512_loadu_ps(minimum);
+    const __m512i nibble = _mm512_set1_epi32(15), high_half = _mm512_set1_epi32((int)0xffff0000u);
+    for (int q = 0; q < 4; q++) {
+        const __m512i four = _mm512_loadu_si512((const void *)(codes + 64 * q));
+        for (int j = 0; j < 4; j++) {
+            const __m512i v = _mm512_srli_epi32(four, 8 * j);
+            const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(v, nibble));
+            const __m512 high = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 4), nibble));
+            const __m512i w_low = round_finite(_mm512_add_ps(_mm512_mul_ps(d, low), m));
+            const __m512i w_high = round_finite(_mm512_add_ps(_mm512_mul_ps(d, high), m));
+            /* low weight in the low half of each pair, high weight in the high half */
+            const __m512i pair = _mm512_ternarylogic_epi32(high_half, w_high, _mm512_srli_epi32(w_low, 16), 0xca);
+            _mm512_store_si512((void *)(b + 32 * (4 * q + j)), pair);
+        }
+    }
+}
+
+#define LOAD_DP(i)                                                                            \
+    do {                                                                                      \
+        if ((i) < full) {                                                                     \
+            _tile_loadd(A_TILE, a + (i) * 16 * x_stride, x_stride * 2);                       \
+            _tile_dpbf16ps(i, A_TILE, B_TILE);                                                \
+        } else if ((i) == full && tail) {                                                     \
+            _tile_loadd(A_TAIL, a + (i) * 16 * x_stride, x_stride * 2);                       \
+            _tile_dpbf16ps(i, A_TAIL, B_TILE);                                                \
+        }                                                                                     \
+    } while (0)
+
+#define STORE(i)                                                                              \
+    do {                                                                                      \
+        if ((i) < blocks) _tile_stored(i, sums[i], 64);                                       \
+    } while (0)
+
+/* x: [rows, in_features] bfloat16, rows x_stride apart; y: [rows, out_features] bfloat16, rows
+ * y_stride apart; bias: [out_features] bfloat16 or NULL. 0 on success, -1 for shapes it does
+ * not take (in_features not a multiple of 32, out_features not of 16). */
+int triode_int4_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t rows,
+                           int64_t in_features, const uint8_t *codes, const float *scales,
+                           const float *minimums, const uint16_t *bias, int64_t out_features,
+                           uint16_t *y, int64_t y_stride) {
+    if (in_features % 32 || out_features % 16) return -1;
+    const int64_t groups = in_features / 32, out_blocks = out_features / 16;
+#pragma omp parallel
+    {
+        uint16_t b[2][16 * 32] __attribute__((aligned(64))); /* widened while the other computes */
+        float sums[MAX_BLOCKS][16 * 16] __attribute__((aligned(64)));
+        for (int64_t m0 = 0; m0 < rows; m0 += 16 * MAX_BLOCKS) {
+            const int64_t here = rows - m0 < 16 * MAX_BLOCKS ? rows - m0 : 16 * MAX_BLOCKS;
+            const int full = (int)(here / 16), tail = (int)(here % 16);
+            const int blocks = full + (tail > 0);
+            tile_config config;
+            memset(&config, 0, sizeof config);
+            config.palette_id = 1;
+            for (int i = 0; i < blocks; i++) {
+                config.rows[i] = i < full ? 16 : tail;
+                config.colsb[i] = 64;
+            }
+            config.rows[A_TILE] = config.rows[B_TILE] = 16;
+            config.colsb[A_TILE] = config.colsb[B_TILE] = 64;
+            config.rows[A_TAIL] = tail ? tail : 16;
+            config.colsb[A_TAIL] = 64;
+            _tile_loadconfig(&config);
+#pragma omp for schedule(static) nowait
+            for (int64_t ob = 0; ob < out_blocks; ob++) {
+                if (0 < blocks) _tile_zero(0);
+                if (1 < blocks) _tile_zero(1);
+                if (2 < blocks) _tile_zero(2);
+                if (3 < blocks) _tile_zero(3);
+                const int64_t first = ob * groups;
+                widen(codes + first * 256, scales + first * 16, minimums + first * 16, b[0]);
+                for (int64_t g = 0; g < groups; g++) {
+                    _tile_loadd(B_TILE, b[g & 1], 64);
+                    if (g + 1 < groups) {
+                        const int64_t t = first + g + 1;
+                        widen(codes + t * 256, scales + t * 16, minimums + t * 16, b[(g + 1) & 1]);
+                    }
+                    const uint16_t *a = x + m0 * x_stride + g * 32;
+                    LOAD_DP(0);
+                    LOAD_DP(1);
+                    LOAD_DP(2);
+                    LOAD_DP(3);
+                }
+                STORE(0);
+                STORE(1);
+                STORE(2);
+                STORE(3);
+                const __m512 bias16 =
+                    bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                               _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + ob * 16))), 16))
+                         : _mm512_setzero_ps();
+                for (int i = 0; i < blocks; i++) {
+                    const int n = i < full ? 16 : tail;
+                    for (int r = 0; r < n; r++) {
+                        const __m512 v = _mm512_add_ps(_mm512_load_ps(sums[i] + 16 * r), bias16);
+                        uint16_t *out = y + (m0 + 16 * i + r) * y_stride + ob * 16;
+                        _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(v));
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    return 0;
+}
+#else
+int triode_int4_amx_available(void) { return 0; }
+
+int triode_int4_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t rows,
+                           int64_t in_features, const uint8_t *codes, const float *scales,
+                           const float *minimums, const uint16_t *bias, int64_t out_features,
+                           uint16_t *y, int64_t y_stride) {
+    (void)x, (void)x_stride, (void)rows, (void)in_features, (void)codes, (void)scales;
+    (void)minimums, (void)bias, (void)out_features, (void)y, (void)y_stride;
+    return -1;
+}
+#endif
