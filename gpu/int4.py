@@ -61,6 +61,11 @@ class Int4Weight(NamedTuple):
         codes = self.unpacked_codes().view(rows, cols // GROUP, GROUP).float()
         return (self.scale[..., None] * codes + self.minimum[..., None]).view(rows, cols)
 
+    def constants_are_float16(self) -> bool:
+        """Whether every scale and minimum is a float16 value, as GGUF stores them (Q4_0's
+        minimum, -8 times a float16 scale, is one too)."""
+        return all(torch.equal(t.half().float(), t) for t in (self.scale, self.minimum))
+
     def rows(self, start: int, size: int) -> Int4Weight:
         """Rows [start, start + size): a column-parallel rank's output features."""
         return Int4Weight(*(t[start : start + size] for t in self))
@@ -112,15 +117,18 @@ class Int4Linear:
         )
         self.max_rows = INT4_MAX_ROWS
         self.amx = cpu_kernels.int4_amx_matmul() if rows % 16 == 0 else None
+        if self.amx is not None and not weight.constants_are_float16():
+            self.amx = None
         if self.amx is not None:
             self.max_rows = AMX_MAX_ROWS
             # per block of 16 outputs and group of 32 inputs: byte [r // 4][n][r % 4] = output
-            # n's codes for inputs 2r and 2r + 1; the group's 16 scales and 16 minimums apart
+            # n's codes for inputs 2r and 2r + 1; the group's 16 scales and 16 minimums apart,
+            # as float16 (`constants_are_float16`)
             blocks = (rows // 16, 16, cols // GROUP)
             codes = weight.codes.view(*blocks, 4, 4)  # [block, n, group, r // 4, r % 4]
             self.codes = codes.permute(0, 2, 3, 1, 4).contiguous()
-            self.scale = weight.scale.view(blocks).transpose(1, 2).contiguous()
-            self.minimum = weight.minimum.view(blocks).transpose(1, 2).contiguous()
+            self.scale = weight.scale.view(blocks).transpose(1, 2).half().contiguous()
+            self.minimum = weight.minimum.view(blocks).transpose(1, 2).half().contiguous()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.amx is None or x.shape[0] <= TORCH_MAX_ROWS:

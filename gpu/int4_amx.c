@@ -4,14 +4,16 @@
  *
  * W arrives packed for this kernel (`int4.py`): for each block of 16 outputs and each group of
  * 32 inputs, 256 bytes of codes, byte [r / 4][n][r % 4] holding output n's codes for inputs 2r
- * (low nibble) and 2r + 1 (high nibble), and 16 float32 scales and 16 minimums. A weight is
+ * (low nibble) and 2r + 1 (high nibble), and 16 scales and 16 minimums in float16 (GGUF's
+ * own, exactly). A weight is
  * scale * code + minimum in float32, then rounded to bfloat16 (nearest, ties to even): the
  * same arithmetic, and so the same bits, as the dense bfloat16 weights the checkpoint
  * dequantizes to. Rows of 16 outputs x 32 inputs in bfloat16 pairs are the B operand of
  * TDPBF16PS as they stand; 16 rows of x the A operand; sums are float32.
  *
- * Work is split by blocks of outputs over torch's OpenMP threads; each thread configures and
- * releases its own tiles. Built with the other CPU kernels by `cpu_kernels.py`; where the
+ * Work is split by blocks of outputs over torch's OpenMP threads, two blocks at a time to
+ * whichever thread is free (one that another process holds up delays little); each thread
+ * configures and releases its own tiles. Built with the other CPU kernels by `cpu_kernels.py`; where the
  * compiler's target has no AMX, `triode_int4_amx_available` says 0.
  */
 #define _GNU_SOURCE /* syscall */
@@ -56,9 +58,10 @@ static inline __m512i round_finite(__m512 x) {
 /* the group's 16 x 32 weights as TDPBF16PS's B operand: 16 rows (input pairs) of 16 outputs.
  * Codes come 64 bytes per 4 rows: 32-bit lane n holds output n's bytes for rows 4q .. 4q + 3,
  * so each row's codes are shifts and masks away, with no shuffle. */
-static inline void widen(const uint8_t *codes, const float *scale, const float *minimum,
+static inline void widen(const uint8_t *codes, const uint16_t *scale, const uint16_t *minimum,
                          uint16_t *b) {
-    const __m512 d = _mm512_loadu_ps(scale), m = _mm512_loadu_ps(minimum);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scale));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)minimum));
     const __m512i nibble = _mm512_set1_epi32(15), high_half = _mm512_set1_epi32((int)0xffff0000u);
     for (int q = 0; q < 4; q++) {
         const __m512i four = _mm512_loadu_si512((const void *)(codes + 64 * q));
@@ -95,8 +98,8 @@ static inline void widen(const uint8_t *codes, const float *scale, const float *
  * y_stride apart; bias: [out_features] bfloat16 or NULL. 0 on success, -1 for shapes it does
  * not take (in_features not a multiple of 32, out_features not of 16). */
 int triode_int4_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t rows,
-                           int64_t in_features, const uint8_t *codes, const float *scales,
-                           const float *minimums, const uint16_t *bias, int64_t out_features,
+                           int64_t in_features, const uint8_t *codes, const uint16_t *scales,
+                           const uint16_t *minimums, const uint16_t *bias, int64_t out_features,
                            uint16_t *y, int64_t y_stride) {
     if (in_features % 32 || out_features % 16) return -1;
     const int64_t groups = in_features / 32, out_blocks = out_features / 16;
@@ -120,7 +123,7 @@ int triode_int4_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t rows,
             config.rows[A_TAIL] = tail ? tail : 16;
             config.colsb[A_TAIL] = 64;
             _tile_loadconfig(&config);
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(dynamic, 2) nowait
             for (int64_t ob = 0; ob < out_blocks; ob++) {
                 if (0 < blocks) _tile_zero(0);
                 if (1 < blocks) _tile_zero(1);
@@ -166,8 +169,8 @@ int triode_int4_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t rows,
 int triode_int4_amx_available(void) { return 0; }
 
 int triode_int4_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t rows,
-                           int64_t in_features, const uint8_t *codes, const float *scales,
-                           const float *minimums, const uint16_t *bias, int64_t out_features,
+                           int64_t in_features, const uint8_t *codes, const uint16_t *scales,
+                           const uint16_t *minimums, const uint16_t *bias, int64_t out_features,
                            uint16_t *y, int64_t y_stride) {
     (void)x, (void)x_stride, (void)rows, (void)in_features, (void)codes, (void)scales;
     (void)minimums, (void)bias, (void)out_features, (void)y, (void)y_stride;

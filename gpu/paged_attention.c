@@ -337,7 +337,10 @@ static int vector_path(int64_t group, int64_t head_dim) {
     return group >= 1 && group <= 8 && (head_dim == 64 || head_dim == 128);
 }
 
-/* Work items are (sequence, KV head) pairs, handed out one at a time. */
+/* Work items are sequences, their KV heads one after the other: the first head's pass brings
+ * each cached token row (every KV head side by side) into L2 and the others read it there.
+ * With few sequences an item is a (sequence, KV head) pair, so that every thread has work.
+ * Items are handed out one at a time: a thread that another process holds up delays one. */
 static void paged_decode_avx512(
     const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
     const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
@@ -345,13 +348,17 @@ static void paged_decode_avx512(
     int64_t block_size, int64_t max_blocks, float scale) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
+    const int64_t splits = num_seqs >= 8 ? 1 : num_kv_heads;
+    const int64_t heads_per_item = num_kv_heads / splits;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_seqs * num_kv_heads; item++) {
-        const int64_t s = item / num_kv_heads, kv = item % num_kv_heads;
-        if (head_dim == 64) {
-            CASES(64)
-        } else {
-            CASES(128)
+    for (int64_t item = 0; item < num_seqs * splits; item++) {
+        const int64_t s = item / splits;
+        for (int64_t kv = item % splits * heads_per_item; kv < (item % splits + 1) * heads_per_item; kv++) {
+            if (head_dim == 64) {
+                CASES(64)
+            } else {
+                CASES(128)
+            }
         }
     }
 }

@@ -53,7 +53,8 @@ def _random_weight(rows: int, cols: int, seed: int = 0) -> Int4Weight:
     codes = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g)
     scale = torch.rand(rows, cols // 32, generator=g) * 0.02 + 0.001
     minimum = -8 * scale + torch.randn(rows, cols // 32, generator=g) * 0.01
-    return Int4Weight(codes, scale, minimum)
+    # float16 constants, as GGUF stores them
+    return Int4Weight(codes, scale.half().float(), minimum.half().float())
 
 
 @needs_kernel
@@ -90,8 +91,12 @@ def test_amx_kernel_computes_x_times_the_dense_bfloat16_weights(rows: int, with_
 
 @needs_amx
 def test_amx_takes_the_rows_past_torchs_kernel_and_refuses_a_wrong_input() -> None:
-    linear = Int4Linear(_random_weight(96, 128))
+    weight = _random_weight(96, 128)
+    linear = Int4Linear(weight)
     assert int4.max_rows() == int4.AMX_MAX_ROWS > int4.TORCH_MAX_ROWS
+    # constants float16 cannot hold exactly: torch's kernel
+    odd = Int4Weight(weight.codes, weight.scale * (1 + 1e-6), weight.minimum)
+    assert Int4Linear(odd).amx is None and Int4Linear(odd).max_rows == int4.TORCH_MAX_ROWS
     with pytest.raises(ValueError, match="for a"):
         linear(torch.randn(int4.TORCH_MAX_ROWS + 1, 64).bfloat16())
 
