@@ -125,6 +125,7 @@ class FusedOps:
         )
         self._rope = _function("triode_rope_cache_bf16", _P, *[_I] * 5, *[_P] * 6)
         self._silu_mul = _function("triode_silu_mul_bf16", _P, _P, _I, _I)
+        self._argmax = _function("triode_argmax_bf16", _P, _I, _I, _I, _P)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -188,6 +189,15 @@ class FusedOps:
         _check(x, rows, width, last_contiguous=False)
         out = x.new_empty(rows, width // 2)
         self._silu_mul(x.data_ptr(), out.data_ptr(), rows, width // 2)
+        return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's argmax, the first of equals (a NaN counts as the largest), as int64:
+        `torch.max(x, -1).indices` in one pass over the bfloat16 values."""
+        rows, width = x.shape
+        _check(x, rows, width, last_contiguous=True)
+        out = torch.empty(rows, dtype=torch.int64)
+        self._argmax(x.data_ptr(), rows, width, x.stride(0), out.data_ptr())
         return out
 
 

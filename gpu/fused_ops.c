@@ -1,6 +1,6 @@
 /* The small bfloat16 operations between a decoder layer's projections, each fused into one
  * pass over its rows: residual add with RMS norm, rotary embedding with the KV-cache write,
- * SiLU-and-multiply.
+ * SiLU-and-multiply; and the greedy pick from bfloat16 logits.
  *
  * Each computes in float32 from its bfloat16 inputs and rounds to bfloat16 once, at the end,
  * where the torch code it replaces (`layers.py`) rounds after every operation: the results are
@@ -155,5 +155,53 @@ void triode_silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_
             const float silu = g / (1.0f + exp_clamped(-g));
             o[i] = f32_bf16(silu * bf16_f32(up[i]));
         }
+    }
+}
+
+/* x's first NaN, if any, counts as its largest value: what torch.max picks */
+static inline int beats(float v, float best) {
+    return v > best || (isnan(v) && !isnan(best));
+}
+
+/* out[r] = the index of row r's largest value, the first of equals: x [rows, cols] bfloat16,
+ * rows `stride` apart; the greedy pick straight from the logits' own dtype. */
+void triode_argmax_bf16(const uint16_t *x, int64_t rows, int64_t cols, int64_t stride,
+                        int64_t *out) {
+#pragma omp parallel for if (rows * cols >= PARALLEL_ELEMENTS * 4)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = x + r * stride;
+        float best = -INFINITY;
+        int64_t at = 0, i = 0;
+#if defined(__AVX512F__)
+        if (cols >= 16) {
+            __m512 top = bf16x16_load(row);
+            __m512i where = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+            __m512i index = where;
+            const __m512i step = _mm512_set1_epi32(16);
+            for (i = 16; i + 16 <= cols; i += 16) {
+                index = _mm512_add_epi32(index, step);
+                const __m512 v = bf16x16_load(row + i);
+                const __mmask16 nan_v = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                const __mmask16 nan_top = _mm512_cmp_ps_mask(top, top, _CMP_UNORD_Q);
+                const __mmask16 pick = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ) | (nan_v & ~nan_top);
+                top = _mm512_mask_mov_ps(top, pick, v);
+                where = _mm512_mask_mov_epi32(where, pick, index);
+            }
+            float lanes[16];
+            int32_t lane_at[16];
+            _mm512_storeu_ps(lanes, top);
+            _mm512_storeu_si512((void *)lane_at, where);
+            best = lanes[0], at = lane_at[0];
+            for (int j = 1; j < 16; j++)
+                if (beats(lanes[j], best) || (lanes[j] == best && lane_at[j] < at) ||
+                    (isnan(lanes[j]) && isnan(best) && lane_at[j] < at))
+                    best = lanes[j], at = lane_at[j];
+        }
+#endif
+        for (; i < cols; i++) {
+            const float v = bf16_f32(row[i]);
+            if (beats(v, best)) best = v, at = i;
+        }
+        out[r] = at;
     }
 }

@@ -41,7 +41,14 @@ from .layers import (
 )
 from .llama import head_dim, model_class
 from .loader import resolve_model
-from .sampler import Sampler, SamplingState, apply_token_bitmask, compute_logprobs
+from .sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingState,
+    apply_token_bitmask,
+    compute_logprobs,
+    plain_greedy,
+)
 
 # what steps with prompt tokens pad their dense products to (see layers.RowPaths.dense_min)
 DENSE_MIN_ROWS = 64
@@ -170,6 +177,7 @@ class ModelRunner:
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             ops = cpu_kernels.fused_ops()
         self.fused_ops = use_fused_ops(self.model, ops)
+        self._fused = ops
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
 
@@ -285,21 +293,16 @@ class ModelRunner:
 
         sampling = [r for r in sched.requests if r.sample]
         tokens: dict[str, tuple[int, Logprobs | None]] = {}
+        sampled: SamplerOutput | None = None
         if sampling:
             rows = [batch.start[r.request_id] + len(r.token_ids) - 1 for r in sampling]
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             if logits is not None:
                 states = [self._state(r.request_id) for r in sampling]
-                logits = logits.float().cpu()  # sampling is on the CPU
-                if sched.grammar_request_ids:
-                    if sched.grammar_bitmask is None and await_bitmask is not None:
-                        await_bitmask()  # filled beside the forward (InProcessExecutor)
-                    if sched.grammar_bitmask is None:
-                        raise ValueError("a step with constrained rows came without its bitmask")
-                    row_of = {r.request_id: i for i, r in enumerate(sampling)}
-                    rows = [row_of[request_id] for request_id in sched.grammar_request_ids]
-                    apply_token_bitmask(logits, rows, sched.grammar_bitmask)
-                sampled = self.sampler(logits, states)
+                if self._fused is not None and not sched.grammar_request_ids:
+                    sampled = self._greedy(logits, states)
+                if sampled is None:
+                    sampled = self._sample(logits, states, sched, sampling, await_bitmask)
                 picks = zip(sampled.token_ids, sampled.logprobs, strict=True)
                 tokens = dict(zip((r.request_id for r in sampling), picks, strict=True))
         results = []
@@ -319,6 +322,33 @@ class ModelRunner:
         if not self.parallel.is_driver:
             return ModelRunnerOutput(step=sched.step)
         return ModelRunnerOutput(step=sched.step, results=results)
+
+    def _greedy(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput | None:
+        """A step whose rows all take their argmax and report nothing else, straight from the
+        bfloat16 logits (`FusedOps.argmax`, the same picks as the sampler's); else None."""
+        if logits.dtype != torch.bfloat16 or not plain_greedy(states):
+            return None
+        assert self._fused is not None
+        return SamplerOutput(self._fused.argmax(logits).tolist(), [None] * len(states))
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingState],
+        sched: SchedulerOutput,
+        sampling: list[ScheduledRequest],
+        await_bitmask: Callable[[], object] | None,
+    ) -> SamplerOutput:
+        logits = logits.float().cpu()  # sampling is on the CPU
+        if sched.grammar_request_ids:
+            if sched.grammar_bitmask is None and await_bitmask is not None:
+                await_bitmask()  # filled beside the forward (InProcessExecutor)
+            if sched.grammar_bitmask is None:
+                raise ValueError("a step with constrained rows came without its bitmask")
+            row_of = {r.request_id: i for i, r in enumerate(sampling)}
+            rows = [row_of[request_id] for request_id in sched.grammar_request_ids]
+            apply_token_bitmask(logits, rows, sched.grammar_bitmask)
+        return self.sampler(logits, states)
 
     def shutdown(self) -> None:
         """Stop the KV connector's threads; the runner steps no more."""

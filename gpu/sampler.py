@@ -466,6 +466,12 @@ def _gather_logprobs(logprobs: torch.Tensor, target_ids: torch.Tensor, num_top: 
     )
 
 
+def plain_greedy(states: list[SamplingState]) -> bool:
+    """Whether every row takes its argmax and reports nothing else: no logprobs, and nothing
+    that changes the logits first."""
+    return all(s.greedy and s.params.logprobs is None and not _needs_processing(s) for s in states)
+
+
 def _needs_processing(state: SamplingState) -> bool:
     return (
         state.allowed_ids is not None

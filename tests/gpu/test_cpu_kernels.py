@@ -1,6 +1,8 @@
-"""The C decode-attention kernel against plain float32 attention, and its fallback."""
+"""The C kernels (decode attention, the fused ops) against plain torch, and their fallback."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -203,3 +205,22 @@ def test_fused_ops_refuse_what_they_cannot_read() -> None:
     with pytest.raises(ValueError, match="width"):
         ops.rope_cache(torch.zeros(1, 100).bfloat16(), 1, 1, torch.zeros(1), table, table,
                        cache, cache, torch.zeros(1))  # fmt: skip
+
+
+@needs_ops
+@pytest.mark.parametrize("cols", [49152, 37, 5])  # vectors and a tail, a tail alone
+def test_fused_argmax_picks_what_torch_max_picks(cols: int) -> None:
+    assert ops is not None
+    torch.manual_seed(cols)
+    x = torch.randn(9, cols).bfloat16()
+    x[1] = 0.0  # all equal: the first
+    x[2, cols // 2 :] = x[2].max() + 1  # equal maxima: the first of them
+    x[3] = -math.inf
+    x[4, cols - 1] = math.nan  # a NaN is the largest
+    x[5, cols // 3] = math.nan
+    x[5, cols - 1] = math.nan  # the first NaN
+    x[6, 0] = math.inf
+    wide = torch.cat([x, torch.zeros(9, 3, dtype=torch.bfloat16)], 1)[:, :cols]  # rows apart
+    expected = torch.max(x.float(), dim=-1).indices
+    assert torch.equal(ops.argmax(x), expected)
+    assert torch.equal(ops.argmax(wide), expected)

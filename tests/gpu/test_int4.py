@@ -314,3 +314,38 @@ def test_an_int4_cut_inside_a_block_is_refused(monkeypatch: pytest.MonkeyPatch) 
     layer = RowParallelLinear(96, 8)  # 48 inputs a rank: a block and a half
     with pytest.raises(ValueError, match="block"):
         layer.int4_part(_random_int4(8, 96, seed=0))
+
+
+@needs_kernel
+def test_greedy_steps_pick_from_the_bfloat16_logits_what_the_sampler_picks(
+    smollm2: Path,
+) -> None:
+    # without logprobs a greedy step takes the fused argmax, with them the sampler
+    options = {"kv_cache_memory": 16 << 20, "max_model_len": 128, "num_threads": 1}
+    runner = ModelRunner(smollm2, dtype="bfloat16", **options)
+    prompts = [list(range(100 + 7 * i, 110 + 7 * i)) for i in range(10)]
+    outputs = []
+    for params in (
+        SamplingParams(temperature=0.0, max_tokens=6),
+        SamplingParams(temperature=0.0, max_tokens=6, logprobs=1),
+    ):
+        tokens = [list(p) for p in prompts]
+        prefix = "g" if params.logprobs is None else "l"
+        for step in range(6):
+            requests = [
+                ScheduledRequest(
+                    f"{prefix}{i}",
+                    t[-1:] if step else t,
+                    len(t) - 1 if step else 0,
+                    [2 * i, 2 * i + 1],
+                    new=None if step else NewRequestData(t, params),
+                )
+                for i, t in enumerate(tokens)
+            ]
+            results = runner.execute(SchedulerOutput(step, requests)).results
+            assert all((r.logprobs is None) == (params.logprobs is None) for r in results)
+            for t, result in zip(tokens, results, strict=True):
+                t.append(result.token_id)
+        outputs.append(tokens)
+    assert runner._fused is not None
+    assert outputs[0] == outputs[1]
