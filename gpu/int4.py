@@ -34,8 +34,7 @@ log = logging.getLogger(__name__)
 GROUP = 32  # inputs per block: GGUF's Q4 block and the kernel's group size
 INT4_DIR = "int4"  # under a converted model directory
 INT4_FILE = "weights.safetensors"
-INT4_MAX_ROWS = TORCH_MAX_ROWS = 8  # torch's kernel
-AMX_MAX_ROWS = 64  # measured: no faster than the dense weights past 64
+INT4_MAX_ROWS = 8
 
 
 class Int4Weight(NamedTuple):
@@ -92,18 +91,14 @@ def kernel_available(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
-def max_rows() -> int:
-    """The most rows of a step that go through the 4-bit weights (see the module's doc)."""
-    return AMX_MAX_ROWS if cpu_kernels.int4_amx_matmul() is not None else INT4_MAX_ROWS
-
-
 class Int4Linear:
     """y = x W^T from W's 4-bit codes; x is bfloat16 [rows, cols].
 
-    Up to `TORCH_MAX_ROWS` rows go through torch's int4 CPU kernel, which reads the codes and
-    multiplies in one pass and is the fastest for a row or two. Where the CPU has AMX (and W has
-    whole blocks of 16 outputs), more rows go through `int4_amx.c`, which widens each block of
-    weights once for all the rows. `max_rows`: the most rows worth sending this way.
+    A call runs torch's int4 CPU kernel, which reads the codes and multiplies in one pass: the
+    fastest for the few rows of `INT4_MAX_ROWS`. `wide` runs `int4_amx.c` where the CPU has AMX
+    (and W has whole blocks of 16 outputs, with float16 constants; else `amx` is None): each
+    block of weights widened once to the dense path's bfloat16 values for all the rows, so any
+    number of rows, and a row's result is the same at every row count.
     """
 
     def __init__(self, weight: Int4Weight) -> None:
@@ -115,12 +110,10 @@ class Int4Linear:
         self.scales_and_zeros = (
             torch.stack((weight.scale, zero), dim=-1).transpose(0, 1).contiguous().bfloat16()
         )
-        self.max_rows = INT4_MAX_ROWS
         self.amx = cpu_kernels.int4_amx_matmul() if rows % 16 == 0 else None
         if self.amx is not None and not weight.constants_are_float16():
             self.amx = None
         if self.amx is not None:
-            self.max_rows = AMX_MAX_ROWS
             # per block of 16 outputs and group of 32 inputs: byte [r // 4][n][r % 4] = output
             # n's codes for inputs 2r and 2r + 1; the group's 16 scales and 16 minimums apart,
             # as float16 (`constants_are_float16`)
@@ -131,11 +124,12 @@ class Int4Linear:
             self.minimum = weight.minimum.view(blocks).transpose(1, 2).half().contiguous()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.amx is None or x.shape[0] <= TORCH_MAX_ROWS:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x, self.packed, GROUP, self.scales_and_zeros
-            )
-            return y if bias is None else y + bias
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
+        return y if bias is None else y + bias
+
+    def wide(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x W^T + bias on AMX; only where `amx` is not None."""
+        assert self.amx is not None
         rows, cols = x.shape
         if x.dtype != torch.bfloat16 or cols != self.shape[1] or x.stride(1) != 1:
             raise ValueError(f"x of {x.dtype} {list(x.shape)} for a {list(self.shape)} weight")

@@ -1,6 +1,6 @@
 /* y = x W^T with W in GGUF's 4-bit blocks, on Intel AMX: the weights stream from memory at a
- * quarter of the bytes of bfloat16 ones and are widened in L1, 16 outputs by 32 inputs at a
- * time, into the bfloat16 values the dense path holds, for up to 64 rows of x at once.
+ * quarter of the bytes of bfloat16 ones and are widened in cache, 16 outputs by 32 inputs at a
+ * time, into the bfloat16 values the dense path holds, for every row of x.
  *
  * W arrives packed for this kernel (`int4.py`): for each block of 16 outputs and each group of
  * 32 inputs, 256 bytes of codes, byte [r / 4][n][r % 4] holding output n's codes for inputs 2r
@@ -18,6 +18,7 @@
  */
 #define _GNU_SOURCE /* syscall */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -94,49 +95,71 @@ static inline void widen(const uint8_t *codes, const uint16_t *scale, const uint
         if ((i) < blocks) _tile_stored(i, sums[i], 64);                                       \
     } while (0)
 
+/* the tile shapes for a pass over `here` rows (1 .. 64) */
+static void configure(tile_config *config, int64_t here) {
+    const int full = (int)(here / 16), tail = (int)(here % 16);
+    memset(config, 0, sizeof *config);
+    config->palette_id = 1;
+    for (int i = 0; i < full + (tail > 0); i++) {
+        config->rows[i] = i < full ? 16 : tail;
+        config->colsb[i] = 64;
+    }
+    config->rows[A_TILE] = config->rows[B_TILE] = 16;
+    config->colsb[A_TILE] = config->colsb[B_TILE] = 64;
+    config->rows[A_TAIL] = tail ? tail : 16;
+    config->colsb[A_TAIL] = 64;
+}
+
 /* x: [rows, in_features] bfloat16, rows x_stride apart; y: [rows, out_features] bfloat16, rows
  * y_stride apart; bias: [out_features] bfloat16 or NULL. 0 on success, -1 for shapes it does
- * not take (in_features not a multiple of 32, out_features not of 16). */
+ * not take (in_features not a multiple of 32, out_features not of 16) or no memory.
+ *
+ * Each block of 16 outputs is widened whole (in_features / 32 tiles of 1 KB, in L2) once, then
+ * multiplied with every pass of up to 64 rows: a row's sums are the same at any row count. */
 int triode_int4_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t rows,
                            int64_t in_features, const uint8_t *codes, const uint16_t *scales,
                            const uint16_t *minimums, const uint16_t *bias, int64_t out_features,
                            uint16_t *y, int64_t y_stride) {
     if (in_features % 32 || out_features % 16) return -1;
     const int64_t groups = in_features / 32, out_blocks = out_features / 16;
+    const int64_t pass = 16 * MAX_BLOCKS, last = rows - (rows - 1) / pass * pass;
+    int failed = 0;
 #pragma omp parallel
     {
-        uint16_t b[2][16 * 32] __attribute__((aligned(64))); /* widened while the other computes */
+        uint16_t *widened = aligned_alloc(64, (size_t)groups * 16 * 32 * sizeof(uint16_t));
         float sums[MAX_BLOCKS][16 * 16] __attribute__((aligned(64)));
-        for (int64_t m0 = 0; m0 < rows; m0 += 16 * MAX_BLOCKS) {
-            const int64_t here = rows - m0 < 16 * MAX_BLOCKS ? rows - m0 : 16 * MAX_BLOCKS;
-            const int full = (int)(here / 16), tail = (int)(here % 16);
-            const int blocks = full + (tail > 0);
-            tile_config config;
-            memset(&config, 0, sizeof config);
-            config.palette_id = 1;
-            for (int i = 0; i < blocks; i++) {
-                config.rows[i] = i < full ? 16 : tail;
-                config.colsb[i] = 64;
+        tile_config full_pass, last_pass;
+        configure(&full_pass, rows < pass ? rows : pass);
+        configure(&last_pass, last);
+        const tile_config *loaded = &full_pass;
+        _tile_loadconfig(loaded);
+        if (widened == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 2)
+        for (int64_t ob = 0; ob < out_blocks; ob++) {
+            if (widened == NULL) continue;
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t t = ob * groups + g;
+                widen(codes + t * 256, scales + t * 16, minimums + t * 16, widened + g * 512);
             }
-            config.rows[A_TILE] = config.rows[B_TILE] = 16;
-            config.colsb[A_TILE] = config.colsb[B_TILE] = 64;
-            config.rows[A_TAIL] = tail ? tail : 16;
-            config.colsb[A_TAIL] = 64;
-            _tile_loadconfig(&config);
-#pragma omp for schedule(dynamic, 2) nowait
-            for (int64_t ob = 0; ob < out_blocks; ob++) {
+            const __m512 bias16 =
+                bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                           _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + ob * 16))), 16))
+                     : _mm512_setzero_ps();
+            for (int64_t m0 = 0; m0 < rows; m0 += pass) {
+                const int64_t here = rows - m0 < pass ? rows - m0 : pass;
+                const tile_config *config = here == pass ? &full_pass : &last_pass;
+                if (config != loaded) _tile_loadconfig(loaded = config);
+                const int full = (int)(here / 16), tail = (int)(here % 16);
+                const int blocks = full + (tail > 0);
                 if (0 < blocks) _tile_zero(0);
                 if (1 < blocks) _tile_zero(1);
                 if (2 < blocks) _tile_zero(2);
                 if (3 < blocks) _tile_zero(3);
-                const int64_t first = ob * groups;
-                widen(codes + first * 256, scales + first * 16, minimums + first * 16, b[0]);
                 for (int64_t g = 0; g < groups; g++) {
-                    _tile_loadd(B_TILE, b[g & 1], 64);
-                    if (g + 1 < groups) {
-                        const int64_t t = first + g + 1;
-                        widen(codes + t * 256, scales + t * 16, minimums + t * 16, b[(g + 1) & 1]);
-                    }
+                    _tile_loadd(B_TILE, widened + g * 512, 64);
                     const uint16_t *a = x + m0 * x_stride + g * 32;
                     LOAD_DP(0);
                     LOAD_DP(1);
@@ -147,10 +170,6 @@ int triode_int4_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t rows,
                 STORE(1);
                 STORE(2);
                 STORE(3);
-                const __m512 bias16 =
-                    bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                               _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + ob * 16))), 16))
-                         : _mm512_setzero_ps();
                 for (int i = 0; i < blocks; i++) {
                     const int n = i < full ? 16 : tail;
                     for (int r = 0; r < n; r++) {
@@ -162,8 +181,9 @@ int triode_int4_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t rows,
             }
         }
         _tile_release();
+        free(widened);
     }
-    return 0;
+    return failed ? -1 : 0;
 }
 #else
 int triode_int4_amx_available(void) { return 0; }

@@ -65,9 +65,10 @@ class RowPaths:
     """How the rows of a step go through a model's projections; one instance shared by all of
     them (`share_row_paths`), set by the model runner before each forward.
 
-    `int4`: the leading rows (the step's decodes) that take the 4-bit weights (`int4.py`).
-    Splitting by row, not by step, keeps a decode's arithmetic the same whether or not another
-    request's prompt shares its step.
+    `int4`: the leading rows (the step's few decodes) that take torch's 4-bit kernel
+    (`int4.py`); the other rows take the AMX 4-bit kernel where a projection has it, else the
+    dense weights. Splitting by row, not by step, keeps a decode's arithmetic the same whether
+    or not another request's prompt shares its step.
 
     `dense_min`: the dense product runs on at least this many rows, zero-padded. oneDNN's
     bfloat16 kernels give a row the same result at any row count from 48 up, and other results
@@ -104,7 +105,7 @@ class LinearBase(nn.Module):
     """y = x W^T + b with W of shape [out, in], sharded along `tp_dim` (0: out, 1: in)."""
 
     packed: torch.Tensor | None = None  # W in oneDNN's layout once `pack_for_cpu` ran
-    int4: Int4Linear | None = None  # W's 4-bit codes, for a step's few decodes (`int4.py`)
+    int4: Int4Linear | None = None  # W's 4-bit codes (`int4.py`, `RowPaths`)
     rows: RowPaths = RowPaths()  # the model's, once the runner shares it (`share_row_paths`)
 
     def __init__(
@@ -153,10 +154,17 @@ class LinearBase(nn.Module):
         return self.tp_rank * size, size
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        n = self.rows.int4
-        if self.int4 is not None and 0 < n <= self.int4.max_rows:
-            y = self.int4(x[:n], bias)
-            return y if n == x.shape[0] else torch.cat([y, self._dense(x[n:], bias)])
+        four_bit, n = self.int4, self.rows.int4
+        wide = four_bit is not None and four_bit.amx is not None
+        if four_bit is not None and n:
+            y = four_bit(x[:n], bias)
+            if n == x.shape[0]:
+                return y
+            rest = four_bit.wide(x[n:], bias) if wide else self._dense(x[n:], bias)
+            return torch.cat([y, rest])
+        if wide:
+            assert four_bit is not None
+            return four_bit.wide(x, bias)
         return self._dense(x, bias)
 
     def _dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -146,7 +146,6 @@ class ModelRunner:
                 weights = int4.load_int4_weights(self.model_dir)
                 self.int4_projections = self.model.load_int4_weights(weights)
         self._row_paths = share_row_paths(self.model)
-        self._int4_max_rows = int4.max_rows()
         # oneDNN's bfloat16 products are where a row's result depends on the row count
         self._pad_prompts = self.device.type == "cpu" and self.dtype == torch.bfloat16
         self.model.eval()
@@ -281,7 +280,7 @@ class ModelRunner:
 
         batch = self._prepare(sched.requests)
         decodes = batch.meta.num_decodes  # the leading rows (see layers.RowPaths)
-        self._row_paths.int4 = decodes if decodes <= self._int4_max_rows else 0
+        self._row_paths.int4 = decodes if decodes <= int4.INT4_MAX_ROWS else 0
         prompt_rows = any(
             r.num_computed_tokens < len(self._requests[r.request_id].prompt_token_ids)
             for r in sched.requests

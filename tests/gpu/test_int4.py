@@ -69,36 +69,36 @@ def test_int4_kernel_computes_x_times_the_dequantized_weight(rows: int) -> None:
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [9, 16, 17, 64, 100])
+@pytest.mark.parametrize("rows", [1, 9, 16, 17, 64, 100, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_amx_kernel_computes_x_times_the_dense_bfloat16_weights(rows: int, with_bias: bool) -> None:
-    # 100 rows: more than one pass of 64; 17: a last block of one row
+    # 100 and 300 rows: more than one pass of 64, the last one short; 17: a block of one row
     weight = _random_weight(96, 128)
     linear = Int4Linear(weight)
-    assert linear.amx is not None and linear.max_rows == int4.AMX_MAX_ROWS
+    assert linear.amx is not None
     x = torch.randn(rows, 128).bfloat16()
     bias = torch.randn(96).bfloat16() if with_bias else None
     # the weights as the dense bfloat16 path holds them: the same bits, widened
     dense = weight.dequantize().bfloat16().float()
     expected = x.float() @ dense.t() + (bias.float() if bias is not None else 0)
-    got = linear(x, bias)
+    got = linear.wide(x, bias)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
     # float32 sums in another order, then one rounding to bfloat16
     torch.testing.assert_close(got.float(), expected, rtol=8e-3, atol=1e-3)
     rows_apart = torch.cat([x, torch.zeros(rows, 32, dtype=torch.bfloat16)], 1)[:, :128]
-    torch.testing.assert_close(linear(rows_apart, bias), got, rtol=0, atol=0)
+    assert torch.equal(linear.wide(rows_apart, bias), got)
+    # a row's result does not depend on how many rows came with it
+    assert torch.equal(linear.wide(x[-1:], bias), got[-1:])
 
 
 @needs_amx
-def test_amx_takes_the_rows_past_torchs_kernel_and_refuses_a_wrong_input() -> None:
+def test_amx_refuses_a_wrong_input_and_weights_it_cannot_hold() -> None:
     weight = _random_weight(96, 128)
-    linear = Int4Linear(weight)
-    assert int4.max_rows() == int4.AMX_MAX_ROWS > int4.TORCH_MAX_ROWS
-    # constants float16 cannot hold exactly: torch's kernel
-    odd = Int4Weight(weight.codes, weight.scale * (1 + 1e-6), weight.minimum)
-    assert Int4Linear(odd).amx is None and Int4Linear(odd).max_rows == int4.TORCH_MAX_ROWS
     with pytest.raises(ValueError, match="for a"):
-        linear(torch.randn(int4.TORCH_MAX_ROWS + 1, 64).bfloat16())
+        Int4Linear(weight).wide(torch.randn(3, 64).bfloat16())
+    # constants float16 cannot hold exactly: torch's kernel and the dense weights only
+    odd = Int4Weight(weight.codes, weight.scale * (1 + 1e-6), weight.minimum)
+    assert Int4Linear(odd).amx is None
 
 
 @needs_kernel
@@ -116,13 +116,19 @@ def test_a_linear_with_int4_takes_it_for_the_leading_decode_rows_and_dense_weigh
         rows.int4 = 3  # a step of 3 decodes and 6 prompt tokens
         y = layer(x)
         torch.testing.assert_close(y[:3].float(), four_bit[:3], rtol=2e-2, atol=3e-2)
-        torch.testing.assert_close(y[3:], dense[3:])
+        # the other rows: on AMX where the CPU has it (the 4-bit weights), else dense
+        assert layer.int4 is not None
+        wide = layer.int4.amx is not None
+        rest = layer.int4.wide(x, layer.bias) if wide else dense
+        torch.testing.assert_close(y[3:], rest[3:])
         rows.int4 = INT4_MAX_ROWS  # a decode-only step
         torch.testing.assert_close(
             layer(x[:INT4_MAX_ROWS]).float(), four_bit[:INT4_MAX_ROWS], rtol=2e-2, atol=3e-2
         )
-        rows.int4 = 0  # prompt tokens only, or more decodes than the int4 path takes
-        torch.testing.assert_close(layer(x), dense)
+        rows.int4 = 0  # prompt tokens only, or more decodes than torch's kernel takes
+        torch.testing.assert_close(layer(x), rest)
+        if wide:
+            torch.testing.assert_close(rest.float(), four_bit, rtol=2e-2, atol=3e-2)
 
 
 def test_int4_weight_of_the_wrong_shape_is_refused() -> None:
