@@ -48,6 +48,9 @@ typedef struct {
 #define B_TILE 5
 #define A_TAIL 6
 #define MAX_BLOCKS 4
+/* rows whose x stays in L2 while every block of outputs passes over them: past this many the
+ * weights are widened again rather than x read again from memory */
+#define SPAN 256
 
 /* x rounded to bfloat16 (nearest, ties to even), as float32 bits; x is finite */
 static inline __m512i round_finite(__m512 x) {
@@ -114,8 +117,9 @@ static void configure(tile_config *config, int64_t here) {
  * y_stride apart; bias: [out_features] bfloat16 or NULL. 0 on success, -1 for shapes it does
  * not take (in_features not a multiple of 32, out_features not of 16) or no memory.
  *
- * Each block of 16 outputs is widened whole (in_features / 32 tiles of 1 KB, in L2) once, then
- * multiplied with every pass of up to 64 rows: a row's sums are the same at any row count. */
+ * Each block of 16 outputs is widened whole (in_features / 32 tiles of 1 KB, in L2) once per
+ * span of 256 rows, then multiplied with each pass of up to 64 of them: a row's sums are the
+ * same at any row count. */
 int triode_int4_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t rows,
                            int64_t in_features, const uint8_t *codes, const uint16_t *scales,
                            const uint16_t *minimums, const uint16_t *bias, int64_t out_features,
@@ -137,9 +141,11 @@ int triode_int4_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t rows,
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for schedule(dynamic, 2)
+        for (int64_t first = 0; first < rows; first += SPAN)
+#pragma omp for schedule(dynamic, 2) nowait
         for (int64_t ob = 0; ob < out_blocks; ob++) {
             if (widened == NULL) continue;
+            const int64_t end = rows - first < SPAN ? rows : first + SPAN;
             for (int64_t g = 0; g < groups; g++) {
                 const int64_t t = ob * groups + g;
                 widen(codes + t * 256, scales + t * 16, minimums + t * 16, widened + g * 512);
@@ -148,8 +154,8 @@ int triode_int4_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t rows,
                 bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + ob * 16))), 16))
                      : _mm512_setzero_ps();
-            for (int64_t m0 = 0; m0 < rows; m0 += pass) {
-                const int64_t here = rows - m0 < pass ? rows - m0 : pass;
+            for (int64_t m0 = first; m0 < end; m0 += pass) {
+                const int64_t here = end - m0 < pass ? end - m0 : pass;
                 const tile_config *config = here == pass ? &full_pass : &last_pass;
                 if (config != loaded) _tile_loadconfig(loaded = config);
                 const int full = (int)(here / 16), tail = (int)(here % 16);
