@@ -66,9 +66,11 @@ class RowPaths:
     them (`share_row_paths`), set by the model runner before each forward.
 
     `int4`: the leading rows (the step's few decodes) that take torch's 4-bit kernel
-    (`int4.py`); the other rows take the AMX 4-bit kernel where a projection has it, else the
-    dense weights. Splitting by row, not by step, keeps a decode's arithmetic the same whether
+    (`int4.py`). Splitting by row, not by step, keeps a decode's arithmetic the same whether
     or not another request's prompt shares its step.
+
+    `wide`: the other rows take the AMX 4-bit kernel where a projection has it (a row's result
+    is the same at any row count there), else the dense weights.
 
     `dense_min`: the dense product runs on at least this many rows, zero-padded. oneDNN's
     bfloat16 kernels give a row the same result at any row count from 48 up, and other results
@@ -78,6 +80,7 @@ class RowPaths:
     """
 
     int4: int = 0
+    wide: bool = True
     dense_min: int = 0
 
 
@@ -155,7 +158,7 @@ class LinearBase(nn.Module):
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         four_bit, n = self.int4, self.rows.int4
-        wide = four_bit is not None and four_bit.amx is not None
+        wide = four_bit is not None and four_bit.amx is not None and self.rows.wide
         if four_bit is not None and n:
             y = four_bit(x[:n], bias)
             if n == x.shape[0]:

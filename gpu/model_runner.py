@@ -52,6 +52,10 @@ from .sampler import (
 
 # what steps with prompt tokens pad their dense products to (see layers.RowPaths.dense_min)
 DENSE_MIN_ROWS = 64
+# the most prompt rows a step sends through the AMX 4-bit kernel (see layers.RowPaths.wide);
+# measured on SmolLM2's projections, 2 cores: as fast as oneDNN's bfloat16 products at 256
+# rows with a quarter of the weight bytes, 1.3x slower at 2048
+WIDE_MAX_PROMPT_ROWS = 256
 
 # prompt positions whose logits exist at once: 256 x a 49k vocabulary is 50 MB of float32
 PROMPT_LOGPROBS_ROWS = 256
@@ -286,6 +290,9 @@ class ModelRunner:
             for r in sched.requests
         )
         self._row_paths.dense_min = DENSE_MIN_ROWS if prompt_rows and self._pad_prompts else 0
+        # the AMX 4-bit kernel for a step's rows past torch's, unless many prompt rows came
+        # at once: oneDNN's dense products are faster from a few hundred rows on
+        self._row_paths.wide = len(batch.input_ids) - decodes <= WIDE_MAX_PROMPT_ROWS
         hidden = self._forward(batch)
         if hidden is None:  # an earlier pipeline stage: the next one carries on
             return ModelRunnerOutput(step=sched.step)

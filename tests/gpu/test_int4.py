@@ -129,6 +129,10 @@ def test_a_linear_with_int4_takes_it_for_the_leading_decode_rows_and_dense_weigh
         torch.testing.assert_close(layer(x), rest)
         if wide:
             torch.testing.assert_close(rest.float(), four_bit, rtol=2e-2, atol=3e-2)
+        rows.wide = False  # a step of many prompt rows: the dense weights past torch's kernel
+        torch.testing.assert_close(layer(x), dense)
+        rows.int4 = 3
+        torch.testing.assert_close(layer(x)[3:], dense[3:])
 
 
 def test_int4_weight_of_the_wrong_shape_is_refused() -> None:
