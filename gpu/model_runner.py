@@ -52,6 +52,9 @@ from .sampler import (
 
 # what steps with prompt tokens pad their dense products to (see layers.RowPaths.dense_min)
 DENSE_MIN_ROWS = 64
+# the longest chunk of prompt tokens whose attention the decode kernel computes, a token at a
+# time; longer chunks take torch's attention, faster than a pass per token from there
+KERNEL_MAX_CHUNK = 64
 # the most prompt rows a step sends through the AMX 4-bit kernel (see layers.RowPaths.wide);
 # measured on SmolLM2's projections, 2 cores: as fast as oneDNN's bfloat16 products at 256
 # rows with a quarter of the weight bytes, 1.3x slower at 2048
@@ -440,7 +443,19 @@ class ModelRunner:
         decodes = sorted(
             (r for r in requests if len(r.token_ids) == 1), key=lambda r: r.num_computed_tokens
         )
-        ordered = decodes + [r for r in requests if len(r.token_ids) != 1]
+        chunks = [r for r in requests if len(r.token_ids) != 1]
+        # with the kernel, short chunks next: each of their tokens attends like a decode (one
+        # kernel call for all of them), where torch's attention costs a call per chunk
+        short = (
+            [r for r in chunks if len(r.token_ids) <= KERNEL_MAX_CHUNK] if self.paged_kernel else []
+        )
+        ordered = (
+            decodes
+            + short
+            + [r for r in chunks if len(r.token_ids) > KERNEL_MAX_CHUNK or not self.paged_kernel]
+        )
+        kernel_tables: list[list[int]] = []
+        kernel_lens: list[int] = []
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -462,27 +477,31 @@ class ModelRunner:
             positions += range(begin, end)
             slots += [table[p // bs] * bs + p % bs for p in range(begin, end)]
             tables.append(table)
-            if len(r.token_ids) > 1:
+            if self.paged_kernel and len(r.token_ids) <= max(1, KERNEL_MAX_CHUNK):
+                kernel_tables += [table] * (end - begin)
+                kernel_lens += range(begin + 1, end + 1)
+            elif len(r.token_ids) > 1:
                 block_table = torch.tensor(table, device=self.device)
                 prefills.append(
                     PrefillChunk.build(starts[r.request_id], end - begin, begin, block_table)
                 )
         # the kernel reads each context's own length: one group; torch's attention pads
         if self.paged_kernel:
-            ranges = [(0, len(decodes))] if decodes else []
+            groups = []
+            if kernel_lens:
+                kernel = DecodeGroup.build(0, kernel_tables, kernel_lens, bs, self.device, False)
+                groups.append(kernel)
         else:
-            ranges = _decode_groups([len(t) for t in tables[: len(decodes)]])
-        groups = [
-            DecodeGroup.build(
-                lo,
-                tables[lo:hi],
-                [r.num_computed_tokens + 1 for r in decodes[lo:hi]],
-                bs,
-                self.device,
-                with_mask=not self.paged_kernel,
-            )
-            for lo, hi in ranges
-        ]
+            groups = [
+                DecodeGroup.build(
+                    lo,
+                    tables[lo:hi],
+                    [r.num_computed_tokens + 1 for r in decodes[lo:hi]],
+                    bs,
+                    self.device,
+                )
+                for lo, hi in _decode_groups([len(t) for t in tables[: len(decodes)]])
+            ]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_decodes=len(decodes),

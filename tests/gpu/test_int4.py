@@ -359,3 +359,34 @@ def test_greedy_steps_pick_from_the_bfloat16_logits_what_the_sampler_picks(
         outputs.append(tokens)
     assert runner._fused is not None
     assert outputs[0] == outputs[1]
+
+
+@needs_kernel
+def test_short_prompt_chunks_attend_through_the_kernel_like_torchs_attention(
+    smollm2: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from triode.gpu import model_runner
+
+    options = {"kv_cache_memory": 16 << 20, "max_model_len": 128, "num_threads": 1}
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5)
+    prompt = list(range(300, 340))
+    outputs = []
+    for longest in (model_runner.KERNEL_MAX_CHUNK, 0):  # the kernel, then torch's attention
+        monkeypatch.setattr(model_runner, "KERNEL_MAX_CHUNK", longest)
+        runner = ModelRunner(smollm2, dtype="bfloat16", **options)
+        assert runner.paged_kernel
+        # a chunk from the start, then one after cached tokens, beside a decode
+        first = ScheduledRequest("a", prompt[:25], 0, [0, 1, 2], new=NewRequestData(prompt, params))
+        runner.execute(SchedulerOutput(0, [first]))
+        other = ScheduledRequest("b", [7], 0, [3], new=NewRequestData([7], params))
+        runner.execute(SchedulerOutput(1, [other]))
+        rest = ScheduledRequest("a", prompt[25:], 25, [0, 1, 2])
+        decode = ScheduledRequest("b", [8], 1, [3])
+        results = runner.execute(SchedulerOutput(2, [rest, decode])).results
+        outputs.append({r.request_id: r.logprobs for r in results})
+    for request_id in ("a", "b"):
+        kernel, torch_attention = outputs[0][request_id], outputs[1][request_id]
+        assert kernel is not None and torch_attention is not None
+        assert kernel.token_ids[0, 0] == torch_attention.token_ids[0, 0]
+        # float32 sums in the kernel, bfloat16 steps in torch's: a bfloat16 model's spread
+        np.testing.assert_allclose(kernel.logprobs, torch_attention.logprobs, atol=0.15)
