@@ -117,6 +117,8 @@ class StructuredOutputManager:
         self._tokenizer_lock = threading.Lock()
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._cache_lock = threading.Lock()
+        # grammars being built now, each set once its build ends
+        self._building: dict[str, threading.Event] = {}
         self._executor: llguidance.LLExecutor | None = None
         self.compiled = 0  # grammars built (cache misses)
         self.cache_hits = 0
@@ -135,20 +137,32 @@ class StructuredOutputManager:
         """A fresh matcher for `params` (blocking: run it in a thread). Raises ValueError
         ("field: why") for a grammar that does not compile."""
         grammar = grammar_of(params)
-        with self._cache_lock:
-            cached = self._cache.get(grammar)
-            if cached is not None:
-                self._cache.move_to_end(grammar)
-                self.cache_hits += 1
-                return Grammar(cached.deep_copy())
-        matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"{_field(params)}: {matcher.get_error()}")
-        with self._cache_lock:
-            self.compiled += 1
-            self._cache[grammar] = matcher
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+        while True:
+            with self._cache_lock:
+                cached = self._cache.get(grammar)
+                if cached is not None:
+                    self._cache.move_to_end(grammar)
+                    self.cache_hits += 1
+                    return Grammar(cached.deep_copy())
+                building = self._building.get(grammar)
+                if building is None:  # this thread builds it
+                    self._building[grammar] = threading.Event()
+                    break
+            # the same grammar is being built for another request: take its result (or, if
+            # that failed, build it here and fail the same way)
+            building.wait()
+        try:
+            matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+            if matcher.is_error():
+                raise ValueError(f"{_field(params)}: {matcher.get_error()}")
+            with self._cache_lock:
+                self.compiled += 1
+                self._cache[grammar] = matcher
+                while len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        finally:
+            with self._cache_lock:
+                self._building.pop(grammar).set()
         return Grammar(matcher.deep_copy())
 
     async def compile(self, params: StructuredOutputsParams) -> Grammar:

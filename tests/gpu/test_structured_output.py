@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -257,3 +258,32 @@ def test_bitmask_rows_apply_to_their_logits_only() -> None:
     assert torch.isinf(logits[2]).sum() == 39 and logits[2, 3] == 0
     assert torch.isinf(logits[0]).sum() == 39 and logits[0, 36] == 0
     assert not torch.isinf(logits[1]).any()
+
+
+def test_a_grammar_built_for_one_request_serves_those_that_ask_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a request aborted while its grammar builds, and the next with the same schema: one build
+    model = build_tiny_model(tmp_path / "tiny")
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    manager = StructuredOutputManager(model / "tokenizer.json", vocab, [])
+    started, release = threading.Event(), threading.Event()
+    tokenizer = manager._llg_tokenizer
+
+    def slow_build_starts() -> object:  # what only a build asks for
+        started.set()
+        assert release.wait(10)
+        return tokenizer()
+
+    monkeypatch.setattr(manager, "_llg_tokenizer", slow_build_starts)
+    params = SO(json=json.dumps(SCHEMA))
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(manager.compile_now, params)
+        assert started.wait(10)
+        others = [pool.submit(manager.compile_now, params) for _ in range(2)]
+        release.set()
+        grammars = [f.result(10) for f in (first, *others)]
+    assert manager.compiled == 1 and manager.cache_hits == 2
+    assert len({id(g) for g in grammars}) == 3  # each request its own matcher
+    with pytest.raises(ValueError, match="json"):  # a failed build fails its waiters too
+        manager.compile_now(SO(json='{"type": "nothing"}'))
