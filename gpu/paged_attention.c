@@ -1,9 +1,14 @@
 /* Decode attention straight from the paged KV cache, bfloat16, for the CPU.
  *
- * One query token per sequence: each (sequence, KV head) walks its block table once, reading
- * every cached key and value exactly once for all the query heads that share them, with an
- * online softmax in float32 that rescales its sums once per chunk of 32 tokens. Nothing is
- * gathered or padded.
+ * One query token per row (a decode, or one token of a short prompt chunk, whose context ends
+ * at its own position): each (row, KV head) walks its block table once, reading every cached
+ * key and value exactly once for all the query heads that share them, with an online softmax
+ * in float32. Nothing is gathered or padded.
+ *
+ * Two paths: with AVX-512, for head sizes 64 and 128 and up to 8 query heads per KV head, the
+ * scores of 16 tokens are one vector (bfloat16 dot products where the CPU has them), the
+ * softmax rescales once per 16 tokens and the next 16 rows are prefetched; elsewhere a
+ * portable loop that rescales once per 32 tokens.
  *
  * Built at first use by `cpu_kernels.py` with the machine's compiler (-O3 -march=native
  * -fopenmp) and called through ctypes; OpenMP is torch's own runtime, already loaded.
