@@ -1,0 +1,39 @@
+"""`triode bench step` on the tiny model: its table, and the arithmetic it counts per token."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from triode.gpu.bench_step import flops_per_token
+
+
+def test_flops_per_token_count_every_projection_the_head_and_attention() -> None:
+    config = SimpleNamespace(
+        hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        intermediate_size=16, vocab_size=10,
+    )  # fmt: skip
+    runner = SimpleNamespace(config=config)
+    # per layer: qkv 8 x (8 + 4 + 4), o 8 x 8, gate, up and down 3 x 8 x 16
+    weights = 2 * (8 * 16 + 8 * 8 + 3 * 8 * 16) + 10 * 8
+    assert flops_per_token(runner, context=0) == 2 * weights  # type: ignore[arg-type]
+    assert flops_per_token(runner, context=5) == 2 * weights + 2 * 4 * 5 * 8  # type: ignore[arg-type]
+
+
+def test_a_short_run_prints_a_row_per_batch_size(tmp_path: Path) -> None:
+    from triode.gpu.testing import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny")
+    done = subprocess.run(
+        [sys.executable, "-m", "triode.edge.cli", "bench", "step", "--model", str(model),
+         "--batch-sizes", "1,3", "--steps", "2", "--context", "20", "--profile", "2",
+         "--max-model-len", "128"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = [line.split("|")[1].strip() for line in done.stdout.splitlines()
+            if line.startswith("| ") and line[2].isdigit()]  # fmt: skip
+    assert rows == ["1", "3"]
+    assert "Self CPU" in done.stdout  # the profile's table
