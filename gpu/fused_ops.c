@@ -12,40 +12,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if defined(__AVX512F__)
 #include "simd.h"
 #endif
-
-typedef union {
-    uint32_t bits;
-    float value;
-} word;
-
-static inline float bf16_f32(uint16_t v) { return ((word){.bits = (uint32_t)v << 16}).value; }
-
-static inline uint16_t f32_bf16(float f) {
-    const uint32_t bits = ((word){.value = f}).bits;
-    const uint32_t nan = (bits & 0x7fffffffu) > 0x7f800000u;
-    const uint32_t rounded = bits + 0x7fffu + ((bits >> 16) & 1u); /* to nearest even */
-    return (uint16_t)(nan ? (bits >> 16) | 0x40u : rounded >> 16);
-}
-
-static inline float round_bf16(float f) { return bf16_f32(f32_bf16(f)); }
-
-/* e^x on [-87, 88] (clamped there), as `paged_attention.c` computes it for x <= 0 */
-static inline float exp_clamped(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float t = x * 1.44269504088896341f;
-    const float whole = floorf(t);
-    const float f = t - whole;
-    float p = 1.8775767e-3f;
-    p = p * f + 8.9893397e-3f;
-    p = p * f + 5.5826318e-2f;
-    p = p * f + 2.4015361e-1f;
-    p = p * f + 6.9315308e-1f;
-    p = p * f + 9.9999994e-1f;
-    return p * ((word){.bits = (uint32_t)((int32_t)whole + 127) << 23}).value;
-}
 
 /* rows worth one thread each: below this the fork costs more than the work */
 #define PARALLEL_ELEMENTS 16384

@@ -17,44 +17,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_HEAD_DIM 256
 #define MAX_HEADS 64
 #define CHUNK 32
-
-static inline float bf16_to_f32(uint16_t v) {
-    uint32_t bits = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40u); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(bits >> 16);
-}
-
-/* e^x for x <= 0 (what softmax needs once the max is subtracted), vectorisable unlike libm's
- * expf: 2^(x log2 e) split into an integer power and a degree-5 polynomial on [0, 1); relative
- * error below 4e-6. Arguments under -87 give ~1e-38 instead of 0, which adds nothing. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float t = x * 1.44269504088896341f;
-    const float whole = floorf(t);
-    const float f = t - whole;
-    float p = 1.8775767e-3f;
-    p = p * f + 8.9893397e-3f;
-    p = p * f + 5.5826318e-2f;
-    p = p * f + 2.4015361e-1f;
-    p = p * f + 6.9315308e-1f;
-    p = p * f + 9.9999994e-1f;
-    const uint32_t bits = (uint32_t)((int32_t)whole + 127) << 23;
-    float power;
-    memcpy(&power, &bits, sizeof power);
-    return p * power;
-}
 
 int triode_max_head_dim(void) { return MAX_HEAD_DIM; }
 int triode_max_heads(void) { return MAX_HEADS; }
@@ -91,7 +58,7 @@ static void paged_decode_generic(
         for (int64_t h = 0; h < n_heads; h++) {
             const uint16_t *qh = q + s * q_stride + (first_head + h) * head_dim;
             for (int64_t d = 0; d < head_dim; d++) {
-                query[h][d] = bf16_to_f32(qh[d]) * scale;
+                query[h][d] = bf16_f32(qh[d]) * scale;
                 acc[h][d] = 0.0f;
             }
             running_max[h] = -INFINITY;
@@ -112,7 +79,7 @@ static void paged_decode_generic(
                     const uint16_t *kp = k_cache + rows[j] + (first_kv + kv) * head_dim;
                     float key[MAX_HEAD_DIM];
 #pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) key[d] = bf16_to_f32(kp[d]);
+                    for (int64_t d = 0; d < head_dim; d++) key[d] = bf16_f32(kp[d]);
                     for (int64_t g = 0; g < group; g++) {
                         const int64_t h = kv * group + g;
                         float score = 0.0f;
@@ -127,7 +94,7 @@ static void paged_decode_generic(
                 for (int64_t j = 0; j < n; j++)
                     chunk_max = scores[h][j] > chunk_max ? scores[h][j] : chunk_max;
                 /* the first chunk rescales empty sums: the factor does not matter */
-                const float rescale = exp_nonpositive(running_max[h] - chunk_max);
+                const float rescale = exp_clamped(running_max[h] - chunk_max);
                 running_max[h] = chunk_max;
                 denom[h] *= rescale;
 #pragma omp simd
@@ -135,7 +102,7 @@ static void paged_decode_generic(
                 float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
                 for (int64_t j = 0; j < n; j++) {
-                    scores[h][j] = exp_nonpositive(scores[h][j] - chunk_max);
+                    scores[h][j] = exp_clamped(scores[h][j] - chunk_max);
                     sum += scores[h][j];
                 }
                 denom[h] += sum;
@@ -144,7 +111,7 @@ static void paged_decode_generic(
                 for (int64_t kv = 0; kv < heads_per_item; kv++) {
                     const uint16_t *vp = v_cache + rows[j] + (first_kv + kv) * head_dim;
 #pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) value[d] = bf16_to_f32(vp[d]);
+                    for (int64_t d = 0; d < head_dim; d++) value[d] = bf16_f32(vp[d]);
                     for (int64_t g = 0; g < group; g++) {
                         const int64_t h = kv * group + g;
                         const float p = scores[h][j];
@@ -157,7 +124,7 @@ static void paged_decode_generic(
         for (int64_t h = 0; h < n_heads; h++) {
             uint16_t *oh = out + (s * num_heads + first_head + h) * head_dim;
             const float inv = denom[h] > 0.0f ? 1.0f / denom[h] : 0.0f;
-            for (int64_t d = 0; d < head_dim; d++) oh[d] = f32_to_bf16(acc[h][d] * inv);
+            for (int64_t d = 0; d < head_dim; d++) oh[d] = f32_bf16(acc[h][d] * inv);
         }
     }
 }
@@ -283,7 +250,7 @@ static inline __attribute__((always_inline)) void attend_one(
             const float tile_max = _mm512_reduce_max_ps(scores);
             const float new_max = tile_max > running_max[g] ? tile_max : running_max[g];
             /* the first tile rescales empty sums: the factor does not matter */
-            const float rescale = exp_nonpositive(running_max[g] - new_max);
+            const float rescale = exp_clamped(running_max[g] - new_max);
             running_max[g] = new_max;
             const __m512 p = _mm512_maskz_mov_ps(
                 live, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
@@ -314,8 +281,8 @@ static inline __attribute__((always_inline)) void attend_one(
             _mm512_store_ps(even, _mm512_mul_ps(acc_even[g][c], inv));
             _mm512_store_ps(odd, _mm512_mul_ps(acc_odd[g][c], inv));
             for (int i = 0; i < 16; i++) {
-                out[g * D + c * 32 + 2 * i] = f32_to_bf16(even[i]);
-                out[g * D + c * 32 + 2 * i + 1] = f32_to_bf16(odd[i]);
+                out[g * D + c * 32 + 2 * i] = f32_bf16(even[i]);
+                out[g * D + c * 32 + 2 * i + 1] = f32_bf16(odd[i]);
             }
         }
     }
