@@ -182,7 +182,7 @@ class ModelRunner:
         ops = None
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             ops = cpu_kernels.fused_ops()
-        self.fused_ops = use_fused_ops(self.model, ops)
+        use_fused_ops(self.model, ops)
         self._fused = ops
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
@@ -444,16 +444,15 @@ class ModelRunner:
             (r for r in requests if len(r.token_ids) == 1), key=lambda r: r.num_computed_tokens
         )
         chunks = [r for r in requests if len(r.token_ids) != 1]
-        # with the kernel, short chunks next: each of their tokens attends like a decode (one
-        # kernel call for all of them), where torch's attention costs a call per chunk
-        short = (
-            [r for r in chunks if len(r.token_ids) <= KERNEL_MAX_CHUNK] if self.paged_kernel else []
-        )
-        ordered = (
-            decodes
-            + short
-            + [r for r in chunks if len(r.token_ids) > KERNEL_MAX_CHUNK or not self.paged_kernel]
-        )
+
+        def in_kernel(r: ScheduledRequest) -> bool:
+            """Whether `r`'s tokens attend through the kernel, each like a decode: decodes and
+            short chunks, all in one call, where torch's attention costs a call per chunk."""
+            return self.paged_kernel and len(r.token_ids) <= max(1, KERNEL_MAX_CHUNK)
+
+        # then the chunks the kernel takes, then the others
+        ordered = decodes + [r for r in chunks if in_kernel(r)]
+        ordered += [r for r in chunks if not in_kernel(r)]
         kernel_tables: list[list[int]] = []
         kernel_lens: list[int] = []
         ids: list[int] = []
@@ -477,7 +476,7 @@ class ModelRunner:
             positions += range(begin, end)
             slots += [table[p // bs] * bs + p % bs for p in range(begin, end)]
             tables.append(table)
-            if self.paged_kernel and len(r.token_ids) <= max(1, KERNEL_MAX_CHUNK):
+            if in_kernel(r):
                 kernel_tables += [table] * (end - begin)
                 kernel_lens += range(begin + 1, end + 1)
             elif len(r.token_ids) > 1:
