@@ -60,11 +60,11 @@ def _library() -> ctypes.CDLL | None:
         return None
 
 
-def _function(name: str, *argtypes: Any) -> Any:
+def _function(name: str, *argtypes: Any, restype: Any = None) -> Any:
     library = _library()
     assert library is not None
     function = getattr(library, name)
-    function.restype = None
+    function.restype = restype
     function.argtypes = list(argtypes)
     return function
 
@@ -208,15 +208,11 @@ Int4Matmul = Callable[..., int]
 def int4_amx_matmul() -> Int4Matmul | None:
     """`int4_amx.c`'s kernel where this CPU and the compiler's target have AMX (and the
     operating system grants its tile state), else None. See `int4.Int4Linear` for its use."""
-    if _library() is None:
+    if _library() is None or not _function("triode_int4_amx_available", restype=ctypes.c_int)():
         return None
-    available = _library().triode_int4_amx_available  # type: ignore[union-attr]
-    available.restype = ctypes.c_int
-    if not available():
-        return None
-    function = _function("triode_int4_matmul_amx", _P, _I, _I, _I, *[_P] * 4, _I, _P, _I)
-    function.restype = ctypes.c_int
-    return function
+    return _function(
+        "triode_int4_matmul_amx", _P, _I, _I, _I, *[_P] * 4, _I, _P, _I, restype=ctypes.c_int
+    )
 
 
 def _check(x: torch.Tensor, rows: int, width: int, last_contiguous: bool) -> None:
