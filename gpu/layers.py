@@ -84,15 +84,12 @@ class RowPaths:
     dense_min: int = 0
 
 
-def use_fused_ops(model: nn.Module, ops: FusedOps | None) -> int:
+def use_fused_ops(model: nn.Module, ops: FusedOps | None) -> None:
     """Give every module of `model` that can take them the fused CPU kernels (`cpu_kernels`),
-    or take them back (None); returns how many modules have them."""
-    count = 0
+    or take them back (None)."""
     for module in model.modules():
         if "fused" in dir(type(module)):
             module.fused = ops
-            count += ops is not None
-    return count
 
 
 def share_row_paths(model: nn.Module) -> RowPaths:
