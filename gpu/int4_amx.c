@@ -52,32 +52,31 @@ typedef struct {
  * weights are widened again rather than x read again from memory */
 #define SPAN 256
 
-/* x rounded to bfloat16 (nearest, ties to even), as float32 bits; x is finite */
-static inline __m512i round_finite(__m512 x) {
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    return _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-}
-
 /* the group's 16 x 32 weights as TDPBF16PS's B operand: 16 rows (input pairs) of 16 outputs.
  * Codes come 64 bytes per 4 rows: 32-bit lane n holds output n's bytes for rows 4q .. 4q + 3,
- * so each row's codes are shifts and masks away, with no shuffle. */
+ * so each row's codes are a shift away; the float32 value of a code is a permute of 0 .. 15
+ * (which reads only an index's low 4 bits), and one conversion rounds both weights of the row
+ * to bfloat16 (nearest, ties to even; weights are never subnormal), which a word permute
+ * interleaves into pairs. */
 static inline void widen(const uint8_t *codes, const uint16_t *scale, const uint16_t *minimum,
                          uint16_t *b) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scale));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)minimum));
-    const __m512i nibble = _mm512_set1_epi32(15), high_half = _mm512_set1_epi32((int)0xffff0000u);
+    const __m512 codes_f32 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    /* word 2n: the low weight of output n (word n of the conversion), 2n + 1: its high one */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                           16, 0);
     for (int q = 0; q < 4; q++) {
         const __m512i four = _mm512_loadu_si512((const void *)(codes + 64 * q));
         for (int j = 0; j < 4; j++) {
             const __m512i v = _mm512_srli_epi32(four, 8 * j);
-            const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(v, nibble));
-            const __m512 high = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 4), nibble));
-            const __m512i w_low = round_finite(_mm512_add_ps(_mm512_mul_ps(d, low), m));
-            const __m512i w_high = round_finite(_mm512_add_ps(_mm512_mul_ps(d, high), m));
-            /* low weight in the low half of each pair, high weight in the high half */
-            const __m512i pair = _mm512_ternarylogic_epi32(high_half, w_high, _mm512_srli_epi32(w_low, 16), 0xca);
-            _mm512_store_si512((void *)(b + 32 * (4 * q + j)), pair);
+            const __m512 low = _mm512_permutexvar_ps(v, codes_f32);
+            const __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), codes_f32);
+            const __m512 w_low = _mm512_add_ps(_mm512_mul_ps(d, low), m);
+            const __m512 w_high = _mm512_add_ps(_mm512_mul_ps(d, high), m);
+            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(w_high, w_low);
+            _mm512_store_si512((void *)(b + 32 * (4 * q + j)), _mm512_permutexvar_epi16(pairs, both));
         }
     }
 }

@@ -92,6 +92,14 @@ def test_amx_kernel_computes_x_times_the_dense_bfloat16_weights(rows: int, with_
 
 
 @needs_amx
+def test_amx_widens_to_exactly_the_dense_bfloat16_weights() -> None:
+    # x = I: each sum is one weight times 1, so the output is the widened weights themselves
+    weight = _random_weight(96, 128)
+    widened = Int4Linear(weight).wide(torch.eye(128, dtype=torch.bfloat16), None)
+    assert torch.equal(widened.t(), weight.dequantize().bfloat16())
+
+
+@needs_amx
 def test_amx_refuses_a_wrong_input_and_weights_it_cannot_hold() -> None:
     weight = _random_weight(96, 128)
     with pytest.raises(ValueError, match="for a"):
