@@ -31,7 +31,7 @@ from triode.wire import (
 )
 
 from . import cpu_kernels, int4, parallel_state
-from .attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from .batch import Batch, flatten
 from .kv_connector import FinishedTransfers, KVConnectorWorker
 from .layers import (
     cpu_weight_packing_supported,
@@ -52,9 +52,6 @@ from .sampler import (
 
 # what steps with prompt tokens pad their dense products to (see layers.RowPaths.dense_min)
 DENSE_MIN_ROWS = 64
-# the longest chunk of prompt tokens whose attention the decode kernel computes, a token at a
-# time; longer chunks take torch's attention, faster than a pass per token from there
-KERNEL_MAX_CHUNK = 64
 # the most prompt rows a step sends through the AMX 4-bit kernel (see layers.RowPaths.wide);
 # measured on SmolLM2's projections, 2 cores: as fast as oneDNN's bfloat16 products at 256
 # rows with a quarter of the weight bytes, 1.3x slower at 2048
@@ -75,18 +72,6 @@ class _Request:
     sampling: SamplingState | None  # on the rank that samples (`ParallelLayout.is_driver`)
     next_prompt_logprob: int = 1  # prompt logprob rows before this one were already returned
     embeds_dtype: str | None = None  # a prompt given as embeddings: their dtype
-
-
-@dataclass
-class _Batch:
-    """One step's inputs, rows ordered decodes first (what the attention expects)."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    start: dict[str, int]  # request id -> its first row
-    # rows whose input is a given embedding instead of the lookup: (row indices, values)
-    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -370,7 +355,7 @@ class ModelRunner:
         assert state is not None, "only the driver rank samples"
         return state
 
-    def _forward(self, batch: _Batch) -> torch.Tensor | None:
+    def _forward(self, batch: Batch) -> torch.Tensor | None:
         """This stage's share of the forward pass: the last stage's hidden states, or None on
         an earlier stage once it sent its output to the next one."""
         stage = self.parallel
@@ -432,86 +417,18 @@ class ModelRunner:
         request.next_prompt_logprob = hi + 1
         return lo - 1, prompt[lo : hi + 1]
 
-    def _prepare(self, requests: list[ScheduledRequest]) -> _Batch:
-        """Flatten the step: token ids, positions, cache slots and block tables, decodes first."""
+    def _prepare(self, requests: list[ScheduledRequest]) -> Batch:
         unknown = [r.request_id for r in requests if r.request_id not in self._requests]
         if unknown:
             raise KeyError(f"requests scheduled without their NewRequestData: {unknown}")
-        bs = self.block_size
-        # decodes first, shortest context first, so that each group of similar lengths
-        # (`_decode_groups`) is a run of rows
-        decodes = sorted(
-            (r for r in requests if len(r.token_ids) == 1), key=lambda r: r.num_computed_tokens
+        return flatten(
+            requests,
+            block_size=self.block_size,
+            device=self.device,
+            dtype=self.dtype,
+            paged_kernel=self.paged_kernel,
+            embeds_of=self._embeds if self.parallel.is_first_stage else None,
         )
-        chunks = [r for r in requests if len(r.token_ids) != 1]
-
-        def in_kernel(r: ScheduledRequest) -> bool:
-            """Whether `r`'s tokens attend through the kernel, each like a decode: decodes and
-            short chunks, all in one call, where torch's attention costs a call per chunk."""
-            return self.paged_kernel and len(r.token_ids) <= max(1, KERNEL_MAX_CHUNK)
-
-        # then the chunks the kernel takes, then the others
-        ordered = decodes + [r for r in chunks if in_kernel(r)]
-        ordered += [r for r in chunks if not in_kernel(r)]
-        kernel_tables: list[list[int]] = []
-        kernel_lens: list[int] = []
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts: dict[str, int] = {}
-        tables: list[list[int]] = []
-        prefills: list[PrefillChunk] = []
-        embed_rows: list[int] = []
-        embeds: list[torch.Tensor] = []
-        for r in ordered:
-            begin, end = r.num_computed_tokens, r.num_computed_tokens + len(r.token_ids)
-            table = r.block_ids[: -(-end // bs)]
-            if len(table) * bs < end:
-                raise ValueError(f"{r.request_id}: {len(r.block_ids)} blocks for {end} tokens")
-            starts[r.request_id] = len(ids)
-            if r.prompt_embeds is not None and self.parallel.is_first_stage:
-                embeds.append(self._embeds(r))
-                embed_rows += range(len(ids), len(ids) + len(embeds[-1]))
-            ids += r.token_ids
-            positions += range(begin, end)
-            slots += [table[p // bs] * bs + p % bs for p in range(begin, end)]
-            tables.append(table)
-            if in_kernel(r):
-                kernel_tables += [table] * (end - begin)
-                kernel_lens += range(begin + 1, end + 1)
-            elif len(r.token_ids) > 1:
-                block_table = torch.tensor(table, device=self.device)
-                prefills.append(
-                    PrefillChunk.build(starts[r.request_id], end - begin, begin, block_table)
-                )
-        # the kernel reads each context's own length: one group; torch's attention pads
-        if self.paged_kernel:
-            groups = []
-            if kernel_lens:
-                kernel = DecodeGroup.build(0, kernel_tables, kernel_lens, bs, self.device, False)
-                groups.append(kernel)
-        else:
-            groups = [
-                DecodeGroup.build(
-                    lo,
-                    tables[lo:hi],
-                    [r.num_computed_tokens + 1 for r in decodes[lo:hi]],
-                    bs,
-                    self.device,
-                )
-                for lo, hi in _decode_groups([len(t) for t in tables[: len(decodes)]])
-            ]
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_decodes=len(decodes),
-            decodes=tuple(groups),
-            prefills=tuple(prefills),
-        )
-        batch = _Batch(self._tensor(ids), self._tensor(positions), meta, starts)
-        if embeds:
-            values = torch.cat(embeds).to(device=self.device, dtype=self.dtype)
-            batch.embeds = (self._tensor(embed_rows), values)
-        return batch
 
     def _embeds(self, r: ScheduledRequest) -> torch.Tensor:
         """The rows of `r`'s prompt embeddings, as a CPU tensor of their own dtype. Raises
@@ -528,30 +445,6 @@ class ModelRunner:
         if dtype == "bfloat16":
             return torch.tensor(rows.view(np.int16)).view(torch.bfloat16)
         return torch.tensor(rows)
-
-    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
-
-
-def _decode_groups(num_blocks: list[int]) -> list[tuple[int, int]]:
-    """[lo, hi) row ranges of decodes (sorted by context) whose block counts share a power-of-two
-    bucket (1, 2, 3-4, 5-8, ...): each group pads to its own longest context, at most twice any
-    member's, and a batch has at most log2(max blocks) + 1 groups.
-
-    Padding the whole batch to its longest context instead made one 1800-token request among
-    63 of 100 tokens cost 422 ms per step against 69 ms for all 64 at 100 (SmolLM2, bfloat16).
-    """
-    groups: list[tuple[int, int]] = []
-    lo = 0
-    for i in range(1, len(num_blocks) + 1):
-        if i == len(num_blocks) or _bucket(num_blocks[i]) != _bucket(num_blocks[lo]):
-            groups.append((lo, i))
-            lo = i
-    return groups
-
-
-def _bucket(num_blocks: int) -> int:
-    return (num_blocks - 1).bit_length()
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -373,14 +373,14 @@ def test_greedy_steps_pick_from_the_bfloat16_logits_what_the_sampler_picks(
 def test_short_prompt_chunks_attend_through_the_kernel_like_torchs_attention(
     smollm2: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from triode.gpu import model_runner
+    from triode.gpu import batch
 
     options = {"kv_cache_memory": 16 << 20, "max_model_len": 128, "num_threads": 1}
     params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5)
     prompt = list(range(300, 340))
     outputs = []
-    for longest in (model_runner.KERNEL_MAX_CHUNK, 0):  # the kernel, then torch's attention
-        monkeypatch.setattr(model_runner, "KERNEL_MAX_CHUNK", longest)
+    for longest in (batch.KERNEL_MAX_CHUNK, 0):  # the kernel, then torch's attention
+        monkeypatch.setattr(batch, "KERNEL_MAX_CHUNK", longest)
         runner = ModelRunner(smollm2, dtype="bfloat16", **options)
         assert runner.paged_kernel
         # a chunk from the start, then one after cached tokens, beside a decode

@@ -397,10 +397,10 @@ def test_eos_token_ids_list_the_main_one_first_without_repeats(
 
 
 def test_decodes_group_by_power_of_two_block_counts() -> None:
-    from triode.gpu.model_runner import _decode_groups
+    from triode.gpu.batch import decode_groups
 
-    assert _decode_groups([]) == []
-    assert _decode_groups([1, 1, 2, 3, 4, 5, 8, 9, 120]) == [
+    assert decode_groups([]) == []
+    assert decode_groups([1, 1, 2, 3, 4, 5, 8, 9, 120]) == [
         (0, 2),
         (2, 3),
         (3, 5),
@@ -408,7 +408,7 @@ def test_decodes_group_by_power_of_two_block_counts() -> None:
         (7, 8),
         (8, 9),
     ]
-    assert _decode_groups([7, 7, 8]) == [(0, 3)]
+    assert decode_groups([7, 7, 8]) == [(0, 3)]
 
 
 def test_a_long_context_decode_among_short_ones_gives_each_the_same_tokens(tiny: Path) -> None:

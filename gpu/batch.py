@@ -1,0 +1,144 @@
+"""A step's rows, flattened for one forward: token ids, positions, KV-cache slots and the
+attention metadata of every scheduled request, prefill chunks and decodes together."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from triode.wire import ScheduledRequest
+
+from .attention import AttentionMetadata, DecodeGroup, PrefillChunk
+
+# the longest chunk of prompt tokens whose attention the decode kernel computes, a token at a
+# time; longer chunks take torch's attention, faster than a pass per token from there
+KERNEL_MAX_CHUNK = 64
+
+
+@dataclass
+class Batch:
+    """One step's inputs, rows ordered decodes first (what the attention expects)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    start: dict[str, int]  # request id -> its first row
+    # rows whose input is a given embedding instead of the lookup: (row indices, values)
+    embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def flatten(
+    requests: list[ScheduledRequest],
+    *,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    paged_kernel: bool,
+    embeds_of: Callable[[ScheduledRequest], torch.Tensor] | None,
+) -> Batch:
+    """The step's rows, decodes first. `paged_kernel`: decode attention (and that of short
+    chunks) goes through the C kernel; `embeds_of` gives the rows of a request's prompt
+    embeddings (None: this stage takes no embeddings). Raises ValueError for a request with
+    fewer blocks than its tokens need."""
+    bs = block_size
+    # decodes first, shortest context first, so that each group of similar lengths
+    # (`decode_groups`) is a run of rows
+    decodes = sorted(
+        (r for r in requests if len(r.token_ids) == 1), key=lambda r: r.num_computed_tokens
+    )
+    chunks = [r for r in requests if len(r.token_ids) != 1]
+
+    def in_kernel(r: ScheduledRequest) -> bool:
+        """Whether `r`'s tokens attend through the kernel, each like a decode: decodes and
+        short chunks, all in one call, where torch's attention costs a call per chunk."""
+        return paged_kernel and len(r.token_ids) <= max(1, KERNEL_MAX_CHUNK)
+
+    # then the chunks the kernel takes, then the others
+    ordered = decodes + [r for r in chunks if in_kernel(r)]
+    ordered += [r for r in chunks if not in_kernel(r)]
+    kernel_tables: list[list[int]] = []
+    kernel_lens: list[int] = []
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    starts: dict[str, int] = {}
+    tables: list[list[int]] = []
+    prefills: list[PrefillChunk] = []
+    embed_rows: list[int] = []
+    embeds: list[torch.Tensor] = []
+    for r in ordered:
+        begin, end = r.num_computed_tokens, r.num_computed_tokens + len(r.token_ids)
+        table = r.block_ids[: -(-end // bs)]
+        if len(table) * bs < end:
+            raise ValueError(f"{r.request_id}: {len(r.block_ids)} blocks for {end} tokens")
+        starts[r.request_id] = len(ids)
+        if r.prompt_embeds is not None and embeds_of is not None:
+            embeds.append(embeds_of(r))
+            embed_rows += range(len(ids), len(ids) + len(embeds[-1]))
+        ids += r.token_ids
+        positions += range(begin, end)
+        slots += [table[p // bs] * bs + p % bs for p in range(begin, end)]
+        tables.append(table)
+        if in_kernel(r):
+            kernel_tables += [table] * (end - begin)
+            kernel_lens += range(begin + 1, end + 1)
+        elif len(r.token_ids) > 1:
+            block_table = torch.tensor(table, device=device)
+            prefills.append(
+                PrefillChunk.build(starts[r.request_id], end - begin, begin, block_table)
+            )
+    # the kernel reads each context's own length: one group; torch's attention pads
+    if paged_kernel:
+        groups = []
+        if kernel_lens:
+            kernel = DecodeGroup.build(0, kernel_tables, kernel_lens, bs, device, False)
+            groups.append(kernel)
+    else:
+        groups = [
+            DecodeGroup.build(
+                lo,
+                tables[lo:hi],
+                [r.num_computed_tokens + 1 for r in decodes[lo:hi]],
+                bs,
+                device,
+            )
+            for lo, hi in decode_groups([len(t) for t in tables[: len(decodes)]])
+        ]
+    meta = AttentionMetadata(
+        slot_mapping=_tensor(device, slots),
+        num_decodes=len(decodes),
+        decodes=tuple(groups),
+        prefills=tuple(prefills),
+    )
+    batch = Batch(_tensor(device, ids), _tensor(device, positions), meta, starts)
+    if embeds:
+        values = torch.cat(embeds).to(device=device, dtype=dtype)
+        batch.embeds = (_tensor(device, embed_rows), values)
+    return batch
+
+
+def _tensor(device: torch.device, values: list[int] | list[list[int]]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def decode_groups(num_blocks: list[int]) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges of decodes (sorted by context) whose block counts share a power-of-two
+    bucket (1, 2, 3-4, 5-8, ...): each group pads to its own longest context, at most twice any
+    member's, and a batch has at most log2(max blocks) + 1 groups.
+
+    Padding the whole batch to its longest context instead made one 1800-token request among
+    63 of 100 tokens cost 422 ms per step against 69 ms for all 64 at 100 (SmolLM2, bfloat16).
+    """
+    groups: list[tuple[int, int]] = []
+    lo = 0
+    for i in range(1, len(num_blocks) + 1):
+        if i == len(num_blocks) or _bucket(num_blocks[i]) != _bucket(num_blocks[lo]):
+            groups.append((lo, i))
+            lo = i
+    return groups
+
+
+def _bucket(num_blocks: int) -> int:
+    return (num_blocks - 1).bit_length()
