@@ -3,7 +3,7 @@
  * SiLU-and-multiply; and the greedy pick from bfloat16 logits.
  *
  * Each computes in float32 from its bfloat16 inputs and rounds to bfloat16 once, at the end,
- * where the torch code it replaces (`layers.py`) rounds after every operation: the results are
+ * where the torch code it replaces (`layers.py`, `rotary.py`) rounds after every operation: the results are
  * nearer to a float32 model's, and differ from the torch path's in the last bit here and there.
  *
  * Built with `paged_attention.c` into one library by `cpu_kernels.py`.

@@ -7,7 +7,7 @@ Converting a GGUF file keeps those codes beside the dequantized float32 checkpoi
 them, each streaming about a quarter of the bytes that bfloat16 weights take:
 
 - torch's int4 CPU kernel, for a step's decode rows when there are at most `INT4_MAX_ROWS` of
-  them (`layers.RowPaths`): a decode over a few sequences is bound by how fast the weights
+  them (`cpu_paths.RowPaths`): a decode over a few sequences is bound by how fast the weights
   stream from memory (measured on SmolLM2's projections, 2 cores: 1 row 3.7 ms against 12.2 ms
   for the blocked bfloat16 weights, 8 rows 11.8 against 12.3). It computes in bfloat16 with
   float32 accumulation and takes the scale and the zero point (m + 8 d) in bfloat16: each

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import parallel_state
+from .cpu_paths import RowPaths, pack_cpu_weight
 from .int4 import Int4Linear, Int4Weight
 
 if TYPE_CHECKING:
@@ -59,46 +60,6 @@ def _parameter(shape: tuple[int, ...], loader: WeightLoader, **attrs: Any) -> nn
     for key, value in attrs.items():
         setattr(param, key, value)
     return param
-
-
-class RowPaths:
-    """How the rows of a step go through a model's projections; one instance shared by all of
-    them (`share_row_paths`), set by the model runner before each forward.
-
-    `int4`: the leading rows (the step's few decodes) that take torch's 4-bit kernel
-    (`int4.py`). Splitting by row, not by step, keeps a decode's arithmetic the same whether
-    or not another request's prompt shares its step.
-
-    `wide`: the other rows take the AMX 4-bit kernel where a projection has it (a row's result
-    is the same at any row count there), else the dense weights.
-
-    `dense_min`: the dense product runs on at least this many rows, zero-padded. oneDNN's
-    bfloat16 kernels give a row the same result at any row count from 48 up, and other results
-    below: a prompt's last tokens computed after a prefix-cache hit would then differ from the
-    same tokens computed in a full prefill, and seeded sampling would depend on what the cache
-    held. The runner sets it for steps with prompt tokens only; decode steps pay no padding.
-    """
-
-    int4: int = 0
-    wide: bool = True
-    dense_min: int = 0
-
-
-def use_fused_ops(model: nn.Module, ops: FusedOps | None) -> None:
-    """Give every module of `model` that can take them the fused CPU kernels (`cpu_kernels`),
-    or take them back (None)."""
-    for module in model.modules():
-        if "fused" in dir(type(module)):
-            module.fused = ops
-
-
-def share_row_paths(model: nn.Module) -> RowPaths:
-    """One `RowPaths` for every projection of `model`, returned for the runner to set."""
-    rows = RowPaths()
-    for module in model.modules():
-        if isinstance(module, LinearBase):
-            module.rows = rows
-    return rows
 
 
 class LinearBase(nn.Module):
@@ -383,35 +344,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         raise TypeError("ParallelLMHead projects hidden states: call compute_logits")
 
 
-# the batch size oneDNN tunes the blocked layout for: measured on bfloat16 Llama projections,
-# 64 is as fast as 1 for a single row and 1.5x faster than 1 from 256 rows up
-_PACK_BATCH_HINT = 64
-
-
-def cpu_weight_packing_supported(dtype: torch.dtype) -> bool:
-    """oneDNN's prepacked linear for this dtype on this CPU: bfloat16 where the CPU computes
-    in it natively. float32 stays on the plain path that the reference comparisons pin."""
-    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-
-
-def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor:
-    """W [out, in] reordered into oneDNN's blocked layout for `mkldnn._linear_pointwise`.
-
-    Measured on SmolLM2's 30 layers of projections, 2 cores: 11.9 ms against 18.6 ms for the
-    plain layout at 1 row, 17.8 against 27.0 at 64 (the same values, accumulated in float32
-    either way).
-    """
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
-
-
-def pack_cpu_weights(model: nn.Module) -> int:
-    """Pack every linear projection of `model` for the CPU; returns how many were packed."""
-    modules = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
-    for module in modules:
-        module.pack_for_cpu()
-    return len(modules)
-
-
 class RMSNorm(nn.Module):
     """RMS normalisation computed in float32, optionally fused with the residual add.
 
@@ -463,93 +395,3 @@ class SiluAndMul(nn.Module):
             return self.fused.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding (rotate-half layout), cos/sin cached for every position.
-
-    `scaling` is the Hugging Face `rope_scaling` / `rope_parameters` dict: rope types default,
-    linear and llama3 are supported; anything else is refused rather than silently wrong.
-    The model looks cos/sin up once per step (`lookup`) and every layer applies them to its
-    queries and keys together (`apply`), so a step pays for one gather, not one per layer.
-    """
-
-    def __init__(
-        self,
-        head_dim: int,
-        max_position: int,
-        base: float,
-        scaling: dict[str, Any] | None = None,
-    ) -> None:
-        super().__init__()
-        self.head_dim = head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        inv_freq = _scale_inv_freq(inv_freq, scaling or {})
-        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
-        # rotate_half(x) * sin == roll(x, half) * [-sin, sin]: fold the sign into the table
-        self.register_buffer("cos", torch.cat((freqs.cos(), freqs.cos()), -1), persistent=False)
-        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), -1), persistent=False)
-
-    def step(self, positions: torch.Tensor, dtype: torch.dtype, look_up: bool = True) -> Rope:
-        """What every layer of a step reads: `positions` [T], the tables, and (`look_up`) cos
-        and sin looked up for them (`lookup`); the fused kernel reads the tables itself."""
-        looked_up = self.lookup(positions, dtype) if look_up else None
-        return Rope(positions, self.cos, self.sin, looked_up)
-
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos and signed sin for `positions` [T], shaped [T, 1, head_dim] to broadcast over
-        heads, in the activations' dtype as Hugging Face applies them."""
-        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
-        return cos, sin
-
-    @staticmethod
-    def apply(x: torch.Tensor, rope: tuple[torch.Tensor, ...] | Rope) -> torch.Tensor:
-        """Rotate x [T, heads, head_dim] (queries and keys stacked on the heads axis)."""
-        if isinstance(rope, Rope):
-            assert rope.looked_up is not None, "a step for the fused kernel"
-            rope = rope.looked_up
-        cos, sin = rope
-        return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; positions: [T]."""
-        rope = self.lookup(positions, q.dtype)
-        return self.apply(q, rope), self.apply(k, rope)
-
-
-class Rope(NamedTuple):
-    """One step's rotary embedding, for every layer (`RotaryEmbedding.step`)."""
-
-    positions: torch.Tensor  # [T]
-    cos_table: torch.Tensor  # float32 [max_position, head_dim]
-    sin_table: torch.Tensor  # float32, the first half negated
-    looked_up: tuple[torch.Tensor, torch.Tensor] | None  # cos, sin [T, 1, head_dim] in the
-    # activations' dtype; None where only the fused kernel reads them
-
-
-def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / scaling["factor"]
-    if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    raise NotImplementedError(f"rope scaling type {rope_type!r} is not supported")
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    """Llama 3.1's frequency-dependent scaling: long wavelengths divided by `factor`, short ones
-    kept, the band between interpolated smoothly."""
-    factor = scaling["factor"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-    return torch.where(medium, smoothed, scaled)

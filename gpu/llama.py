@@ -23,13 +23,12 @@ from .layers import (
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
-    Rope,
-    RotaryEmbedding,
     RowParallelLinear,
     SiluAndMul,
     VocabParallelEmbedding,
     default_weight_loader,
 )
+from .rotary import Rope, RotaryEmbedding
 
 if TYPE_CHECKING:
     from .cpu_kernels import FusedOps

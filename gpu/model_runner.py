@@ -32,13 +32,13 @@ from triode.wire import (
 
 from . import cpu_kernels, int4, parallel_state
 from .batch import Batch, flatten
-from .kv_connector import FinishedTransfers, KVConnectorWorker
-from .layers import (
+from .cpu_paths import (
     cpu_weight_packing_supported,
     pack_cpu_weights,
     share_row_paths,
     use_fused_ops,
 )
+from .kv_connector import FinishedTransfers, KVConnectorWorker
 from .llama import head_dim, model_class
 from .loader import resolve_model
 from .sampler import (
@@ -50,9 +50,9 @@ from .sampler import (
     plain_greedy,
 )
 
-# what steps with prompt tokens pad their dense products to (see layers.RowPaths.dense_min)
+# what steps with prompt tokens pad their dense products to (see cpu_paths.RowPaths.dense_min)
 DENSE_MIN_ROWS = 64
-# the most prompt rows a step sends through the AMX 4-bit kernel (see layers.RowPaths.wide);
+# the most prompt rows a step sends through the AMX 4-bit kernel (see cpu_paths.RowPaths.wide);
 # measured on SmolLM2's projections, 2 cores: as fast as oneDNN's bfloat16 products at 256
 # rows with a quarter of the weight bytes, 1.3x slower at 2048
 WIDE_MAX_PROMPT_ROWS = 256
@@ -271,7 +271,7 @@ class ModelRunner:
             return ModelRunnerOutput(step=sched.step)
 
         batch = self._prepare(sched.requests)
-        decodes = batch.meta.num_decodes  # the leading rows (see layers.RowPaths)
+        decodes = batch.meta.num_decodes  # the leading rows (see cpu_paths.RowPaths)
         self._row_paths.int4 = decodes if decodes <= int4.INT4_MAX_ROWS else 0
         prompt_rows = any(
             r.num_computed_tokens < len(self._requests[r.request_id].prompt_token_ids)

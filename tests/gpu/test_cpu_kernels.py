@@ -151,7 +151,7 @@ def test_fused_norm_adds_the_residual_in_place_and_normalises_like_torch(rows: i
 def test_fused_rope_rotates_like_torch_and_writes_keys_and_values_to_their_slots(
     heads: int, kv_heads: int, head_dim: int
 ) -> None:
-    from triode.gpu.layers import RotaryEmbedding
+    from triode.gpu.rotary import RotaryEmbedding
 
     torch.manual_seed(head_dim)
     rope = RotaryEmbedding(head_dim, 512, 10000.0)

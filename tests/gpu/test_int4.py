@@ -14,6 +14,7 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
 from triode.gpu import cpu_kernels, int4
+from triode.gpu.cpu_paths import pack_cpu_weights, share_row_paths
 from triode.gpu.int4 import INT4_MAX_ROWS, Int4Linear, Int4Weight, _from_blocks
 from triode.gpu.layers import (
     ColumnParallelLinear,
@@ -21,8 +22,6 @@ from triode.gpu.layers import (
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
-    pack_cpu_weights,
-    share_row_paths,
 )
 from triode.gpu.model_runner import ModelRunner
 from triode.wire import NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput

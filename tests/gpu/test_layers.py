@@ -16,10 +16,10 @@ from triode.gpu.layers import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RMSNorm,
-    RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from triode.gpu.rotary import RotaryEmbedding
 
 
 def _on_ranks(
@@ -203,7 +203,7 @@ def test_paged_attention_over_shuffled_blocks_matches_plain_attention(
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
 def test_padded_dense_products_give_a_row_the_same_bits_at_any_row_count() -> None:
     # what a prompt's tail computed after a prefix-cache hit needs to match a full prefill
-    from triode.gpu.layers import pack_cpu_weights, share_row_paths
+    from triode.gpu.cpu_paths import pack_cpu_weights, share_row_paths
 
     layer = ColumnParallelLinear(576, 3072).bfloat16()  # SmolLM2's gate_up
     layer.weight.data.copy_(torch.randn(3072, 576) * 0.05)
