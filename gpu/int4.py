@@ -116,12 +116,16 @@ class Int4Linear:
         if self.amx is not None and not weight.constants_are_float16():
             self.amx = None
         if self.amx is not None:
-            # per block of 16 outputs and group of 32 inputs: byte [r // 4][n][r % 4] = output
-            # n's codes for inputs 2r and 2r + 1; the group's 16 scales and 16 minimums apart,
-            # as float16 (`constants_are_float16`)
+            # per block of 16 outputs and group of 32 inputs: byte [r // 4][l][r % 4] holds
+            # the codes of input 2r + l % 2 for outputs l // 2 (low nibble) and 8 + l // 2
+            # (high nibble); the group's 16 scales and 16 minimums apart, as float16
+            # (`constants_are_float16`)
             blocks = (rows // 16, 16, cols // GROUP)
-            codes = weight.codes.view(*blocks, 4, 4)  # [block, n, group, r // 4, r % 4]
-            self.codes = codes.permute(0, 2, 3, 1, 4).contiguous()
+            codes = weight.unpacked_codes().to(torch.uint8).view(rows // 16, 2, 8, -1, 16, 2)
+            # [block, half, n, group, r, p] -> [block, group, r, half, n * 2 + p]
+            codes = codes.permute(0, 3, 4, 1, 2, 5).reshape(rows // 16, -1, 16, 2, 16)
+            codes = codes[..., 0, :] | codes[..., 1, :] << 4  # [block, group, r, l]
+            self.codes = codes.view(rows // 16, -1, 4, 4, 16).transpose(3, 4).contiguous()
             self.scale = weight.scale.view(blocks).transpose(1, 2).half().contiguous()
             self.minimum = weight.minimum.view(blocks).transpose(1, 2).half().contiguous()
 

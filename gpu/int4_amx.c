@@ -3,9 +3,9 @@
  * time, into the bfloat16 values the dense path holds, for every row of x.
  *
  * W arrives packed for this kernel (`int4.py`): for each block of 16 outputs and each group of
- * 32 inputs, 256 bytes of codes, byte [r / 4][n][r % 4] holding output n's codes for inputs 2r
- * (low nibble) and 2r + 1 (high nibble), and 16 scales and 16 minimums in float16 (GGUF's
- * own, exactly). A weight is
+ * 32 inputs, 256 bytes of codes, byte [r / 4][l][r % 4] holding the codes of input 2r + l % 2
+ * for outputs l / 2 (low nibble) and 8 + l / 2 (high nibble), and 16 scales and 16 minimums
+ * in float16 (GGUF's own, exactly). A weight is
  * scale * code + minimum in float32, then rounded to bfloat16 (nearest, ties to even): the
  * same arithmetic, and so the same bits, as the dense bfloat16 weights the checkpoint
  * dequantizes to. Rows of 16 outputs x 32 inputs in bfloat16 pairs are the B operand of
@@ -45,47 +45,62 @@ typedef struct {
 /* tiles 0-3: sums for up to 4 blocks of 16 rows; 4: 16 rows of x; 5: the weights; 6: the
  * last rows of x when fewer than 16 (the tile intrinsics take literal numbers) */
 #define A_TILE 4
+#define A_NEXT 7
 #define B_TILE 5
 #define A_TAIL 6
 #define MAX_BLOCKS 4
 /* rows whose x stays in L2 while every block of outputs passes over them: past this many the
  * weights are widened again rather than x read again from memory */
 #define SPAN 256
+/* groups ahead whose codes are fetched while this one widens */
+#define PREFETCH 8
 
 /* the group's 16 x 32 weights as TDPBF16PS's B operand: 16 rows (input pairs) of 16 outputs.
- * Codes come 64 bytes per 4 rows: 32-bit lane n holds output n's bytes for rows 4q .. 4q + 3,
- * so each row's codes are a shift away; the float32 value of a code is a permute of 0 .. 15
- * (which reads only an index's low 4 bits), and one conversion rounds both weights of the row
- * to bfloat16 (nearest, ties to even; weights are never subnormal), which a word permute
- * interleaves into pairs. */
+ * Codes come 64 bytes per 4 rows: 32-bit lane l holds, for rows 4q .. 4q + 3, a byte each whose
+ * low nibble is the code of output l / 2, input 2r + l % 2, and whose high nibble that of output
+ * 8 + l / 2 (`int4.py` packs them so). A row's codes are then a shift away; their float32 values
+ * a permute of 0 .. 15 (which reads only an index's low 4 bits); scale * code + minimum one
+ * fused multiply-add (the product of a float16 scale and a code below 16 is exact in float32,
+ * so this rounds as the dense path's multiply, then add); and one conversion rounds the row's
+ * 32 weights to bfloat16 (nearest, ties to even; weights are never subnormal) in exactly the
+ * pair order of the B operand. */
 static inline void widen(const uint8_t *codes, const uint16_t *scale, const uint16_t *minimum,
                          uint16_t *b) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scale));
     const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)minimum));
+    const __m512i first = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    const __m512 d_low = _mm512_permutexvar_ps(first, d), d_high = _mm512_permutexvar_ps(second, d);
+    const __m512 m_low = _mm512_permutexvar_ps(first, m), m_high = _mm512_permutexvar_ps(second, m);
     const __m512 codes_f32 = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    /* word 2n: the low weight of output n (word n of the conversion), 2n + 1: its high one */
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                           16, 0);
     for (int q = 0; q < 4; q++) {
         const __m512i four = _mm512_loadu_si512((const void *)(codes + 64 * q));
         for (int j = 0; j < 4; j++) {
             const __m512i v = _mm512_srli_epi32(four, 8 * j);
             const __m512 low = _mm512_permutexvar_ps(v, codes_f32);
             const __m512 high = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), codes_f32);
-            const __m512 w_low = _mm512_add_ps(_mm512_mul_ps(d, low), m);
-            const __m512 w_high = _mm512_add_ps(_mm512_mul_ps(d, high), m);
-            const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(w_high, w_low);
-            _mm512_store_si512((void *)(b + 32 * (4 * q + j)), _mm512_permutexvar_epi16(pairs, both));
+            const __m512 w_low = _mm512_fmadd_ps(d_low, low, m_low);
+            const __m512 w_high = _mm512_fmadd_ps(d_high, high, m_high);
+            _mm512_store_si512((void *)(b + 32 * (4 * q + j)), (__m512i)_mm512_cvtne2ps_pbh(w_high, w_low));
         }
     }
 }
 
-#define LOAD_DP(i)                                                                            \
+/* group t of the codes widened into b, the codes PREFETCH groups on fetched meanwhile */
+static inline void widen_group(const uint8_t *codes, const uint16_t *scales,
+                               const uint16_t *minimums, int64_t t, uint16_t *b) {
+    const uint8_t *ahead = codes + (t + PREFETCH) * 256;
+    for (int line = 0; line < 256; line += 64) _mm_prefetch((const char *)(ahead + line), _MM_HINT_T0);
+    _mm_prefetch((const char *)(scales + (t + PREFETCH) * 16), _MM_HINT_T0);
+    _mm_prefetch((const char *)(minimums + (t + PREFETCH) * 16), _MM_HINT_T0);
+    widen(codes + t * 256, scales + t * 16, minimums + t * 16, b);
+}
+
+#define LOAD_DP(i, A)                                                                         \
     do {                                                                                      \
         if ((i) < full) {                                                                     \
-            _tile_loadd(A_TILE, a + (i) * 16 * x_stride, x_stride * 2);                       \
-            _tile_dpbf16ps(i, A_TILE, B_TILE);                                                \
+            _tile_loadd(A, a + (i) * 16 * x_stride, x_stride * 2);                           \
+            _tile_dpbf16ps(i, A, B_TILE);                                                     \
         } else if ((i) == full && tail) {                                                     \
             _tile_loadd(A_TAIL, a + (i) * 16 * x_stride, x_stride * 2);                       \
             _tile_dpbf16ps(i, A_TAIL, B_TILE);                                                \
@@ -106,8 +121,8 @@ static void configure(tile_config *config, int64_t here) {
         config->rows[i] = i < full ? 16 : tail;
         config->colsb[i] = 64;
     }
-    config->rows[A_TILE] = config->rows[B_TILE] = 16;
-    config->colsb[A_TILE] = config->colsb[B_TILE] = 64;
+    config->rows[A_TILE] = config->rows[A_NEXT] = config->rows[B_TILE] = 16;
+    config->colsb[A_TILE] = config->colsb[A_NEXT] = config->colsb[B_TILE] = 64;
     config->rows[A_TAIL] = tail ? tail : 16;
     config->colsb[A_TAIL] = 64;
 }
@@ -145,10 +160,6 @@ int triode_int4_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t rows,
         for (int64_t ob = 0; ob < out_blocks; ob++) {
             if (widened == NULL) continue;
             const int64_t end = rows - first < SPAN ? rows : first + SPAN;
-            for (int64_t g = 0; g < groups; g++) {
-                const int64_t t = ob * groups + g;
-                widen(codes + t * 256, scales + t * 16, minimums + t * 16, widened + g * 512);
-            }
             const __m512 bias16 =
                 bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + ob * 16))), 16))
@@ -163,13 +174,21 @@ int triode_int4_matmul_amx(const uint16_t *x, int64_t x_stride, int64_t rows,
                 if (1 < blocks) _tile_zero(1);
                 if (2 < blocks) _tile_zero(2);
                 if (3 < blocks) _tile_zero(3);
+                /* the span's first pass widens as it goes, a group ahead of the products (which
+                 * then overlap the widening); later passes reuse the widened groups */
+                const int widening = m0 == first;
+                if (widening) widen_group(codes, scales, minimums, ob * groups, widened);
                 for (int64_t g = 0; g < groups; g++) {
+                    if (widening && g + 1 < groups)
+                        widen_group(codes, scales, minimums, ob * groups + g + 1, widened + (g + 1) * 512);
                     _tile_loadd(B_TILE, widened + g * 512, 64);
                     const uint16_t *a = x + m0 * x_stride + g * 32;
-                    LOAD_DP(0);
-                    LOAD_DP(1);
-                    LOAD_DP(2);
-                    LOAD_DP(3);
+                    /* full blocks' x in two tiles by turns: one loads while a product reads
+                     * the other */
+                    LOAD_DP(0, A_TILE);
+                    LOAD_DP(1, A_NEXT);
+                    LOAD_DP(2, A_TILE);
+                    LOAD_DP(3, A_NEXT);
                 }
                 STORE(0);
                 STORE(1);
