@@ -17,9 +17,10 @@ class RowPaths:
     """How the rows of a step go through a model's projections; one instance shared by all of
     them (`share_row_paths`), set by the model runner before each forward.
 
-    `int4`: the leading rows (the step's few decodes) that take torch's 4-bit kernel
-    (`int4.py`). Splitting by row, not by step, keeps a decode's arithmetic the same whether
-    or not another request's prompt shares its step.
+    `decodes`: the step's leading rows, its decodes. A projection with 4-bit weights takes
+    them through torch's 4-bit kernel (`int4.py`) when they are at most its
+    `Int4Linear.max_rows`. Splitting by row, not by step, keeps a decode's arithmetic the same
+    whether or not another request's prompt shares its step.
 
     `wide`: the other rows take the AMX 4-bit kernel where a projection has it (a row's result
     is the same at any row count there), else the dense weights.
@@ -31,7 +32,7 @@ class RowPaths:
     held. The runner sets it for steps with prompt tokens only; decode steps pay no padding.
     """
 
-    int4: int = 0
+    decodes: int = 0
     wide: bool = True
     dense_min: int = 0
 

@@ -6,10 +6,10 @@ Converting a GGUF file keeps those codes beside the dequantized float32 checkpoi
 (`extract_gguf_int4`), checked to dequantize to exactly the float32 tensors. Two kernels read
 them, each streaming about a quarter of the bytes that bfloat16 weights take:
 
-- torch's int4 CPU kernel, for a step's decode rows when there are at most `INT4_MAX_ROWS` of
-  them (`cpu_paths.RowPaths`): a decode over a few sequences is bound by how fast the weights
-  stream from memory (measured on SmolLM2's projections, 2 cores: 1 row 3.7 ms against 12.2 ms
-  for the blocked bfloat16 weights, 8 rows 11.8 against 12.3). It computes in bfloat16 with
+- torch's int4 CPU kernel, for a step's decode rows when there are at most `Int4Linear.max_rows`
+  of them (`cpu_paths.RowPaths`): a decode over a few sequences is bound by how fast the
+  weights stream from memory (measured on SmolLM2's projections, 2 cores: 1 row 3.7 ms against
+  12.2 ms for the blocked bfloat16 weights, 8 rows 11.8 against 12.3). It computes in bfloat16 with
   float32 accumulation and takes the scale and the zero point (m + 8 d) in bfloat16: each
   block's two constants round once, where dense bfloat16 weights round every weight.
 - `int4_amx.c` on CPUs with AMX, for the other rows (`Int4Linear.wide`): it widens the codes to
@@ -36,7 +36,11 @@ log = logging.getLogger(__name__)
 GROUP = 32  # inputs per block: GGUF's Q4 block and the kernel's group size
 INT4_DIR = "int4"  # under a converted model directory
 INT4_FILE = "weights.safetensors"
+# the most decode rows torch's kernel takes: up to 8 without AMX; beside AMX, which is faster
+# from 3 rows on (SmolLM2 decode steps, 2 cores: 8 rows 17.3 ms against 23.9, 4 rows 15.6
+# against 16.6, 2 rows 15.0 against 14.7), up to 2
 INT4_MAX_ROWS = 8
+INT4_MAX_ROWS_BESIDE_AMX = 2
 
 
 class Int4Weight(NamedTuple):
@@ -97,10 +101,10 @@ class Int4Linear:
     """y = x W^T from W's 4-bit codes; x is bfloat16 [rows, cols].
 
     A call runs torch's int4 CPU kernel, which reads the codes and multiplies in one pass: the
-    fastest for the few rows of `INT4_MAX_ROWS`. `wide` runs `int4_amx.c` where the CPU has AMX
-    (and W has whole blocks of 16 outputs, with float16 constants; else `amx` is None): each
-    block of weights widened once to the dense path's bfloat16 values for all the rows, so any
-    number of rows, and a row's result is the same at every row count.
+    fastest for a step's few decode rows (`max_rows`). `wide` runs `int4_amx.c` where the CPU
+    has AMX (and W has whole blocks of 16 outputs, with float16 constants; else `amx` is None):
+    each block of weights widened once to the dense path's bfloat16 values for all the rows, so
+    any number of rows, and a row's result is the same at every row count.
     """
 
     def __init__(self, weight: Int4Weight) -> None:
@@ -128,6 +132,7 @@ class Int4Linear:
             self.codes = codes.view(rows // 16, -1, 4, 4, 16).transpose(3, 4).contiguous()
             self.scale = weight.scale.view(blocks).transpose(1, 2).half().contiguous()
             self.minimum = weight.minimum.view(blocks).transpose(1, 2).half().contiguous()
+        self.max_rows = INT4_MAX_ROWS if self.amx is None else INT4_MAX_ROWS_BESIDE_AMX
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)

@@ -115,7 +115,9 @@ class LinearBase(nn.Module):
         return self.tp_rank * size, size
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        four_bit, n = self.int4, self.rows.int4
+        four_bit, n = self.int4, self.rows.decodes
+        if four_bit is None or n > four_bit.max_rows:
+            n = 0
         wide = four_bit is not None and four_bit.amx is not None and self.rows.wide
         if four_bit is not None and n:
             y = four_bit(x[:n], bias)
@@ -146,7 +148,7 @@ class LinearBase(nn.Module):
         self.weight.data = self.weight.data.new_empty(0)  # the packed copy replaces it
 
     def attach_int4(self, weight: Int4Weight) -> None:
-        """Run the leading `rows.int4` rows of each input on `weight`, W in 4 bits."""
+        """Run a step's decode rows (`rows.decodes`) on `weight`, W in 4 bits."""
         if weight.shape != (self.output_size, self.input_size):
             raise ValueError(
                 f"int4 weight {weight.shape} for a [{self.output_size}, {self.input_size}] layer"

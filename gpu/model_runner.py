@@ -272,7 +272,7 @@ class ModelRunner:
 
         batch = self._prepare(sched.requests)
         decodes = batch.meta.num_decodes  # the leading rows (see cpu_paths.RowPaths)
-        self._row_paths.int4 = decodes if decodes <= int4.INT4_MAX_ROWS else 0
+        self._row_paths.decodes = decodes
         prompt_rows = any(
             r.num_computed_tokens < len(self._requests[r.request_id].prompt_token_ids)
             for r in sched.requests

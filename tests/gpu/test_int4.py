@@ -15,7 +15,13 @@ from safetensors.torch import load_file
 
 from triode.gpu import cpu_kernels, int4
 from triode.gpu.cpu_paths import pack_cpu_weights, share_row_paths
-from triode.gpu.int4 import INT4_MAX_ROWS, Int4Linear, Int4Weight, _from_blocks
+from triode.gpu.int4 import (
+    INT4_MAX_ROWS,
+    INT4_MAX_ROWS_BESIDE_AMX,
+    Int4Linear,
+    Int4Weight,
+    _from_blocks,
+)
 from triode.gpu.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -116,30 +122,32 @@ def test_a_linear_with_int4_takes_it_for_the_leading_decode_rows_and_dense_weigh
     other = _random_weight(96, 128, seed=1)  # not the dense weight: shows which path ran
     layer.attach_int4(other)
     rows = share_row_paths(layer)
+    assert layer.int4 is not None
+    wide = layer.int4.amx is not None
+    # torch's kernel takes a step's decodes up to 2 beside AMX (faster from 3 on), else up to 8
+    limit = layer.int4.max_rows
+    assert limit == (INT4_MAX_ROWS_BESIDE_AMX if wide else INT4_MAX_ROWS)
     x = torch.randn(INT4_MAX_ROWS + 1, 128).bfloat16()
     with torch.no_grad():
         four_bit = x.float() @ other.dequantize().t() + layer.bias.float()
         dense = F.linear(x, layer.weight, layer.bias)
-        rows.int4 = 3  # a step of 3 decodes and 6 prompt tokens
+        rows.decodes = 2  # a step of 2 decodes and 7 prompt tokens
         y = layer(x)
-        torch.testing.assert_close(y[:3].float(), four_bit[:3], rtol=2e-2, atol=3e-2)
+        torch.testing.assert_close(y[:2].float(), four_bit[:2], rtol=2e-2, atol=3e-2)
         # the other rows: on AMX where the CPU has it (the 4-bit weights), else dense
-        assert layer.int4 is not None
-        wide = layer.int4.amx is not None
         rest = layer.int4.wide(x, layer.bias) if wide else dense
-        torch.testing.assert_close(y[3:], rest[3:])
-        rows.int4 = INT4_MAX_ROWS  # a decode-only step
-        torch.testing.assert_close(
-            layer(x[:INT4_MAX_ROWS]).float(), four_bit[:INT4_MAX_ROWS], rtol=2e-2, atol=3e-2
-        )
-        rows.int4 = 0  # prompt tokens only, or more decodes than torch's kernel takes
-        torch.testing.assert_close(layer(x), rest)
+        torch.testing.assert_close(y[2:], rest[2:])
+        rows.decodes = limit  # a decode-only step
+        torch.testing.assert_close(layer(x[:limit]).float(), four_bit[:limit], rtol=2e-2, atol=3e-2)
+        for decodes in (0, limit + 1):  # prompt rows only, or more decodes than it takes
+            rows.decodes = decodes
+            torch.testing.assert_close(layer(x), rest)
         if wide:
             torch.testing.assert_close(rest.float(), four_bit, rtol=2e-2, atol=3e-2)
         rows.wide = False  # a step of many prompt rows: the dense weights past torch's kernel
         torch.testing.assert_close(layer(x), dense)
-        rows.int4 = 3
-        torch.testing.assert_close(layer(x)[3:], dense[3:])
+        rows.decodes = 2
+        torch.testing.assert_close(layer(x)[2:], dense[2:])
 
 
 def test_int4_weight_of_the_wrong_shape_is_refused() -> None:
