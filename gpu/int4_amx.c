@@ -42,8 +42,8 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* tiles 0-3: sums for up to 4 blocks of 16 rows; 4: 16 rows of x; 5: the weights; 6: the
- * last rows of x when fewer than 16 (the tile intrinsics take literal numbers) */
+/* tiles 0-3: sums for up to 4 blocks of 16 rows; 4 and 7: 16 rows of x; 5: the weights; 6:
+ * the last rows of x when fewer than 16 (the tile intrinsics take literal numbers) */
 #define A_TILE 4
 #define A_NEXT 7
 #define B_TILE 5
@@ -52,7 +52,8 @@ typedef struct {
 /* rows whose x stays in L2 while every block of outputs passes over them: past this many the
  * weights are widened again rather than x read again from memory */
 #define SPAN 256
-/* groups ahead whose codes are fetched while this one widens */
+/* groups ahead whose codes are fetched while this one widens (a prefetch never faults: those
+ * of the last groups run past the end harmlessly) */
 #define PREFETCH 8
 
 /* the group's 16 x 32 weights as TDPBF16PS's B operand: 16 rows (input pairs) of 16 outputs.
