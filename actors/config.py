@@ -31,6 +31,10 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # the prompt tokens a step starts new requests with (`SchedulerConfig`); 0: no limit. On
+    # 2 CPU cores, a burst of 32 prompts of 37 tokens: median time to first token 179 against
+    # 303 ms with no limit, the same output rate
+    max_new_prompt_tokens: int = 256
     kv_cache_memory: int | str = "512MiB"
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
@@ -69,6 +73,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_new_prompt_tokens < 0:
+            raise ValueError("max_new_prompt_tokens must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         for name in (

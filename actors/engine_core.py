@@ -504,6 +504,7 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                 block_size=executor.block_size,
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
+                max_new_prompt_tokens=args.max_new_prompt_tokens,
                 max_model_len=executor.max_model_len,
                 enable_prefix_caching=args.enable_prefix_caching,
             ),

@@ -3,7 +3,10 @@
 vLLM V1's rule: there is no prefill or decode phase, only requests whose computed tokens lag
 behind their known tokens. Each step spends a token budget catching them up: running requests
 first (preempting the lowest-priority, newest one by recompute when blocks run out), then
-waiting ones, whose prompts are cut into budget-sized chunks. With a KV connector
+waiting ones, whose prompts are cut into budget-sized chunks. New requests start with at most
+`max_new_prompt_tokens` of prompt between them a step (the first one always starts): a burst of
+short prompts spreads over a few steps, so its first requests answer sooner, while a lone long
+prompt still takes the whole budget. With a KV connector
 (`kv_connector.py`) a waiting request may instead load its prompt's KV from another instance,
 and a finished one may keep its blocks until another instance has read them. Pure Python; the
 runner and the engine loop live elsewhere.
@@ -50,6 +53,9 @@ class SchedulerConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # prompt tokens that a step's new requests start with, the first one's whatever it takes
+    # (0: no limit but the budget)
+    max_new_prompt_tokens: int = 0
     max_model_len: int
     enable_prefix_caching: bool = True
 
@@ -57,6 +63,8 @@ class SchedulerConfig:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_new_prompt_tokens < 0:
+            raise ValueError("max_new_prompt_tokens must be >= 0")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 
@@ -243,6 +251,7 @@ class Scheduler:
                 i += 1
 
         # New admissions would only take blocks that the preempted requests need back.
+        new_prompt_tokens = 0
         while (
             not preempted
             and self.waiting
@@ -263,6 +272,9 @@ class Scheduler:
                             break
                         continue
             num_new = min(req.num_tokens - num_hit, budget)
+            limit = self.config.max_new_prompt_tokens
+            if limit and new_prompt_tokens and new_prompt_tokens + num_new > limit:
+                break  # the next step starts it
             if self.kv_cache.allocate_slots(req, num_new, hit_blocks) is None:
                 break  # head-of-line blocking keeps the order fair
             self.waiting.pop(0)
@@ -273,6 +285,7 @@ class Scheduler:
             bisect.insort(self.running, req, key=_sort_key)
             scheduled.append((req, num_new))
             budget -= num_new
+            new_prompt_tokens += num_new
 
         return self._build_output(scheduled)
 

@@ -112,6 +112,13 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=None)
     engine.add_argument("--max-num-batched-tokens", type=int, default=None)
+    engine.add_argument(
+        "--max-new-prompt-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens a step starts new requests with, the first request's whatever it "
+        "takes (default 256; 0: up to --max-num-batched-tokens)",
+    )
     engine.add_argument("--kv-cache-memory", default=None, help="e.g. 512MiB, 2GiB")
     engine.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None
@@ -175,6 +182,7 @@ ENGINE_FLAGS = (
     "max_model_len",
     "max_num_seqs",
     "max_num_batched_tokens",
+    "max_new_prompt_tokens",
     "kv_cache_memory",
     "enable_prefix_caching",
     "tensor_parallel_size",

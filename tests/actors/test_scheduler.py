@@ -241,6 +241,33 @@ def test_running_requests_are_served_before_a_new_prompt_takes_the_rest() -> Non
     assert h.tokens("b") == reference(prompt_of(2, 12), 2)
 
 
+def test_a_step_starts_new_requests_with_at_most_max_new_prompt_tokens() -> None:
+    h = Harness(max_num_batched_tokens=64, max_new_prompt_tokens=12)
+    for i in range(5):  # a burst of 5 prompts of 5 tokens
+        h.add(f"r{i}", prompt_of(i, 5), max_tokens=3)
+    starts = [[r.request_id for r in h.step().requests if r.new is not None] for _ in range(3)]
+    assert starts == [["r0", "r1"], ["r2", "r3"], ["r4"]]  # 10 tokens, not 15, a step
+    h.run()
+    assert all(h.tokens(f"r{i}") == reference(prompt_of(i, 5), 3) for i in range(5))
+
+
+def test_the_first_new_request_takes_the_whole_budget_and_0_means_no_limit() -> None:
+    h = Harness(max_num_batched_tokens=32, max_new_prompt_tokens=8)
+    h.add("long", prompt_of(1, 40), max_tokens=2)
+    h.add("short", prompt_of(2, 4), max_tokens=2)
+    out = h.step()  # a lone long prompt is not chunked finer than the budget
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [("long", 32)]
+    out = h.step()  # running requests are not limited: "long" goes on, then "short" starts
+    assert [(r.request_id, len(r.token_ids)) for r in out.requests] == [("long", 8), ("short", 4)]
+    h.run()
+    assert h.tokens("long") == reference(prompt_of(1, 40), 2)
+
+    h = Harness(max_num_batched_tokens=64, max_new_prompt_tokens=0)
+    for i in range(5):
+        h.add(f"r{i}", prompt_of(i, 5), max_tokens=3)
+    assert len(h.step().requests) == 5
+
+
 def test_max_num_seqs_caps_running_requests() -> None:
     h = Harness(max_num_seqs=2)
     for i in range(5):

@@ -72,6 +72,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         block_size=st.sampled_from([1, 2, 4]),
         max_num_seqs=st.integers(1, 4),
         max_num_batched_tokens=st.integers(1, 16),
+        max_new_prompt_tokens=st.integers(0, 16),
         max_model_len=st.integers(2, 40),
         enable_prefix_caching=st.booleans(),
     )

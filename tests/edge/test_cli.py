@@ -57,6 +57,15 @@ def test_quantization_is_auto_or_none_on_the_command_line_and_in_engine_args() -
         EngineArgs(quantization="gptq")
 
 
+def test_max_new_prompt_tokens_is_a_flag_and_refused_below_0() -> None:
+    from triode.actors.config import EngineArgs
+
+    assert _serve("--max-new-prompt-tokens", "0").max_new_prompt_tokens == 0
+    assert EngineArgs().max_new_prompt_tokens == 256
+    with pytest.raises(ValueError, match="max_new_prompt_tokens"):
+        EngineArgs(max_new_prompt_tokens=-1)
+
+
 def test_parallel_flags_reach_the_engine_args() -> None:
     from triode.actors.config import EngineArgs
 
