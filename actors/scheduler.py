@@ -251,7 +251,7 @@ class Scheduler:
                 i += 1
 
         # New admissions would only take blocks that the preempted requests need back.
-        new_prompt_tokens = 0
+        limit, new_prompt_tokens = self.config.max_new_prompt_tokens, 0
         while (
             not preempted
             and self.waiting
@@ -272,7 +272,6 @@ class Scheduler:
                             break
                         continue
             num_new = min(req.num_tokens - num_hit, budget)
-            limit = self.config.max_new_prompt_tokens
             if limit and new_prompt_tokens and new_prompt_tokens + num_new > limit:
                 break  # the next step starts it
             if self.kv_cache.allocate_slots(req, num_new, hit_blocks) is None:

@@ -93,8 +93,7 @@ def flatten(
     if paged_kernel:
         groups = []
         if kernel_lens:
-            kernel = DecodeGroup.build(0, kernel_tables, kernel_lens, bs, device, False)
-            groups.append(kernel)
+            groups = [DecodeGroup.build(0, kernel_tables, kernel_lens, bs, device, False)]
     else:
         groups = [
             DecodeGroup.build(

@@ -115,20 +115,18 @@ class LinearBase(nn.Module):
         return self.tp_rank * size, size
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        four_bit, n = self.int4, self.rows.decodes
-        if four_bit is None or n > four_bit.max_rows:
-            n = 0
-        wide = four_bit is not None and four_bit.amx is not None and self.rows.wide
-        if four_bit is not None and n:
-            y = four_bit(x[:n], bias)
-            if n == x.shape[0]:
-                return y
-            rest = four_bit.wide(x[n:], bias) if wide else self._dense(x[n:], bias)
-            return torch.cat([y, rest])
-        if wide:
-            assert four_bit is not None
-            return four_bit.wide(x, bias)
-        return self._dense(x, bias)
+        four_bit = self.int4
+        if four_bit is None:
+            return self._dense(x, bias)
+        n = self.rows.decodes if self.rows.decodes <= four_bit.max_rows else 0
+        if n and n == x.shape[0]:
+            return four_bit(x, bias)
+        rest = x[n:]
+        if four_bit.amx is not None and self.rows.wide:
+            rest = four_bit.wide(rest, bias)
+        else:
+            rest = self._dense(rest, bias)
+        return torch.cat([four_bit(x[:n], bias), rest]) if n else rest
 
     def _dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         n, least = x.shape[0], self.rows.dense_min
