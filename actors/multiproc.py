@@ -22,7 +22,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -43,6 +42,7 @@ from triode.wire import (
     Socket,
     WorkerMessageType,
 )
+from triode.wire.ports import free_port
 from triode.wire.shm_ring import RingTimeout, ShmRingWriter
 
 from .config import EngineArgs
@@ -61,13 +61,6 @@ SUBSCRIBE_TIMEOUT = 60.0  # for ranks on other nodes to connect to the broadcast
 
 class WorkerDied(RuntimeError):
     """A model worker process died or failed; the engine cannot step without it."""
-
-
-def free_port(host: str) -> int:
-    """A TCP port nothing listens on right now (the rendezvous binds it moments later)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def worker_options(args: EngineArgs, rank: int, master_port: int, **extra: Any) -> dict[str, Any]:

@@ -18,7 +18,6 @@ import math
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ import numpy as np
 import trio
 
 from triode.actors import Engine, RequestError, SamplingParams, open_engine
+from triode.wire.ports import free_port
 
 from .sse import SSEParser
 
@@ -347,13 +347,6 @@ async def _generate(engine: Engine, prompt: str, params: SamplingParams) -> Requ
     result.latency = time.perf_counter() - start
     result.ok = True
     return result
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def serve_command(

@@ -9,7 +9,6 @@ that gets `world` real ranks talking, and it never leaves one behind.
 from __future__ import annotations
 
 import pickle
-import socket
 import tempfile
 import time
 import traceback
@@ -23,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from triode.wire.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -51,13 +52,6 @@ class _Spec:
     port: int
     threads: int | None
     timeout: float
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (rank 0's store binds it next)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from triode.wire.ports import free_port
+
 START_TIMEOUT = 20.0
 STOP_TIMEOUT = 10.0
 
@@ -66,12 +68,6 @@ def serve(port: int, transport: Transport, log: Path) -> None:
         server.run("sse", host="127.0.0.1", port=port)
     else:
         server.run("streamable-http", host="127.0.0.1", port=port)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

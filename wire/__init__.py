@@ -3,8 +3,8 @@
 Message types, the codec (out-of-band array frames), framing for the engine's sockets, control
 (handshake) messages, the trio adapter for pyzmq sockets, and the shared-memory ring that
 broadcasts each step to the model workers, the KV connector's messages (disaggregated
-prefill), recordings of an engine core's traffic, and handles of tensors that travel through
-shared memory. Nothing here imports torch.
+prefill), recordings of an engine core's traffic, handles of tensors that travel through
+shared memory, and free ports for servers and rendezvous to bind. Nothing here imports torch.
 """
 
 from .codec import DEFAULT_AUX_THRESHOLD as DEFAULT_AUX_THRESHOLD

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import httpx
 
 from triode.edge.sse import SSEParser
+from triode.wire.ports import free_port
 
 START_TIMEOUT = 180.0
 
@@ -50,12 +50,6 @@ def stream_and_kill(server: Server, pid: int) -> tuple[list[bytes], float]:
         for chunk in stream:
             events += parser.feed(chunk)
         return events, time.monotonic() - killed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

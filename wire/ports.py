@@ -1,0 +1,44 @@
+"""Free TCP ports for a server or a rendezvous to bind a moment later.
+
+A port the kernel picked for a probe socket (a bind to port 0) comes from its ephemeral range,
+which is also where every outgoing connection gets its local port: between the probe and the
+bind, a gloo rank's, a ZMQ peer's or an HTTP client's connection can take it, and the bind
+fails with "address already in use". A port below that range is never handed out that way, so
+only another explicit bind can take it.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST = 10000  # below: the well-known services' neighbourhood
+TRIES = 64
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that was free a moment ago, below the ephemeral range where there is
+    room for one (else one the kernel picks)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    ephemeral = _ephemeral_start()
+    for _ in range(TRIES if ephemeral > LOWEST else 0):
+        port = random.randrange(LOWEST, ephemeral)
+        with socket.socket(family) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where it cannot tell)."""
+    try:
+        return int(_PORT_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
