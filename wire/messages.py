@@ -23,6 +23,10 @@ _INF = math.inf
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
+# Longest `EngineCoreRequest.cache_salt`: room for a client's salt and a key digest the edge
+# adds to it, with a margin; the salt is hashed once per request, so the bound is about memory.
+MAX_WIRE_CACHE_SALT = 1024
+
 
 class EngineCoreRequestType(enum.Enum):
     """The one-byte first frame of every message on the input socket."""
@@ -185,11 +189,20 @@ class EngineCoreRequest(msgspec.Struct, **_HOT):
     # The prompt as embeddings [len(prompt_token_ids), hidden size] in shared memory, in place
     # of the embedding lookup; its token ids are then placeholders (zeros).
     prompt_embeds: TensorHandle | None = None
+    # Mixed into the hash of the prompt's first KV block, so that only requests with the same
+    # salt share cached prefix blocks (vLLM's `cache_salt`; the edge may fold in the caller's
+    # key digest).
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.request_id), "request_id", "must not be empty")
         _check(bool(self.prompt_token_ids), "prompt_token_ids", "must not be empty")
         _check(0 <= self.client_index < 2**16, "client_index", "must fit in 16 bits")
+        _check(
+            self.cache_salt is None or 0 < len(self.cache_salt) <= MAX_WIRE_CACHE_SALT,
+            "cache_salt",
+            f"must be a non-empty string of at most {MAX_WIRE_CACHE_SALT} characters",
+        )
 
 
 class Logprobs(msgspec.Struct, **_HOT):
