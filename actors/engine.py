@@ -31,6 +31,7 @@ from triode.wire import (
     Socket,
     topic_for,
 )
+from triode.wire.messages import MAX_WIRE_CACHE_SALT
 from triode.wire.tensor_ipc import SharedTensor, TensorHandle
 
 from .config import EngineArgs
@@ -149,6 +150,7 @@ class Engine:
         delta: bool = False,
         kv_transfer_params: dict[str, Any] | None = None,
         prompt_embeds: Any = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Generate for one prompt, yielding cumulative `RequestOutput`s until it finishes.
 
@@ -166,9 +168,17 @@ class Engine:
         bfloat16, float16), or a `TensorHandle` already shared, which the engine takes over.
         They reach the engine core through shared memory, unlinked when the request ends,
         however it ends. Not with prompt logprobs or `kv_transfer_params`.
+
+        `cache_salt` enters the hash of the prompt's first KV block: the request shares cached
+        prefix blocks only with requests of the same salt (none: with unsalted ones).
         """
         params = params or SamplingParams()
         try:
+            if cache_salt is not None and not 0 < len(cache_salt) <= MAX_WIRE_CACHE_SALT:
+                raise RequestError(
+                    f"cache_salt must be a non-empty string of at most {MAX_WIRE_CACHE_SALT} "
+                    "characters"
+                )
             prompt_ids = self._prompt_ids(prompt, prompt_embeds, params, kv_transfer_params)
             client = self._pick()
             shared: list[tuple[TensorHandle, SharedTensor]] = []
@@ -182,7 +192,9 @@ class Engine:
             raise
         request_id = request_id or uuid.uuid4().hex
         handles = [handle for handle, _ in shared]
-        run = _Run(self, request_id, prompt, prompt_ids, params, kv_transfer_params, handles)
+        run = _Run(
+            self, request_id, prompt, prompt_ids, params, kv_transfer_params, handles, cache_salt
+        )
         try:
             await run.start(client)
             while not run.finished:
@@ -295,10 +307,12 @@ class _Run:
         params: SamplingParams,
         kv_transfer_params: dict[str, Any] | None = None,
         embeds: list[TensorHandle] | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.engine = engine
         self.kv_transfer_params = kv_transfer_params
         self.embeds = embeds or []  # one shared copy of the prompt embeddings per child
+        self.cache_salt = cache_salt
         self.stream = RequestStream()
         self.params = params
         self.prompt_ids = prompt_ids
@@ -338,6 +352,7 @@ class _Run:
                 arrival_time=now,
                 kv_transfer_params=self.kv_transfer_params,
                 prompt_embeds=self.embeds[i] if self.embeds else None,
+                cache_salt=self.cache_salt,
             )
             await client.add_request(request, self.stream)
 

@@ -34,10 +34,22 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> by
     return digest.digest()
 
 
-def embeds_salt(dtype: str, embeds: np.ndarray) -> bytes:
-    """What starts the block-hash chain of a prompt given as embeddings, in place of
-    `NONE_HASH`: its token ids are placeholders, so the chain must name the embeddings."""
+def salt_root(cache_salt: str) -> bytes:
+    """What starts the block-hash chain of a request with a `cache_salt`, in place of
+    `NONE_HASH`. The salt enters the first block's hash, so every block of the chain differs
+    from an unsalted or differently salted request's (vLLM puts it in the first block's
+    extra keys)."""
     digest = hashlib.sha256(NONE_HASH)
+    digest.update(b"cache_salt\0")
+    digest.update(cache_salt.encode("utf-8", "surrogatepass"))
+    return digest.digest()
+
+
+def embeds_salt(dtype: str, embeds: np.ndarray, parent: bytes | None = None) -> bytes:
+    """What starts the block-hash chain of a prompt given as embeddings, in place of
+    `NONE_HASH` (or of `parent`, a salted root): its token ids are placeholders, so the chain
+    must name the embeddings."""
+    digest = hashlib.sha256(NONE_HASH if parent is None else parent)
     digest.update(f"prompt_embeds {dtype} {list(embeds.shape)}".encode())
     digest.update(np.ascontiguousarray(embeds).reshape(-1).view(np.uint8))
     return digest.digest()
@@ -260,6 +272,6 @@ class KVCacheManager:
         hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else request.cache_salt
+            parent = hashes[-1] if hashes else request.hash_root
             hashes.append(hash_block_tokens(parent, tokens[i * size : (i + 1) * size]))
         return hashes

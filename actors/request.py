@@ -53,8 +53,10 @@ class Request:
 
     A prompt given as embeddings keeps them (`prompt_embeds`, [prompt tokens, hidden size] of
     `prompt_embeds_dtype`) until the request ends, so a recompute after preemption has them;
-    its prompt token ids are placeholders, and `cache_salt`, a digest of the embeddings, starts
-    its block hashes' chain instead, so that only the same embeddings share cached blocks.
+    its prompt token ids are placeholders, and a digest of the embeddings starts its block
+    hashes' chain (`hash_root`), so that only the same embeddings share cached blocks.
+    `cache_salt` (the client's, or one the edge made from the caller's key) enters `hash_root`
+    too: requests share cached blocks only when their salts are equal.
     """
 
     __slots__ = (
@@ -65,6 +67,7 @@ class Request:
         "client_index",
         "eos_token_id",
         "grammar",
+        "hash_root",
         "kv_load_tried",
         "kv_transfer_params",
         "kv_transfer_params_out",
@@ -100,7 +103,8 @@ class Request:
         kv_transfer_params: dict[str, Any] | None = None,
         prompt_embeds: np.ndarray | None = None,
         prompt_embeds_dtype: str | None = None,
-        cache_salt: bytes | None = None,
+        cache_salt: str | None = None,
+        hash_root: bytes | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -137,6 +141,8 @@ class Request:
         self.prompt_embeds = prompt_embeds
         self.prompt_embeds_dtype = prompt_embeds_dtype
         self.cache_salt = cache_salt
+        # What the first block's hash chains from in place of the process's NONE_HASH.
+        self.hash_root = hash_root
 
     @classmethod
     def from_engine_core_request(
@@ -144,10 +150,10 @@ class Request:
         request: EngineCoreRequest,
         seq: int,
         prompt_embeds: np.ndarray | None = None,
-        cache_salt: bytes | None = None,
+        hash_root: bytes | None = None,
     ) -> Request:
         """The scheduler's request for `request`, with its embeddings, copied out of shared
-        memory, when its prompt came as those."""
+        memory, when its prompt came as those, and the root of its block-hash chain."""
         handle = request.prompt_embeds
         return cls(
             request.request_id,
@@ -161,7 +167,8 @@ class Request:
             kv_transfer_params=request.kv_transfer_params,
             prompt_embeds=prompt_embeds,
             prompt_embeds_dtype=None if handle is None else handle.dtype,
-            cache_salt=cache_salt,
+            cache_salt=request.cache_salt,
+            hash_root=hash_root,
         )
 
     @property

@@ -39,7 +39,7 @@ from triode.wire.step import (
     SchedulerOutput,
 )
 
-from .kv_cache import KVCacheBlock, KVCacheManager, embeds_salt
+from .kv_cache import KVCacheBlock, KVCacheManager, embeds_salt, salt_root
 from .kv_connector import KVConnectorScheduler
 from .request import Request, RequestStatus
 
@@ -136,11 +136,14 @@ class Scheduler:
             return EngineCoreOutput(
                 request.request_id, finish_reason=FinishReason.ERROR, stop_reason=error
             )
-        salt = None
-        if prompt_embeds is not None and self.config.enable_prefix_caching:
-            assert request.prompt_embeds is not None
-            salt = embeds_salt(request.prompt_embeds.dtype, prompt_embeds)
-        req = Request.from_engine_core_request(request, self._seq, prompt_embeds, salt)
+        root = None
+        if self.config.enable_prefix_caching:
+            if request.cache_salt is not None:
+                root = salt_root(request.cache_salt)
+            if prompt_embeds is not None:
+                assert request.prompt_embeds is not None
+                root = embeds_salt(request.prompt_embeds.dtype, prompt_embeds, root)
+        req = Request.from_engine_core_request(request, self._seq, prompt_embeds, root)
         req.grammar = grammar
         self._seq += 1
         self.requests[req.request_id] = req

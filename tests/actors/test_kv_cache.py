@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from triode.actors.kv_cache import BlockPool, KVCacheManager, hash_block_tokens
+import numpy as np
+
+from triode.actors.kv_cache import (
+    BlockPool,
+    KVCacheManager,
+    embeds_salt,
+    hash_block_tokens,
+    salt_root,
+)
 from triode.actors.request import Request
 from triode.wire import SamplingParams
 
 
-def request(request_id: str, tokens: list[int], **params: object) -> Request:
-    return Request(request_id, tokens, SamplingParams(**params))  # type: ignore[arg-type]
+def request(
+    request_id: str, tokens: list[int], hash_root: bytes | None = None, **params: object
+) -> Request:
+    return Request(request_id, tokens, SamplingParams(**params), hash_root=hash_root)  # type: ignore[arg-type]
 
 
 def free_order(pool: BlockPool) -> list[int]:
@@ -181,3 +191,35 @@ def test_reset_prefix_cache_only_when_no_block_is_in_use() -> None:
     assert kv.reset_prefix_cache() is True
     assert not kv.pool.cached and all(b.block_hash is None for b in kv.pool.blocks)
     assert kv.get_computed_blocks(request("b", [1, 2, 3, 4, 5])) == []
+
+
+def test_different_salts_share_no_block_and_the_same_salt_shares_all() -> None:
+    kv = KVCacheManager(16, block_size=2)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    a = request("a", prompt, salt_root("tenant-a"))
+    admit(kv, a)
+    # the salt is in the first block's hash, so no block of the chain matches
+    assert kv.get_computed_blocks(request("unsalted", prompt)) == []
+    assert kv.get_computed_blocks(request("b", prompt, salt_root("tenant-b"))) == []
+    again = request("a2", prompt, salt_root("tenant-a"))
+    assert admit(kv, again) == 6
+    assert kv.req_blocks["a2"][:3] == kv.req_blocks["a"][:3]
+    plain = request("plain", prompt)
+    admit(kv, plain)
+    other = request("b2", prompt, salt_root("tenant-b"))
+    assert admit(kv, other) == 0
+    assert not set(kv.req_blocks["b2"]) & (set(kv.req_blocks["a"]) | set(kv.req_blocks["plain"]))
+    assert not set(a.block_hashes) & set(plain.block_hashes)
+    assert not set(a.block_hashes) & set(other.block_hashes)
+
+
+def test_salt_roots_name_the_salt_and_combine_with_embeddings() -> None:
+    assert salt_root("x") == salt_root("x") and len(salt_root("x")) == 32
+    assert salt_root("x") != salt_root("y") != salt_root("")
+    assert salt_root("\ud800") != salt_root("?")  # lone surrogates hash, never raise
+    embeds = np.ones((3, 4), np.float32)
+    plain = embeds_salt("float32", embeds)
+    assert embeds_salt("float32", embeds, salt_root("x")) not in {plain, salt_root("x")}
+    assert embeds_salt("float32", embeds, salt_root("x")) != embeds_salt(
+        "float32", embeds, salt_root("y")
+    )

@@ -155,6 +155,7 @@ class Harness:
         eos_token_id: int | None = None,
         priority: int = 0,
         client_index: int = 0,
+        cache_salt: str | None = None,
         **params: Any,
     ) -> EngineCoreOutput | None:
         self.prompts[request_id] = prompt
@@ -165,6 +166,7 @@ class Harness:
             eos_token_id=eos_token_id,
             priority=priority,
             client_index=client_index,
+            cache_salt=cache_salt,
         )
         return self.sched.add_request(request)
 
@@ -431,6 +433,18 @@ def test_freed_cached_blocks_are_revived_by_a_later_hit() -> None:
     assert out.requests[0].num_computed_tokens == 12
     h.run()
     assert h.tokens("b") == reference([*shared, 2], 2)
+
+
+def test_only_requests_with_the_same_cache_salt_share_prefix_blocks() -> None:
+    h = Harness(block_size=4)
+    prompt = prompt_of(11, 9)
+    h.add("a", prompt, max_tokens=2, cache_salt="tenant-a")
+    h.run()
+    for rid, salt in [("plain", None), ("b", "tenant-b"), ("a2", "tenant-a")]:
+        h.add(rid, prompt, max_tokens=2, cache_salt=salt)
+        h.run()
+    assert [h.last(rid).num_cached_tokens for rid in ("a", "plain", "b", "a2")] == [0, 0, 0, 8]
+    assert h.tokens("a2") == h.tokens("b") == reference(prompt, 2)
 
 
 def test_without_prefix_caching_nothing_is_shared() -> None:
