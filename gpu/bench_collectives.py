@@ -293,13 +293,14 @@ def _zmq_pair(me: Rank, ipc_dir: str) -> Iterator[tuple[zmq.Socket, zmq.Socket]]
 @contextmanager
 def _shm_ring_pair(me: Rank) -> Iterator[tuple[Any, Any]]:
     """This rank's ring writer (the other rank its one reader) and its reader of the other's."""
-    from triode.wire.shm_ring import ShmRingReader, ShmRingWriter
+    from triode.wire.shm_ring import RingHandle, ShmRingReader, ShmRingWriter
+
+    from .object_collectives import all_gather
 
     ctx = zmq.Context()
     try:
         with ShmRingWriter(1, zmq_context=ctx) as writer:
-            handles: list[object] = [None] * me.world
-            dist.all_gather_object(handles, writer.handle)
+            handles = all_gather(writer.handle, RingHandle)
             with ShmRingReader(handles[1 - me.rank], 0, zmq_context=ctx) as reader:
                 writer.wait_for_subscribers(timeout=30)
                 yield writer, reader

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from triode.wire import (
+    KVConnectorOutput,
     Logprobs,
     ModelRunnerOutput,
     RequestStepResult,
@@ -150,7 +151,7 @@ class ModelRunner:
         self._transfers = FinishedTransfers(self.parallel.world_size)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_cache)
-            endpoints = parallel_state.all_gather_object(self.kv_connector.endpoint)
+            endpoints = parallel_state.all_gather(self.kv_connector.endpoint, str | None)
             self.kv_endpoints = [e for e in endpoints if e is not None]
         # decode attention from the paged cache in place, where the C kernel is built (CPU,
         # bfloat16); float32 stays on torch's attention, which the reference comparisons pin
@@ -240,7 +241,7 @@ class ModelRunner:
             connector.clear_connector_metadata()
         self._transfers.forget(metadata.release)
         if metadata.sync:
-            reports = parallel_state.all_gather_object(connector.get_finished())
+            reports = parallel_state.all_gather(connector.get_finished(), KVConnectorOutput)
             finished = self._transfers.add(reports)
             if self.parallel.is_driver:
                 output.kv_connector_output = finished

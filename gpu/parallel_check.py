@@ -18,11 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from triode.wire import NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
 
-from . import parallel_state
+from . import object_collectives, parallel_state
 from .collective_check import CheckRow, Status
 from .local_group import Rank, RankError, run_ranks
 from .model_runner import ModelRunner
@@ -208,13 +207,13 @@ def _steps(me: Rank, layout: ParallelLayout, model: str, prompts: list[list[int]
         if n + 1 == MAX_TOKENS:
             break
         # every rank builds the next step from the driver's tokens, as the engine's do
-        box = [[t[-1] for t in tokens] if layout.is_driver else None]
-        dist.broadcast_object_list(box, src=layout.driver_rank)
+        last = [t[-1] for t in tokens] if layout.is_driver else None
+        sampled = object_collectives.broadcast(last, list[int], src=layout.driver_rank)
         step = SchedulerOutput(
             step=n + 1,
             requests=[
                 ScheduledRequest(rid, [t], len(p) + n, b)
-                for rid, t, p, b in zip(ids, box[0], prompts, blocks, strict=True)
+                for rid, t, p, b in zip(ids, sampled, prompts, blocks, strict=True)
             ],
         )
     if not layout.is_driver:

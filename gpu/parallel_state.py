@@ -23,14 +23,17 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from . import object_collectives
 from .shm_allreduce import ShmAllReduce, ShmUnavailable
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 STARTUP_TIMEOUT = 900.0  # seconds for every rank to join and load its shard
 
@@ -271,13 +274,12 @@ def world_min(value: int, device: torch.device) -> int:
     return int(count.item())
 
 
-def all_gather_object(value: Any) -> list[Any]:
-    """Every rank's picklable `value`, in rank order; `[value]` outside a parallel world."""
+def all_gather(value: T, type: type[T] | Any) -> list[T]:
+    """Every rank's `value` (msgpack, decoded as `type`: no pickle between ranks), in rank
+    order; `[value]` outside a parallel world."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [value]
-    values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
+    return object_collectives.all_gather(value, type)
 
 
 def cpu_share(local_rank: int, local_world_size: int) -> list[int]:

@@ -42,6 +42,8 @@ import torch.distributed as dist
 
 from triode.wire.shm_segment import fence
 
+from . import object_collectives
+
 SHM_DIR = Path("/dev/shm")
 NAME_PREFIX = "triode-allreduce-"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -128,18 +130,19 @@ class ShmAllReduce:
         global_ranks = dist.get_process_group_ranks(group)
         slot_bytes = max_bytes - max_bytes % 4
         size = cls.size(len(global_ranks), slot_bytes)
-        box: list[object] = [None, None]
+        created: tuple[str | None, str | None] = (None, None)
         mapping = error = None
         if rank == 0:
             name = f"{NAME_PREFIX}{secrets.token_hex(8)}"
             try:
                 mapping = _map(name, size, create=True)
                 _HEADER.pack_into(mapping, 0, _MAGIC, _VERSION, len(global_ranks), slot_bytes)
-                box = [name, None]
+                created = (name, None)
             except OSError as e:
-                box = [None, f"rank 0 could not create {SHM_DIR / name}: {e}"]
-        dist.broadcast_object_list(box, group=group, group_src=0)
-        name, error = box  # type: ignore[assignment]
+                created = (None, f"rank 0 could not create {SHM_DIR / name}: {e}")
+        name, error = object_collectives.broadcast(
+            created, tuple[str | None, str | None], src=0, group=group
+        )
         if rank != 0 and name is not None:
             try:
                 mapping = _map(name, size, create=False)

@@ -40,7 +40,7 @@ def _rank_main(layout: ParallelLayout, port: int, model_dir: str, out: str) -> N
     import torch
     import torch.distributed as dist
 
-    from triode.gpu import parallel_state
+    from triode.gpu import object_collectives, parallel_state
     from triode.gpu.model_runner import ModelRunner
 
     torch.set_num_threads(1)
@@ -70,10 +70,9 @@ def _rank_main(layout: ParallelLayout, port: int, model_dir: str, out: str) -> N
         tokens = [0] * len(PROMPTS)
         if layout.is_driver:
             tokens = [r.token_id for r in outputs[-1].results]
-        box = [tokens]
-        dist.broadcast_object_list(box, src=layout.driver_rank)
+        sampled = object_collectives.broadcast(tokens, list[int], src=layout.driver_rank)
         requests = []
-        for rid, token in zip(PROMPTS, box[0], strict=True):
+        for rid, token in zip(PROMPTS, sampled, strict=True):
             history[rid].append(token)
             requests.append(ScheduledRequest(rid, [token], len(history[rid]) - 1, blocks[rid]))
         outputs.append(runner.execute(SchedulerOutput(step=step, requests=requests)))
