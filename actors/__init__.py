@@ -15,6 +15,7 @@ from .config import EngineArgs as EngineArgs
 from .core_client import EngineDeadError as EngineDeadError
 from .engine import Engine as Engine
 from .engine import RequestError as RequestError
+from .engine import RequestRefused as RequestRefused
 from .engine import open_engine as open_engine
 from .errors import ActorDied as ActorDied
 from .errors import ActorError as ActorError

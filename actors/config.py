@@ -35,6 +35,10 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # 2 CPU cores, a burst of 32 prompts of 37 tokens: median time to first token 179 against
     # 303 ms with no limit, the same output rate
     max_new_prompt_tokens: int = 256
+    # requests waiting to start in one engine core; past it a new one is refused (the edge
+    # answers 429 with Retry-After) instead of queueing without end. 0: no bound. 16x the
+    # default max_num_seqs: a queue far longer than a busy server drains in a minute
+    max_waiting_requests: int = 4096
     kv_cache_memory: int | str = "512MiB"
     enable_prefix_caching: bool = True
     tensor_parallel_size: int = 1
@@ -75,6 +79,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"{name} must be >= 1")
         if self.max_new_prompt_tokens < 0:
             raise ValueError("max_new_prompt_tokens must be >= 0")
+        if self.max_waiting_requests < 0:
+            raise ValueError("max_waiting_requests must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         for name in (

@@ -54,6 +54,16 @@ class RequestError(ValueError):
     """The engine refused a request (for example, a prompt longer than the model can take)."""
 
 
+class RequestRefused(RuntimeError):
+    """The engine core did not take a request for now: its queue of waiting requests is full
+    (`EngineArgs.max_waiting_requests`). The same request may succeed later; `retry_after` is
+    the seconds a client should wait first."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class Engine:
     """A running engine: one engine core, or several (data parallel) that requests are
     balanced over. Use it from the trio run that opened it."""
@@ -158,7 +168,8 @@ class Engine:
         ids, logprobs, prompt logprobs), which is what a stream sends on. Each yield is a
         checkpoint. Cancelling the consumer, or closing the generator early,
         aborts the request in the engine and frees its KV blocks. Raises `RequestError` if the
-        engine refuses the request and `EngineDeadError` if the engine dies.
+        engine refuses the request, `RequestRefused` if it cannot take it for now (its queue is
+        full), and `EngineDeadError` if the engine dies.
 
         `kv_transfer_params` go to the engine's KV connector (disaggregated prefill, `n` = 1
         only); what it hands on comes back in the last output's `kv_transfer_params`.
@@ -369,6 +380,8 @@ class _Run:
             return  # e.g. a token that was in flight when a stop string ended it
         if out.finish_reason is FinishReason.ERROR:
             raise RequestError(str(out.stop_reason or "the engine failed the request"))
+        if out.finish_reason is FinishReason.REFUSED:
+            raise RequestRefused(str(out.stop_reason or "the engine is busy"))
         if out.num_cached_tokens:
             self.output.num_cached_tokens = out.num_cached_tokens
         if out.kv_transfer_params is not None:
@@ -555,4 +568,11 @@ def sum_stat_dicts(stats: list[dict[str, Any]]) -> dict[str, Any]:
     return total
 
 
-__all__ = ["Engine", "EngineDeadError", "RequestError", "connect_engine", "open_engine"]
+__all__ = [
+    "Engine",
+    "EngineDeadError",
+    "RequestError",
+    "RequestRefused",
+    "connect_engine",
+    "open_engine",
+]

@@ -236,6 +236,10 @@ class EngineCore:
                 problem = "structured_outputs: this model has no tokenizer.json to build grammars"
             elif request.request_id in self._compiling:
                 problem = f"request id {request.request_id!r} is already in use"
+            elif self.scheduler.waiting_full(len(self._compiling)):
+                # refused before its grammar costs a compile
+                await self._reject(request, self.scheduler.refusal(request.request_id))
+                return
             else:
                 self._compiling.add(request.request_id)
                 self._nursery.start_soon(self._compile_then_add, request, embeds)
@@ -507,6 +511,7 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                 max_new_prompt_tokens=args.max_new_prompt_tokens,
                 max_model_len=executor.max_model_len,
                 enable_prefix_caching=args.enable_prefix_caching,
+                max_waiting_requests=args.max_waiting_requests,
             ),
             connector,
             structured,

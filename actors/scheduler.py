@@ -58,6 +58,8 @@ class SchedulerConfig:
     max_new_prompt_tokens: int = 0
     max_model_len: int
     enable_prefix_caching: bool = True
+    # requests that may wait to start; one past it is refused, to be retried (0: no bound)
+    max_waiting_requests: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -65,6 +67,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_new_prompt_tokens < 0:
             raise ValueError("max_new_prompt_tokens must be >= 0")
+        if self.max_waiting_requests < 0:
+            raise ValueError("max_waiting_requests must be >= 0")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
 
@@ -136,6 +140,8 @@ class Scheduler:
             return EngineCoreOutput(
                 request.request_id, finish_reason=FinishReason.ERROR, stop_reason=error
             )
+        if self.waiting_full():
+            return self.refusal(request.request_id)
         root = None
         if self.config.enable_prefix_caching:
             if request.cache_salt is not None:
@@ -149,6 +155,21 @@ class Scheduler:
         self.requests[req.request_id] = req
         bisect.insort(self.waiting, req, key=_sort_key)
         return None
+
+    def waiting_full(self, pending: int = 0) -> bool:
+        """Whether a new request would pass `max_waiting_requests`, with `pending` more on
+        their way in (grammars compiling)."""
+        bound = self.config.max_waiting_requests
+        return bool(bound) and len(self.waiting) + pending >= bound
+
+    def refusal(self, request_id: str) -> EngineCoreOutput:
+        """The output that refuses a request for now: the queue of waiting ones is full."""
+        return EngineCoreOutput(
+            request_id,
+            finish_reason=FinishReason.REFUSED,
+            stop_reason=f"the server is busy: {len(self.waiting)} requests are waiting to start "
+            f"(at most {self.config.max_waiting_requests}); try again later",
+        )
 
     def _admission_error(self, request: EngineCoreRequest) -> str | None:
         if request.request_id in self.requests or request.request_id in self.held:

@@ -122,7 +122,7 @@ class App:
                 headers = [(b"connection", b"close")]
             if request.started:  # mid-response: nothing better to do than to end it
                 raise
-            await respond_error(send, e, headers)
+            await respond_error(send, e, [*(headers or ()), *e.headers])
         except ClientDisconnected:
             pass
         except Exception:

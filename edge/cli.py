@@ -119,6 +119,13 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
         help="prompt tokens a step starts new requests with, the first request's whatever it "
         "takes (default 256; 0: up to --max-num-batched-tokens)",
     )
+    engine.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="requests that may wait to start; past it a new one gets 429 with Retry-After "
+        "(default 4096; 0: no bound)",
+    )
     engine.add_argument("--kv-cache-memory", default=None, help="e.g. 512MiB, 2GiB")
     engine.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None
@@ -183,6 +190,7 @@ ENGINE_FLAGS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "max_new_prompt_tokens",
+    "max_waiting_requests",
     "kv_cache_memory",
     "enable_prefix_caching",
     "tensor_parallel_size",

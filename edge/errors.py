@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -41,6 +42,7 @@ class APIError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | int | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -48,6 +50,7 @@ class APIError(Exception):
         self.type = type if type is not None else _default_type(status)
         self.param = param
         self.code = code if code is not None else status
+        self.headers = headers or []  # sent with the error response (e.g. Retry-After)
 
     def __repr__(self) -> str:
         return (
@@ -113,14 +116,22 @@ def _default_type(status: int) -> str:
 
 def engine_error(error: BaseException) -> APIError:
     """The client's answer when the engine refused or could not run a request: 503 for a dead
-    engine, 400 for a refused request, else 500."""
-    from triode.actors import EngineDeadError, RequestError
+    engine, 429 with Retry-After for a full queue, 400 for a refused request, else 500."""
+    from triode.actors import EngineDeadError, RequestError, RequestRefused
 
     if isinstance(error, EngineDeadError):
         return APIError(503, f"the engine is not running: {error}")
+    if isinstance(error, RequestRefused):
+        return too_busy(str(error), error.retry_after)
     if isinstance(error, RequestError):
         return validation_error(error)
     return APIError(500, f"generation failed: {error}")
+
+
+def too_busy(message: str, retry_after: float = 1.0) -> APIError:
+    """A 429 telling the client when to try again (RFC 9110's Retry-After, whole seconds)."""
+    seconds = str(max(1, math.ceil(retry_after))).encode()
+    return APIError(429, message, headers=[(b"retry-after", seconds)])
 
 
 def check_engine_alive(engine: Any) -> None:

@@ -325,7 +325,8 @@ class Responses:
                 choice = _AUTO  # forcing a call again would never let the model answer
 
     def _fail(self, out: ResponseBuilder, error: APIError) -> APIError:
-        out.finish("failed", error=ResponseError(code="server_error", message=error.message))
+        code = "rate_limit_exceeded" if error.status == 429 else "server_error"
+        out.finish("failed", error=ResponseError(code=code, message=error.message))
         return error
 
     async def _generate(

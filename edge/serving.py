@@ -392,14 +392,16 @@ class Serving:
         on_output: Callable[[int, RequestOutput], Awaitable[None]] | None,
         kv_transfer_params: dict[str, Any] | None = None,
         stop_when: Callable[[int, RequestOutput], bool] | None = None,
+        keep_alive: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Run every prompt's generation to its end (or the client's disconnect), folding each
         delta into its `_Prompt` and then calling `on_output(prompt index, delta)`, then
         `stop_when(prompt index, delta)`: a prompt for which that turns true before its end is
-        aborted there, and its unfinished choices end with "stop".
+        aborted there, and its unfinished choices end with "stop". `keep_alive` is called
+        whenever nothing came for the keep-alive interval.
 
-        Raises `ClientDisconnected`, or an `APIError` for a refused request (400) or a dead
-        engine (503).
+        Raises `ClientDisconnected`, or an `APIError` for a refused request (400), a full
+        queue (429) or a dead engine (503).
         """
         send_channel, receive_channel = trio.open_memory_channel[
             tuple[int, RequestOutput] | BaseException
@@ -439,10 +441,8 @@ class Serving:
                         except trio.EndOfChannel:
                             break
                     if idle.cancelled_caught:
-                        if on_output is not None:
-                            await request.send(
-                                {"type": "http.response.body", "body": KEEPALIVE, "more_body": True}
-                            )
+                        if keep_alive is not None:
+                            await keep_alive()
                         continue
                     if isinstance(item, BaseException):
                         failure = item
@@ -489,9 +489,16 @@ class Serving:
         stop_when: Callable[[int, RequestOutput], bool] | None = None,
     ) -> None:
         send = request.send
-        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        started = False
 
+        # The status goes out with the first chunk (the first output, or a keep-alive), so that
+        # a request the engine refuses at once still gets its own status (429, 400), not a 200.
         async def write(chunks: Sequence[bytes]) -> None:
+            nonlocal started
+            if not started:
+                started = True
+                await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+                chunks = [*formatter.opening(), *chunks]
             if chunks:
                 await send(
                     {"type": "http.response.body", "body": b"".join(chunks), "more_body": True}
@@ -500,12 +507,17 @@ class Serving:
         async def on_output(index: int, out: RequestOutput) -> None:
             await write(formatter.chunks(index, out))
 
-        await write(formatter.opening())
+        async def keep_alive() -> None:
+            await write([KEEPALIVE])
+
         try:
             await self._generate(
-                request, prompts, params, request_id, on_output, kv_transfer_params, stop_when
-            )
+                request, prompts, params, request_id, on_output, kv_transfer_params, stop_when,
+                keep_alive,
+            )  # fmt: skip
         except APIError as e:
+            if not started:
+                raise
             await write([event(error_body(e))])
         else:
             await write(formatter.closing())

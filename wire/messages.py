@@ -43,6 +43,8 @@ class FinishReason(enum.IntEnum):
     LENGTH = 1
     ABORT = 2
     ERROR = 3
+    # not taken for now (the engine core's queue is full): the same request may succeed later
+    REFUSED = 4
 
     def __str__(self) -> str:
         return self.name.lower()

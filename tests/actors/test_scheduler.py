@@ -376,6 +376,29 @@ def test_prompt_that_cannot_fit_the_whole_cache_is_rejected_at_once() -> None:
     assert h.add("b", prompt_of(1, 7), max_tokens=5) is None
 
 
+def test_a_request_past_max_waiting_requests_is_refused_until_the_queue_drains() -> None:
+    h = Harness(max_num_seqs=1, max_waiting_requests=2)
+    for name in ("a", "b", "c"):  # a starts, b and c wait
+        assert h.add(name, prompt_of(1, 4), max_tokens=3) is None
+        if name == "a":
+            h.step()
+    refused = h.add("d", prompt_of(2, 4), max_tokens=3)
+    assert refused is not None and refused.finish_reason is FinishReason.REFUSED
+    assert "2 requests are waiting" in str(refused.stop_reason)
+    assert "d" not in h.sched.requests
+    h.run()
+    assert h.add("d", prompt_of(2, 4), max_tokens=3) is None  # room again: taken
+    h.run()
+    assert h.tokens("d") == reference(prompt_of(2, 4), 3)
+    assert h.sched.kv_cache.num_free_blocks == h.config.num_blocks
+
+
+def test_max_waiting_requests_0_is_no_bound() -> None:
+    h = Harness(max_num_seqs=1, max_waiting_requests=0)
+    assert all(h.add(f"r{i}", prompt_of(i, 4), max_tokens=1) is None for i in range(50))
+    assert len(h.sched.waiting) == 50
+
+
 def test_duplicate_live_request_id_is_rejected_but_reuse_after_finish_is_fine() -> None:
     h = Harness()
     assert h.add("a", prompt_of(1, 4), max_tokens=2) is None

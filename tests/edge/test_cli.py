@@ -107,3 +107,12 @@ def test_a_headless_node_0_and_a_bare_node_rank_are_refused() -> None:
         main(["serve", "--nnodes", "2", "--node-rank", "1", "--master-port", "29500"])
     with pytest.raises(SystemExit, match="node 0"):
         main(["serve", "--headless", "-tp", "2", "--nnodes", "2", "--master-port", "29500"])
+
+
+def test_max_waiting_requests_is_a_flag_bounded_by_default_and_0_is_no_bound() -> None:
+    from triode.actors.config import EngineArgs
+
+    assert _serve("--max-waiting-requests", "0").max_waiting_requests == 0
+    assert EngineArgs().max_waiting_requests == 4096
+    with pytest.raises(ValueError, match="max_waiting_requests"):
+        EngineArgs(max_waiting_requests=-1)

@@ -7,7 +7,7 @@ import json
 import msgspec
 import pytest
 
-from triode.edge.errors import APIError, error_body, validation_error
+from triode.edge.errors import APIError, engine_error, error_body, validation_error
 from triode.wire import SamplingParams
 
 
@@ -142,3 +142,13 @@ def test_malformed_json_is_invalid_json_without_param(body: bytes) -> None:
 def test_plain_value_error_without_a_field_is_kept_verbatim() -> None:
     err = validation_error(ValueError("prompt is longer than the context window"))
     assert (err.param, err.message) == (None, "prompt is longer than the context window")
+
+
+def test_a_full_engine_queue_is_a_429_with_retry_after() -> None:
+    from triode.actors import RequestRefused
+
+    error = engine_error(RequestRefused("the server is busy", retry_after=2.5))
+
+    assert (error.status, error.type, error.code) == (429, "RateLimitError", 429)
+    assert error.headers == [(b"retry-after", b"3")]  # whole seconds, rounded up
+    assert engine_error(RequestRefused("busy", retry_after=0)).headers == [(b"retry-after", b"1")]

@@ -278,6 +278,7 @@ def test_enum_wire_values_are_pinned() -> None:
         "LENGTH": 1,
         "ABORT": 2,
         "ERROR": 3,
+        "REFUSED": 4,
     }
     assert [topic_for(i) for i in (0, 1, 255, 256, 65535)] == [
         b"\x00\x00",
