@@ -31,6 +31,7 @@ from triode.wire import (
     Socket,
     topic_for,
 )
+from triode.wire.kv_seal import read_secret
 from triode.wire.messages import MAX_WIRE_CACHE_SALT
 from triode.wire.tensor_ipc import SharedTensor, TensorHandle
 
@@ -38,6 +39,7 @@ from .config import EngineArgs
 from .core_client import EngineCoreClient, EngineDeadError, RequestStream
 from .detokenizer import IncrementalDetokenizer
 from .intake import Intake
+from .kv_connector import seal_error, transfer_params_error
 from .launcher import EngineCoreEndpoint, open_engine_cores
 from .outputs import CompletionOutput, RequestOutput, token_logprobs
 from .peer import Peer
@@ -93,6 +95,9 @@ class Engine:
         self.block_size = ready.block_size
         self.tensor_parallel_size: int = ready.info.get("tensor_parallel_size", 1)
         self.pipeline_parallel_size: int = ready.info.get("pipeline_parallel_size", 1)
+        # the KV connector's deployment secret: kv_transfer_params must carry its seals
+        secret_file = ready.info.get("kv_secret_file")
+        self.kv_secret: bytes | None = read_secret(secret_file) if secret_file else None
         self.data_parallel_size = len(clients)
         # this node's model worker processes (none when the model runs in the engine core)
         self.worker_pids: list[int] = [
@@ -191,6 +196,7 @@ class Engine:
                     "characters"
                 )
             prompt_ids = self._prompt_ids(prompt, prompt_embeds, params, kv_transfer_params)
+            self._check_transfer_params(kv_transfer_params, prompt_ids, cache_salt)
             client = self._pick()
             shared: list[tuple[TensorHandle, SharedTensor]] = []
             if prompt_embeds is not None:
@@ -253,6 +259,21 @@ class Engine:
                 f"{self.max_model_len - 1} so that one can be generated"
             )
         return prompt_ids
+
+    def _check_transfer_params(
+        self, params: dict[str, Any] | None, prompt_ids: list[int], cache_salt: str | None
+    ) -> None:
+        """RequestError unless `params` are well formed and, where they ask this deployment
+        to act (load a prompt's KV, hold one), sealed by it, for this very prompt: checked
+        before the request reaches the engine core, which checks again."""
+        if not params:
+            return
+        if self.kv_secret is None:  # no KV connector: the params ride along unused
+            problem = transfer_params_error(params)
+        else:
+            problem = seal_error(self.kv_secret, params, prompt_ids, cache_salt)
+        if problem is not None:
+            raise RequestError(problem)
 
     def encode(self, text: str) -> list[int]:
         return self.intake.encode_now(text)

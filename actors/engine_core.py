@@ -533,6 +533,9 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                     "pipeline_parallel_size": args.pipeline_parallel_size,
                     "worker_pids": executor.worker_pids,
                     "kv_endpoints": executor.kv_endpoints,
+                    # where the edges read the secret that the params they take must be
+                    # sealed with: the path only, never the secret
+                    "kv_secret_file": None if connector is None else connector.config.secret_file,
                 },
             )
         )

@@ -11,6 +11,14 @@ has copied its shard (`update_state_after_alloc`, `build_connector_meta`, the wo
 makes the request recompute its prompt (vLLM's "recompute" policy). The prefill frees the blocks
 when every decode rank said DONE, on abort, or after `hold_timeout`.
 
+The params are a cluster protocol, not a client feature (`triode.wire.kv_seal`): the prefill
+seals what it returns, over a digest of the prompt; the decode loads only for sealed params made
+for the very prompt it was given, so another prompt's KV never enters its prefix cache under
+this one's hashes. A prefill holds blocks only for a `do_remote_decode` request that the
+deployment's proxy sealed, only the prompt's blocks, and only up to `max_hold_fraction` of its
+cache; past that the request finishes without a hold, and its params say so (`"hold": false`),
+so the decode computes the prompt itself.
+
 Pure Python: the worker side, with the transports, is `triode.gpu.kv_connector`.
 """
 
@@ -22,6 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from triode.wire import kv_seal
 from triode.wire.kv_transfer import (
     TRANSPORTS,
     KVConnectorMetadata,
@@ -47,16 +56,23 @@ _REMOTE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "block_size": int,
     "transport": str,
 }
+# what a prefill returns when it keeps no blocks: the decode computes the prompt itself
+_NO_HOLD: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False, "hold": False}
 # the finish statuses after which a prefill's KV is whole and worth handing on
 _HANDED_ON = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 
 
-def transfer_params_error(params: dict[str, Any] | None) -> str | None:
+def transfer_params_error(params: Any) -> str | None:
     """What is wrong with a request's `kv_transfer_params`, or None: the shape check the edge
-    makes before a request reaches an engine. Whether an engine can use valid params (its
-    layout, the prompt) is its own decision; it recomputes where it cannot."""
+    makes before a request reaches an engine, total over any JSON value (bounded sizes, 64-bit
+    integers). Whether the params are sealed for this prompt is checked where the prompt's
+    tokens are known (`seal_error`); whether an engine can use them (its layout) is its own
+    decision, and it recomputes where it cannot."""
     if not params:
         return None
+    problem = kv_seal.canonical_problem(params)
+    if problem is not None:
+        return problem
     for flag in ("do_remote_decode", "do_remote_prefill"):
         if not isinstance(params.get(flag, False), bool):
             return f"kv_transfer_params.{flag} must be a boolean"
@@ -83,6 +99,34 @@ def transfer_params_error(params: dict[str, Any] | None) -> str | None:
     return None
 
 
+def seal_error(
+    secret: bytes,
+    params: dict[str, Any] | None,
+    prompt_token_ids: list[int],
+    cache_salt: str | None = None,
+    *,
+    now: float | None = None,
+) -> str | None:
+    """Why this deployment must not act on `params` for this prompt, or None.
+
+    `do_remote_prefill` params must carry the seal of this deployment's prefill, made for this
+    very prompt (its token ids as tokenized here, and its cache salt); `do_remote_decode`
+    params the seal of its proxy. Other params ask for nothing and need none. Never raises.
+    """
+    problem = transfer_params_error(params)
+    if problem is not None or not params:
+        return problem
+    if params.get("do_remote_prefill"):
+        try:
+            digest = kv_seal.prompt_digest(prompt_token_ids, cache_salt)
+        except ValueError as e:
+            return f"kv_transfer_params: {e}"
+        return kv_seal.verify(secret, params, digest, now=now)
+    if params.get("do_remote_decode"):
+        return kv_seal.verify_remote_decode(secret, params, now=now)
+    return None
+
+
 class KVConnectorScheduler:
     """The connector in the scheduler: which requests load, which hold blocks, and what the
     workers hear about it. The scheduler owns the blocks; this decides about them."""
@@ -96,8 +140,15 @@ class KVConnectorScheduler:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        secret: bytes | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        """`secret` is the deployment's (default: read from the config's `secret_file`, which
+        raises `kv_seal.SecretFileError` when it cannot serve). `wall_clock` dates seals,
+        which other hosts check; `clock` times holds."""
         self.config = config
+        self.secret = config.read_secret() if secret is None else secret
+        self.wall_clock = wall_clock
         self.block_size = block_size
         self.endpoints = endpoints  # each rank's KV server
         self.tensor_parallel_size = tensor_parallel_size
@@ -105,7 +156,14 @@ class KVConnectorScheduler:
         self.clock = clock
         self.loading: set[str] = set()
         self.holds: dict[str, float] = {}  # request id -> when its blocks are freed regardless
+        self.held_blocks: dict[str, int] = {}  # request id -> how many blocks it holds
+        self.num_held_blocks = 0
+        # the cache's size, which holds may take `max_hold_fraction` of: the scheduler's
+        self.num_blocks = 0
+        # requests whose `do_remote_decode` the proxy sealed, checked on arrival
+        self._may_hold: set[str] = set()
         self.load_refusals = 0  # params this instance could not use (layout, prompt)
+        self.seal_refusals = 0  # params refused unsealed, altered, expired or for another prompt
         self._expose: list[KVExpose] = []
         self._release: list[str] = []
         self._loads: list[KVLoad] = []
@@ -114,6 +172,19 @@ class KVConnectorScheduler:
     def pending(self) -> bool:
         """Whether any transfer is outstanding: the engine then keeps stepping to hear of it."""
         return bool(self.loading or self.holds or self._release)
+
+    def request_added(self, request: Request) -> None:
+        """Note a new request: a `do_remote_decode` one may hold blocks when it finishes only
+        if the deployment's proxy sealed it, which is checked now, while the seal is fresh."""
+        params = request.kv_transfer_params
+        if not (self.config.is_producer and params and params.get("do_remote_decode") is True):
+            return
+        problem = seal_error(self.secret, params, [], now=self.wall_clock())
+        if problem is not None:
+            self.seal_refusals += 1
+            log.warning("request %s holds no blocks: %s", request.request_id, problem)
+            return
+        self._may_hold.add(request.request_id)
 
     # The decode side
 
@@ -137,6 +208,18 @@ class KVConnectorScheduler:
         return max(0, request.num_prompt_tokens - num_computed), True
 
     def _incompatible(self, request: Request, params: dict[str, Any]) -> str | None:
+        # The seal first: nothing else in params is believed before it, and nobody is
+        # connected to for params that are not this deployment's, for this very prompt.
+        problem = seal_error(
+            self.secret,
+            params,
+            request.prompt_token_ids,
+            request.cache_salt,
+            now=self.wall_clock(),
+        )
+        if problem is not None:
+            self.seal_refusals += 1
+            return problem
         if transfer_params_error(params) is not None:
             return transfer_params_error(params)
         layout = (self.tensor_parallel_size, self.pipeline_parallel_size)
@@ -181,16 +264,27 @@ class KVConnectorScheduler:
         )
         self.loading.add(request.request_id)
 
-    def load_done(self, request_id: str) -> None:
+    def load_done(self, request_id: str) -> bool:
+        """Forget a finished load; whether it was one this connector planned, for params it
+        verified (only such a load's blocks may enter the prefix cache)."""
+        planned = request_id in self.loading
         self.loading.discard(request_id)
+        return planned
 
     # The prefill side
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """(whether the scheduler keeps the blocks, the params to return to the client)."""
+        """(whether the scheduler keeps the request's first `prompt_blocks(request)` blocks,
+        the params to return to the client).
+
+        Held only for a request the proxy sealed (`request_added`) that finished whole, and
+        only while holds take at most `max_hold_fraction` of the cache; otherwise params that
+        say `"hold": false` come back, with which a decode computes the prompt itself."""
         params = request.kv_transfer_params
+        may_hold = request.request_id in self._may_hold
+        self._may_hold.discard(request.request_id)
         if (
             not self.config.is_producer
             or not params
@@ -198,13 +292,25 @@ class KVConnectorScheduler:
             or request.status not in _HANDED_ON
         ):
             return False, None
-        num_blocks = -(-request.num_prompt_tokens // self.block_size)
+        num_blocks = self.prompt_blocks(request)
+        if not may_hold:
+            return False, dict(_NO_HOLD)
+        room = int(self.config.max_hold_fraction * self.num_blocks) - self.num_held_blocks
+        if num_blocks > room:
+            log.warning(
+                "request %s finishes without a hold: %d blocks are held for decodes already",
+                request.request_id,
+                self.num_held_blocks,
+            )
+            return False, dict(_NO_HOLD)
         secret = secrets.token_urlsafe(16)
         remote_block_ids = block_ids[:num_blocks]
         self._expose.append(KVExpose(request.request_id, remote_block_ids, secret))
         self.holds[request.request_id] = self.clock() + self.config.hold_timeout
+        self.held_blocks[request.request_id] = num_blocks
+        self.num_held_blocks += num_blocks
         host, _, port = self.endpoints[0].removeprefix("tcp://").rpartition(":")
-        return True, {
+        handed_on = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.config.engine_id,
@@ -220,17 +326,31 @@ class KVConnectorScheduler:
             "block_size": self.block_size,
             "transport": self.config.transport,
         }
+        digest = kv_seal.prompt_digest(request.prompt_token_ids, request.cache_salt)
+        sealed = kv_seal.seal(
+            self.secret, handed_on, digest, ttl=self.config.hold_timeout, now=self.wall_clock()
+        )
+        return True, sealed
+
+    def prompt_blocks(self, request: Request) -> int:
+        """How many blocks a request's prompt fills: what a hold keeps."""
+        return -(-request.num_prompt_tokens // self.block_size)
+
+    def _unhold(self, request_id: str) -> bool:
+        if self.holds.pop(request_id, None) is None:
+            return False
+        self.num_held_blocks -= self.held_blocks.pop(request_id, 0)
+        return True
 
     def sent(self, request_ids: Iterable[str]) -> list[str]:
         """The holds that every rank's reader said DONE for: theirs to free now."""
-        done = [r for r in request_ids if self.holds.pop(r, None) is not None]
-        return done
+        return [r for r in request_ids if self._unhold(r)]
 
     def drop_hold(self, request_id: str) -> bool:
         """End a hold early (its request was aborted after it finished): True if there was
         one, whose blocks are then the scheduler's to free, no longer served from the next
         step on."""
-        if self.holds.pop(request_id, None) is None:
+        if not self._unhold(request_id):
             return False
         self._release.append(request_id)
         return True
@@ -240,7 +360,7 @@ class KVConnectorScheduler:
         now = self.clock()
         expired = [r for r, deadline in self.holds.items() if deadline <= now]
         for request_id in expired:
-            del self.holds[request_id]
+            self._unhold(request_id)
             log.warning("freeing the blocks of %s: no decode instance read them", request_id)
         self._release.extend(expired)
         return expired

@@ -85,6 +85,8 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.connector = connector
+        if connector is not None:
+            connector.num_blocks = config.num_blocks  # what its holds may take a share of
         self.structured = structured
         self.kv_cache = KVCacheManager(
             config.num_blocks,
@@ -160,6 +162,8 @@ class Scheduler:
         """Whether a new request would pass `max_waiting_requests`, with `pending` more on
         their way in (grammars compiling)."""
         bound = self.config.max_waiting_requests
+        if self.connector is not None:
+            self.connector.request_added(req)
         return bool(bound) and len(self.waiting) + pending >= bound
 
     def refusal(self, request_id: str) -> EngineCoreOutput:
@@ -218,7 +222,11 @@ class Scheduler:
             block_ids = self.kv_cache.block_ids(req.request_id)
             delay_free, req.kv_transfer_params_out = self.connector.request_finished(req, block_ids)
         if delay_free:
-            self.held[req.request_id] = self.kv_cache.detach(req)
+            assert self.connector is not None
+            blocks = self.kv_cache.detach(req)
+            keep = self.connector.prompt_blocks(req)  # a hold keeps the prompt's, no more
+            self.kv_cache.release(blocks[keep:])
+            self.held[req.request_id] = blocks[:keep]
         else:
             self.kv_cache.free(req)
         if req.runner_knows:
@@ -333,7 +341,8 @@ class Scheduler:
         """Every rank is through with a request's load: it continues after the prompt's
         last token, or, when the load failed, computes its prompt like any other."""
         assert self.connector is not None
-        self.connector.load_done(request_id)
+        # only a load the connector planned, for params it verified, may fill the prefix cache
+        ok = self.connector.load_done(request_id) and ok
         req = self.loading.pop(request_id, None)
         if req is None:
             return
@@ -552,6 +561,7 @@ def _sort_key(req: Request) -> tuple[int, int]:
 
 def _embeds_error(request: EngineCoreRequest, prompt_embeds: np.ndarray | None) -> str | None:
     """Why a request and its prompt embeddings do not go together, or None."""
+            kv_params_refused=0 if self.connector is None else self.connector.seal_refusals,
     if (request.prompt_embeds is None) != (prompt_embeds is None):
         return "prompt_embeds: the request and its embeddings must come together"
     if prompt_embeds is None:

@@ -174,7 +174,7 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
         metavar="JSON",
         help='disaggregated prefill, as vLLM spells it: \'{"kv_connector": "TriodeConnector", '
         '"kv_role": "kv_producer|kv_consumer|kv_both", "kv_port": 0, '
-        '"kv_connector_extra_config": {"transport": "tcp|shm"}}\'',
+        '"kv_connector_extra_config": {"transport": "tcp|shm", "secret_file": PATH}}\'',
     )
     parallel.add_argument(
         "--headless",
@@ -287,6 +287,15 @@ def _run_headless(model: str | None, engine_args: dict[str, object]) -> int:
 def _proxy_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     proxy = commands.add_parser(
         "proxy",
+    if args.kv_transfer_config is not None:
+        from triode.wire.kv_transfer import parse_kv_transfer_config
+
+        # before any process starts: a config or secret that cannot serve is one line
+        try:
+            parse_kv_transfer_config(args.kv_transfer_config).read_secret()
+        except ValueError as e:
+            print(f"triode serve: {e}", file=sys.stderr)
+            return 2
         help="route requests over prefill and decode instances (disaggregated prefill)",
         description="Serve the OpenAI API by prefilling each request on a prefill instance and "
         "decoding it, with the prefill's KV, on a decode instance; each kind in turn.",
@@ -312,7 +321,13 @@ def _proxy_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
     proxy.add_argument(
         "--backend-api-key",
         default=None,
-        help="the key sent to the instances (default: the client's Authorization, as given)",
+        help="the key sent to the instances (default: none)",
+    )
+    proxy.add_argument(
+        "--forward-client-key",
+        action="store_true",
+        help="send the client's Authorization on to the instances (off by default: a key to "
+        "the proxy is not one to the instances)",
     )
     proxy.add_argument(
         "--timeout",
@@ -360,7 +375,8 @@ def _run_proxy(args: argparse.Namespace) -> int:
             graceful_timeout=args.graceful_timeout,
         )
     except ValueError as e:
-        raise SystemExit(f"triode proxy: {e}") from None
+        print(f"triode proxy: {e}", file=sys.stderr)
+        return 2
     if keys:
         logging.getLogger("triode.proxy").info("API keys required: %d configured", len(keys))
     trio.run(serve_proxy, options)
@@ -401,6 +417,13 @@ def _run_replay(args: argparse.Namespace) -> int:
 
     from triode.actors.replay import replay
     from triode.wire import ProtocolError
+    proxy.add_argument(
+        "--kv-secret-file",
+        required=True,
+        metavar="PATH",
+        help="the deployment's secret, the file the instances' kv_connector_extra_config "
+        "secret_file names: it seals the proxy's requests to the prefill instances",
+    )
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -428,6 +451,7 @@ def _run_replay(args: argparse.Namespace) -> int:
             f" ({report.inputs} inputs in {report.seconds:.1f} s"
             f"{', timed out' if report.timed_out else ''})"
         )
+    from triode.wire.kv_seal import read_secret
         for d in report.differences:
             print(
                 f"  {d.request_id}: at {d.index} recorded {d.recorded!r}, replayed {d.replayed!r}"
@@ -450,6 +474,8 @@ def build_parser() -> argparse.ArgumentParser:
     _proxy_parser(commands)
     _replay_parser(commands)
     bench = commands.add_parser("bench", help="run a benchmark and print its table")
+            kv_secret=read_secret(args.kv_secret_file),
+            forward_client_key=args.forward_client_key,
     bench.add_argument("which", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     fuzz = commands.add_parser(

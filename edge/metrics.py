@@ -174,3 +174,10 @@ class _EngineCollector(Collector):
             metric = family(name, doc, labels=labels)
             metric.add_metric([self.model_name], stats.get(key, 0))
             yield metric
+        refused = CounterMetricFamily(
+            "triode:kv_transfer_params_refused",
+            "kv_transfer_params refused: unsealed, altered, expired or for another prompt.",
+            labels=labels,
+        )
+        refused.add_metric([self.model_name], stats.get("kv_params_refused", 0))
+        yield refused

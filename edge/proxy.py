@@ -9,6 +9,12 @@ or a whole body) goes back to the client. A prefill that answers an error status
 relayed, and no decode is asked. A prefill instance that is not a KV producer answers without
 `kv_transfer_params`; its request is then decoded from scratch.
 
+The proxy is a member of the deployment: it seals the `do_remote_decode` params it sends a
+prefill with the deployment's secret (`--kv-secret-file`), without which a prefill keeps no
+blocks, and relays the prefill's sealed params to the decode unchanged. The client's
+Authorization header is its own business with the proxy: toward the instances goes
+`--backend-api-key`, or the client's only with `--forward-client-key`, else none.
+
 Each kind of instance is taken in turn (round robin); one that refuses the connection, or does
 not accept it within the connect timeout, is skipped for the next of its kind. The whole
 exchange runs beside a task that watches for `http.disconnect`: a client that goes away cancels
@@ -27,6 +33,8 @@ import httpx
 import msgspec
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+from triode.wire.kv_seal import MIN_SECRET_BYTES, SECRET_RECIPE, seal_remote_decode
 
 from .app import _allow, _lifespan, _method_not_allowed, routed_path
 from .auth import UNAUTHORIZED_HEADERS, ApiKeys, requires_auth
@@ -81,10 +89,20 @@ class ProxyOptions:
     health_timeout: float = 2.0
     max_body_size: int = 16 << 20
     graceful_timeout: float = 10.0
+    # the deployment's secret (`kv_seal.read_secret`), which seals do_remote_decode requests
+    kv_secret: bytes = b""
+    forward_client_key: bool = False  # send the client's Authorization on to the instances
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
             raise ValueError("at least one prefill and one decode instance are needed")
+        if len(self.kv_secret) < MIN_SECRET_BYTES:
+            raise ValueError(
+                "the deployment's KV secret is needed (--kv-secret-file, the file the "
+                f"instances' secret_file names); make one with: {SECRET_RECIPE}"
+            )
+        if self.forward_client_key and self.backend_api_key:
+            raise ValueError("give --backend-api-key or --forward-client-key, not both")
         self.prefill = [base_url(url) for url in self.prefill]
         self.decode = [base_url(url) for url in self.decode]
 
@@ -280,9 +298,8 @@ class Proxy:
 
     async def _prefill_then_decode(self, request: Request, original: dict[str, Any]) -> None:
         headers = self._headers(request)
-        url, response = await self._open(
-            self.prefill, "POST", request.path, headers, encode_json(prefill_request(original))
-        )
+        body = encode_json(prefill_request(original, self.options.kv_secret))
+        url, response = await self._open(self.prefill, "POST", request.path, headers, body)
         try:
             answer = await response.aread()
         except httpx.HTTPError as e:
@@ -305,7 +322,7 @@ class Proxy:
         """The prefill's `kv_transfer_params`; None (decode recomputes) when it gave none."""
         try:
             completion = msgspec.json.decode(answer)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             completion = None
         if not isinstance(completion, dict):
             raise APIError(502, f"the prefill instance {url} answered with no JSON object")
@@ -397,12 +414,15 @@ class Proxy:
         return APIError(502, f"the {instances.kind} instance {url} failed: {_describe(error)}")
 
     def _headers(self, request: Request) -> Headers:
-        """The headers toward an instance: JSON, uncompressed, with the client's key unless a
-        backend key replaces it."""
+        """The headers toward an instance: JSON, uncompressed, with the backend key, or the
+        client's own only when the operator said so (a key given to the proxy is not a key
+        to every instance behind it)."""
         headers = [(b"content-type", b"application/json"), (b"accept-encoding", b"identity")]
         if self.options.backend_api_key:
             headers.append((b"authorization", f"Bearer {self.options.backend_api_key}".encode()))
-        elif (authorization := request.headers.get(b"authorization")) is not None:
+        elif self.options.forward_client_key and (
+            (authorization := request.headers.get(b"authorization")) is not None
+        ):
             headers.append((b"authorization", authorization))
         return headers
 
@@ -416,10 +436,12 @@ ROUTES: dict[str, dict[str, Handler]] = {
 }
 
 
-def prefill_request(original: dict[str, Any]) -> dict[str, Any]:
+def prefill_request(original: dict[str, Any], secret: bytes) -> dict[str, Any]:
     """The copy of a request a prefill instance gets: one token, one choice, not streamed, and
-    the KV kept for a remote decode. Every other field is as the client gave it."""
-    body = {**original, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_KV_PARAMS}
+    the KV kept for a remote decode, asked for under the deployment's seal. Every other field
+    is as the client gave it."""
+    params = seal_remote_decode(secret, PREFILL_KV_PARAMS)
+    body = {**original, "max_tokens": 1, "stream": False, "kv_transfer_params": params}
     for name in ("max_completion_tokens", "n"):
         if name in body:
             body[name] = 1
@@ -470,6 +492,8 @@ def _json_object(body: bytes) -> dict[str, Any]:
         value = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
         raise validation_error(e) from e
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
     if not isinstance(value, dict):
         raise APIError(400, "the request body must be a JSON object")
     return value

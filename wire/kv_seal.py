@@ -156,7 +156,7 @@ def verify(
     if not isinstance(digest, str) or not hmac.compare_digest(
         digest.encode(), prompt_digest.encode()
     ):
-        return "kv_transfer_params were made for another prompt"
+        return "kv_transfer_params: made for another prompt"
     return None
 
 
@@ -186,19 +186,19 @@ def canonical_problem(params: Any) -> str | None:
     """Why `params` cannot be sealed or checked (too many fields, a value too long or of a
     kind no seal covers), or None. Runs before anything is hashed, so its cost is bounded."""
     if not isinstance(params, dict):
-        return "kv_transfer_params must be an object"
+        return "kv_transfer_params: must be an object"
     if len(params) > MAX_FIELDS:
-        return f"kv_transfer_params has more than {MAX_FIELDS} fields"
+        return f"kv_transfer_params: more than {MAX_FIELDS} fields"
     for key, value in params.items():
         if not isinstance(key, str) or len(key) > MAX_STRING:
-            return "kv_transfer_params has a field name that is not a short string"
+            return "kv_transfer_params: a field name is not a short string"
         if isinstance(value, list):
             if len(value) > MAX_LIST:
-                return f"kv_transfer_params.{key} has more than {MAX_LIST} items"
+                return f"kv_transfer_params: {key} has more than {MAX_LIST} items"
             if not all(_scalar_ok(item) for item in value):
-                return f"kv_transfer_params.{key} must hold short strings or 64-bit integers"
+                return f"kv_transfer_params: {key} must hold short strings or 64-bit integers"
         elif not _scalar_ok(value):
-            return f"kv_transfer_params.{key} must be a short string, 64-bit integer or list"
+            return f"kv_transfer_params: {key} must be a short string, 64-bit integer or list"
     return None
 
 
@@ -228,20 +228,22 @@ def _check(secret: bytes, domain: bytes, params: Any, now: float | None) -> str 
         return problem
     given = params.get(SEAL)
     if given is None:
-        return "kv_transfer_params are not sealed: only this deployment's instances make them"
+        return "kv_transfer_params: not sealed; only this deployment's instances make them"
     if not isinstance(given, str):
-        return "kv_transfer_params.seal must be a string"
+        return "kv_transfer_params: seal must be a string"
     unsealed = {k: v for k, v in params.items() if k != SEAL}
     if not hmac.compare_digest(given.encode(), _mac(secret, domain, unsealed).encode()):
-        return "kv_transfer_params.seal does not match: altered, or made by another deployment"
+        return (
+            "kv_transfer_params: the seal does not match (altered, or made by another deployment)"
+        )
     issued, expires = params.get(ISSUED_AT), params.get(EXPIRES_AT)
     if not (_is_int(issued) and _is_int(expires)):
-        return "kv_transfer_params carry no issue time and expiry"
+        return "kv_transfer_params: no issue time and expiry"
     clock = time.time() if now is None else now
     if issued > clock + MAX_CLOCK_SKEW:
-        return "kv_transfer_params were issued in the future: are the instances' clocks set?"
+        return "kv_transfer_params: issued in the future (are the instances' clocks set?)"
     if clock > expires:
-        return "kv_transfer_params have expired"
+        return "kv_transfer_params: expired"
     return None
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from .kv_seal import SECRET_RECIPE, read_secret
 from .messages import _HOT
 
 # what a KVRequest's `op` may be
@@ -28,13 +29,17 @@ EXTRA_DEFAULTS: dict[str, Any] = {
     "transport": "tcp",  # tcp (ZMQ, any host) | shm (the producer's cache in shared memory)
     "load_timeout": 30.0,  # seconds a decode rank tries to read a request's blocks
     "hold_timeout": 120.0,  # seconds a prefill keeps blocks nobody said DONE for
+    "secret_file": None,  # the deployment's shared secret (`kv_seal.read_secret`): required
+    "max_hold_fraction": 0.5,  # of a prefill's cache that blocks kept for decodes may take
 }
 
 
 class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`--kv-transfer-config`, in vLLM's spelling. `kv_port` 0 binds each rank's KV server on
     any free port; otherwise rank r binds `kv_port + r`. `kv_connector_extra_config` takes
-    `transport`, `load_timeout` and `hold_timeout` (see `EXTRA_DEFAULTS`)."""
+    `transport`, `load_timeout`, `hold_timeout`, `max_hold_fraction` and `secret_file`, which
+    every instance needs: the instances of a deployment share its secret, which seals the
+    params they hand on (see `EXTRA_DEFAULTS` and `triode.wire.kv_seal`)."""
 
     kv_connector: str
     kv_role: str
@@ -67,6 +72,19 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             value = self.kv_connector_extra_config[name]
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"kv_connector_extra_config: {name} must be a number > 0")
+        fraction = self.kv_connector_extra_config["max_hold_fraction"]
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, int | float)
+            or not 0 < fraction <= 1
+        ):
+            raise ValueError("kv_connector_extra_config: max_hold_fraction must be in (0, 1]")
+        secret_file = self.kv_connector_extra_config["secret_file"]
+        if not isinstance(secret_file, str) or not secret_file:
+            raise ValueError(
+                "kv_connector_extra_config: secret_file is required: the instances of a "
+                f"deployment share a secret; make one with: {SECRET_RECIPE}"
+            )
 
     @property
     def is_producer(self) -> bool:
@@ -87,6 +105,19 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     @property
     def hold_timeout(self) -> float:
         return float(self.kv_connector_extra_config["hold_timeout"])
+
+    @property
+    def max_hold_fraction(self) -> float:
+        return float(self.kv_connector_extra_config["max_hold_fraction"])
+
+    @property
+    def secret_file(self) -> str:
+        return str(self.kv_connector_extra_config["secret_file"])
+
+    def read_secret(self) -> bytes:
+        """The deployment's secret; `kv_seal.SecretFileError` (a ValueError, one line) when
+        the file cannot serve as one."""
+        return read_secret(self.secret_file)
 
 
 def parse_kv_transfer_config(value: str | dict[str, Any] | KVTransferConfig) -> KVTransferConfig:

@@ -299,6 +299,9 @@ class EngineCoreOutputs(msgspec.Struct, **_HOT):
     scheduler_stats: SchedulerStats | None = None
     utility_output: UtilityOutput | None = None
     finished_requests: list[str] | None = None
+    # kv_transfer_params refused: not sealed by this deployment, altered, expired, or made for
+    # another prompt (the request computed its prompt, or held no blocks)
+    kv_params_refused: int = 0
     seq: int = 0
     timestamp: float = 0.0
 

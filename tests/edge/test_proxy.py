@@ -24,13 +24,16 @@ import pytest
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
+from kv_secret import secret_file
 
 from triode.edge.auth import ApiKeys
 from triode.edge.bench_serve import free_port
 from triode.edge.cli import build_parser
 from triode.edge.proxy import PREFILL_KV_PARAMS, ProxyOptions, base_url, serve_proxy
+from triode.wire.kv_seal import verify_remote_decode
 
 WORDS = ["Hello", " from", " the", " decode"]
+SECRET = b"0123456789abcdef" * 4  # the deployment's
 
 
 @dataclass
@@ -165,6 +168,7 @@ async def start_cluster(
         for position in dead:
             urls.insert(position, f"http://127.0.0.1:{free_port()}")
         kinds[kind] = instances, urls
+    options.setdefault("kv_secret", SECRET)
     proxy = ProxyOptions(prefill=kinds["p"][1], decode=kinds["d"][1], port=0, **options)
     [url] = await nursery.start(serve_proxy, proxy)
     return Cluster(url, kinds["p"][0], kinds["d"][0], calls)
@@ -202,9 +206,11 @@ async def test_a_completion_is_prefilled_for_one_token_then_decoded_with_the_pre
     assert reply.choices[0].text == "d0 answers"
     sent = {"model": "m", "prompt": "Hi", "max_tokens": 5, "n": 2}
     [prefilled] = cluster.prefill[0].bodies
-    assert prefilled == {**sent, "max_tokens": 1, "n": 1, "stream": False,
-                         "kv_transfer_params": PREFILL_KV_PARAMS}  # fmt: skip
-    assert PREFILL_KV_PARAMS["do_remote_decode"] is True
+    asked = prefilled.pop("kv_transfer_params")
+    assert prefilled == {**sent, "max_tokens": 1, "n": 1, "stream": False}
+    assert asked.items() >= PREFILL_KV_PARAMS.items() and asked["do_remote_decode"] is True
+    assert verify_remote_decode(SECRET, asked) is None  # sealed by the proxy
+    assert verify_remote_decode(b"another deployment's secret!!!!!", asked) is not None
     [decoded] = cluster.decode[0].bodies
     assert decoded == {**sent, "kv_transfer_params": cluster.prefill[0].kv_params}
     assert cluster.calls == ["p0", "d0"]
@@ -338,7 +344,7 @@ async def test_a_prefill_slower_than_the_timeout_answers_504(nursery: trio.Nurse
     assert cluster.calls == ["p0"]
 
 
-async def test_a_key_is_required_and_the_clients_authorization_is_forwarded(
+async def test_a_key_is_required_and_the_clients_authorization_is_kept_from_the_instances(
     nursery: trio.Nursery,
 ) -> None:
     cluster = await start_cluster(nursery, api_keys=ApiKeys(["secret"]))
@@ -352,6 +358,16 @@ async def test_a_key_is_required_and_the_clients_authorization_is_forwarded(
     async with _client(cluster.url, api_key="secret") as client:
         reply = await client.completions.create(model="m", prompt="Hi")
     assert reply.choices[0].text == "d0 answers"
+    instances = (*cluster.prefill, *cluster.decode)
+    assert [b"authorization" in i.headers[0] for i in instances] == [False, False]
+
+
+async def test_forward_client_key_sends_the_clients_authorization_on(
+    nursery: trio.Nursery,
+) -> None:
+    cluster = await start_cluster(nursery, api_keys=ApiKeys(["secret"]), forward_client_key=True)
+    async with _client(cluster.url, api_key="secret") as client:
+        await client.completions.create(model="m", prompt="Hi")
     instances = (*cluster.prefill, *cluster.decode)
     assert [i.headers[0][b"authorization"] for i in instances] == [b"Bearer secret"] * 2
 
@@ -452,6 +468,51 @@ async def test_bad_requests_get_the_openai_error_shape_and_reach_no_instance(
     assert 'triode:proxy_requests_total{route="other",status="404"} 1.0' in metrics
 
 
+async def test_a_deeply_nested_body_is_a_400_without_internals(nursery: trio.Nursery) -> None:
+    cluster = await start_cluster(nursery)
+    deep = b'{"prompt": "Hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    response = await _post(cluster.url, "/v1/completions", None, content=deep)
+    assert response.status_code == 400
+    assert _error(response)["message"] == "the request body is nested too deeply"
+    assert cluster.calls == []
+
+
+async def test_a_clients_own_kv_transfer_params_reach_no_instance(nursery: trio.Nursery) -> None:
+    cluster = await start_cluster(nursery)
+    forged = {"do_remote_prefill": True, "remote_engine_id": "x", "seal": "00"}
+    response = await _post(
+        cluster.url, "/v1/completions", {"prompt": "Hi", "kv_transfer_params": forged}
+    )
+    assert response.status_code == 200
+    [prefilled], [decoded] = cluster.prefill[0].bodies, cluster.decode[0].bodies
+    assert prefilled["kv_transfer_params"]["do_remote_decode"] is True
+    assert decoded["kv_transfer_params"] == cluster.prefill[0].kv_params
+
+
+def test_the_proxy_needs_the_deployments_secret(tmp_path: Path) -> None:
+    for secret in (b"", b"short"):
+        with pytest.raises(ValueError, match="secret"):
+            ProxyOptions(prefill=["http://h:1"], decode=["http://h:2"], kv_secret=secret)
+    with pytest.raises(ValueError, match="not both"):
+        ProxyOptions(prefill=["http://h:1"], decode=["http://h:2"], kv_secret=SECRET,
+                     backend_api_key="k", forward_client_key=True)  # fmt: skip
+    with pytest.raises(SystemExit):  # --kv-secret-file is required
+        build_parser().parse_args(["proxy", "--prefill", "http://a:1", "--decode", "http://b:2"])
+    loose = tmp_path / "kv.secret"
+    loose.write_bytes(SECRET)
+    loose.chmod(0o644)
+    result = subprocess.run(
+        [sys.executable, "-m", "triode.edge.cli", "proxy", "--prefill", "http://a:1",
+         "--decode", "http://b:2", "--kv-secret-file", str(loose)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"triode proxy: secret file {loose} is accessible by group or others (mode 644); "
+        f"chmod 600 {loose}"
+    ]
+
+
 def test_instance_urls_are_bases_with_or_without_v1() -> None:
     assert base_url("http://127.0.0.1:8100") == "http://127.0.0.1:8100"
     assert base_url(" http://h:8100/v1/ ") == "http://h:8100"
@@ -460,21 +521,21 @@ def test_instance_urls_are_bases_with_or_without_v1() -> None:
         with pytest.raises(ValueError, match="URL"):
             base_url(bad)
     with pytest.raises(ValueError, match="one prefill and one decode"):
-        ProxyOptions(prefill=["http://h:1"], decode=[])
+        ProxyOptions(prefill=["http://h:1"], decode=[], kv_secret=SECRET)
 
 
 def test_the_proxy_command_line_takes_both_kinds_and_the_serve_spellings() -> None:
     args = build_parser().parse_args(
         ["proxy", "--prefill", "http://a:1", "http://b:2", "--decode", "http://c:3",
          "--decode", "http://d:4", "--api-key", "k", "--backend-api-key", "inner",
-         "--timeout", "30"]
+         "--timeout", "30", "--kv-secret-file", "kv.secret"]
     )  # fmt: skip
     assert args.prefill == ["http://a:1", "http://b:2"]
     assert args.decode == ["http://c:3", "http://d:4"]
     assert (args.api_key, args.backend_api_key, args.timeout) == (["k"], "inner", 30.0)
     assert (args.host, args.port, args.log_level) == ("127.0.0.1", 8000, "info")
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["proxy", "--prefill", "http://a:1"])
+        build_parser().parse_args(["proxy", "--prefill", "http://a:1", "--kv-secret-file", "f"])
 
 
 async def test_triode_proxy_serves_and_stops_on_sigint(
@@ -488,7 +549,8 @@ async def test_triode_proxy_serves_and_stops_on_sigint(
     with log.open("wb") as out:
         process = await trio.lowlevel.open_process(
             [sys.executable, "-m", "triode.edge.cli", "proxy", "--prefill", f"{prefill_url}/v1/",
-             "--decode", decode_url, "--port", str(port)],
+             "--decode", decode_url, "--port", str(port), "--kv-secret-file",
+             secret_file(tmp_path)],
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "TRIODE_API_KEY": "from-env"},

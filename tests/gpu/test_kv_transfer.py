@@ -13,12 +13,14 @@ import msgspec
 import pytest
 import torch
 import zmq
+from kv_secret import secret_file
 
 from triode.actors.kv_connector import KVConnectorScheduler
 from triode.actors.scheduler import Scheduler, SchedulerConfig
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.testing import build_tiny_model
 from triode.wire import EngineCoreOutput, EngineCoreRequest, SamplingParams
+from triode.wire.kv_seal import prompt_digest, seal, seal_remote_decode
 from triode.wire.kv_transfer import KVReply, KVRequest, KVTransferConfig
 
 PROMPT = [(7 * i + 3) % 250 + 1 for i in range(45)]  # 3 blocks of 16, the last partial
@@ -27,7 +29,10 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("kv") / "tiny")
+    """The tiny model, beside the deployment secret every instance here shares."""
+    directory = tmp_path_factory.mktemp("kv")
+    secret_file(directory)
+    return build_tiny_model(directory / "tiny")
 
 
 class _Instance:
@@ -40,7 +45,11 @@ class _Instance:
                 KVTransferConfig(
                     kv_connector="TriodeConnector",
                     kv_role=role,
-                    kv_connector_extra_config={"transport": transport, **extra},
+                    kv_connector_extra_config={
+                        "transport": transport,
+                        "secret_file": str(model.parent / "kv.secret"),
+                        **extra,
+                    },
                 )
             )
         self.runner = ModelRunner(
@@ -113,11 +122,19 @@ def reference(tiny: Path) -> list[int]:
 
 
 def _prefill(producer: _Instance, request_id: str) -> dict[str, Any]:
-    producer.add(request_id, {"do_remote_decode": True}, 1)
+    assert producer.scheduler.connector is not None
+    asked = seal_remote_decode(producer.scheduler.connector.secret, {"do_remote_decode": True})
+    producer.add(request_id, asked, 1)
     producer.run(lambda: producer.finished(request_id))
     [last] = [o for o in producer.outputs[request_id] if o.finish_reason is not None]
     assert last.kv_transfer_params is not None
     return last.kv_transfer_params
+
+
+def _sealed(instance: _Instance, params: dict[str, Any]) -> dict[str, Any]:
+    """`params` sealed with the deployment's secret for `PROMPT`, as a prefill would."""
+    assert instance.scheduler.connector is not None
+    return seal(instance.scheduler.connector.secret, params, prompt_digest(PROMPT), ttl=60)
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
@@ -191,7 +208,7 @@ def test_a_bad_payload_is_a_counted_protocol_error_and_the_decode_recomputes(
             "block_size": 16,
             "transport": "tcp",
         }
-        consumer.add("d", params, MAX_TOKENS)
+        consumer.add("d", _sealed(consumer, params), MAX_TOKENS)
         consumer.step()  # the load starts
         assert server.poll(5000)
         identity, frame = server.recv_multipart()
@@ -215,7 +232,7 @@ def test_mismatched_params_recompute_without_a_load(tiny: Path, reference: list[
     consumer = _Instance(tiny, "kv_consumer")
     try:
         params = _prefill(producer, "p")
-        consumer.add("d", {**params, "tp_size": 2}, MAX_TOKENS)
+        consumer.add("d", _sealed(producer, {**params, "tp_size": 2}), MAX_TOKENS)
         consumer.run(lambda: consumer.finished("d"), producer)
         assert consumer.tokens("d") == reference
         assert consumer.scheduler.connector.load_refusals == 1  # type: ignore[union-attr]
