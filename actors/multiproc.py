@@ -239,7 +239,8 @@ async def open_multiproc_executor(args: EngineArgs) -> AsyncIterator[MultiprocEx
     block broadcasts SHUTDOWN and stops the workers (SHUTDOWN message, deadline, signals)."""
     world, local = args.world_size, args.world_size // args.nnodes
     multi_node = args.nnodes > 1
-    host = args.master_addr
+    # one node's rendezvous is on loopback, whatever --master-addr says (the workers' too)
+    host = args.master_addr if multi_node else "127.0.0.1"
     master_port = args.master_port or free_port(host)
     tmpdir = tempfile.mkdtemp(prefix="triode-workers-")
     zctx = zmq.Context()

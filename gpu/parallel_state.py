@@ -6,6 +6,8 @@ holds the ranks with the same tensor-parallel rank. A node hosts `world_size // 
 consecutive ranks.
 
 Rendezvous is a `torch.distributed.TCPStore` hosted by global rank 0 at the master address; the
+store listens on that address only (torch's own binds every interface), and a world on one node
+keeps its store, and gloo's (or NCCL's bootstrap) sockets, on the loopback interface. The
 default group (gloo on CPU, nccl on CUDA) keeps a long timeout for start-up, where ranks wait
 for each other's model loading, and the tensor- and pipeline-parallel groups that the forward
 pass uses get `collective_timeout`, so a rank that hangs mid-step fails the others within it.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -36,6 +39,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 STARTUP_TIMEOUT = 900.0  # seconds for every rank to join and load its shard
+LOOPBACK = "127.0.0.1"
+LOOPBACK_INTERFACE = "lo"  # Linux's name for it
 
 
 @dataclass(frozen=True)
@@ -145,9 +150,13 @@ def init_distributed(
     startup_timeout: float = STARTUP_TIMEOUT,
     shm_all_reduce_bytes: int = 1 << 20,
     same_host_tp: bool | None = None,
+    loopback: bool = False,
 ) -> ParallelState:
     """Join the world: the TCPStore rendezvous, the default group, then every TP and PP group
     (each rank creates every group, in the same order, as torch.distributed requires).
+
+    `loopback` (a world on one node): the store binds 127.0.0.1, whatever `master_addr` says,
+    and the collectives' sockets use the loopback interface, so no other host reaches them.
 
     On the CPU, a TP group of two or more ranks then sets up a shared-memory all-reduce for
     tensors of up to `shm_all_reduce_bytes` as float32 (0: none). `same_host_tp` says whether
@@ -158,6 +167,12 @@ def init_distributed(
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process")
     startup = datetime.timedelta(seconds=startup_timeout)
+    if loopback:
+        master_addr = LOOPBACK
+        # read when each gloo group (and NCCL's bootstrap) picks its interface
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ[variable] = LOOPBACK_INTERFACE
+    listen_fd = _listen(master_addr, master_port) if parallel.rank == 0 else None
     store = dist.TCPStore(
         master_addr,
         master_port,
@@ -165,6 +180,7 @@ def init_distributed(
         is_master=parallel.rank == 0,
         timeout=startup,
         wait_for_workers=False,
+        master_listen_fd=listen_fd,
     )
     backend = backend_for(device)
     extra = {"device_id": device} if device.type == "cuda" else {}
@@ -179,6 +195,18 @@ def init_distributed(
     _state = _with_groups(parallel, backend, collective_timeout, store)
     _add_shm_all_reduce(_state, device, collective_timeout, shm_all_reduce_bytes, same_host_tp)
     return _state
+
+
+def _listen(host: str, port: int) -> int:
+    """A socket listening on `host`:`port` only, for the store (which owns it from then on)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICSERV
+    )[0]
+    with socket.socket(family, kind, proto) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+        return listener.detach()
 
 
 def _add_shm_all_reduce(

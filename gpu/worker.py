@@ -101,6 +101,7 @@ class Worker:
             # a node hosts consecutive ranks: a TP group shares a host when its size divides
             # the node's
             same_host_tp=local_world % options.tensor_parallel_size == 0,
+            loopback=local_world == self.layout.world_size,
         )
         cluster = self._cluster()
         self.runner = ModelRunner.from_engine_args(

@@ -16,7 +16,9 @@ ZMQ) waits until each live reader's hello arrived. SNDHWM is 0: the writer never
 Waiting: a waiter spins with `os.sched_yield` for `SPIN_S`, then sleeps, doubling from
 `MIN_PAUSE_S` up to `MAX_PAUSE_S`. A reader still idle after `SLEEP_AFTER_S` sets its sleeping
 byte, checks the chunk once more and blocks on a loopback UDP socket; a writer that sees a
-sleeping byte after publishing sends that reader one datagram. Both sides fence between their
+sleeping byte after publishing sends that reader one datagram, from a socket bound on loopback
+whose port the handle names; datagrams from any other sender are counted and dropped (a wake-up
+carries no data, but a stranger's must not keep a reader busy). Both sides fence between their
 store and their load, so one of them sees the other; a lost datagram costs at most
 `POLL_SLICE_S`, never a hang. UDP rather than the ZMQ SUB socket: a ZMQ wake-up passes through
 both sides' I/O threads.
@@ -160,9 +162,19 @@ class ShmRingWriter:
             pub.setsockopt(zmq.LINGER, _LINGER_MS)
             pub.bind(overflow_address or f"tcp://{_LOOPBACK}:*")
             self._waker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            undo.callback(self._waker.close)
+            # bound, so that readers know the one sender to take wake-ups from
+            self._waker.bind((_LOOPBACK, 0))
             undo.pop_all()
         address = pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._handle = RingHandle(self._segment.name, n_readers, chunk_bytes, n_chunks, address)
+        self._handle = RingHandle(
+            self._segment.name,
+            n_readers,
+            chunk_bytes,
+            n_chunks,
+            address,
+            writer_wake_port=self._waker.getsockname()[1],
+        )
         self._remote_readers = remote_readers
         self._live = list(range(n_readers))
         self._live_remote = set(range(remote_readers))
@@ -312,6 +324,9 @@ class ShmRingReader:
         if reader_index < 0 or (not remote and reader_index >= handle.n_readers):
             raise ValueError(f"reader {reader_index} of a ring with {handle.n_readers} readers")
         self._index = reader_index
+        self._writer = (_LOOPBACK, handle.writer_wake_port)
+        self.foreign_wakes = 0
+        """Datagrams on the wake-up socket from anyone but the writer: dropped."""
         with contextlib.ExitStack() as undo:
             self._segment = None if remote else RingSegment.attach(handle)
             if self._segment is not None:
@@ -411,11 +426,15 @@ class ShmRingReader:
             self._segment.set_sleeping(self._index, False)
 
     def _drain_wakes(self) -> None:
+        """Take every queued datagram; what did not come from the writer is counted. Either way
+        a wake-up only makes the reader look at the ring again."""
         while True:
             try:
-                self._wake.recv(16)
+                _, sender = self._wake.recvfrom(16)
             except BlockingIOError:
                 return
+            if sender != self._writer:
+                self.foreign_wakes += 1
 
     def _receive(self, deadline: float) -> None:
         """Wait (a slice at most) for ZMQ messages and keep them for their turn."""

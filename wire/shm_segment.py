@@ -61,6 +61,8 @@ class RingHandle(msgspec.Struct, frozen=True):
     chunk_bytes: Annotated[int, msgspec.Meta(ge=MIN_CHUNK_BYTES, lt=1 << 32)]
     n_chunks: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHUNKS)]
     overflow_address: str
+    # the loopback UDP port the writer's wake-ups come from; a reader drops any other sender's
+    writer_wake_port: Annotated[int, msgspec.Meta(ge=0, lt=1 << 16)] = 0
 
 
 _FENCE = threading.Lock()

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import time
 from pathlib import Path
 
 import pytest
 import trio
-from processes import alive
+from processes import alive, listening_sockets
 
 from triode.actors.config import EngineArgs
 from triode.actors.multiproc import WorkerDied, open_multiproc_executor
@@ -76,6 +77,25 @@ async def test_workers_step_in_lockstep_and_leave_nothing_behind(tiny_model: Pat
         assert await _greedy(ex, 6) == single
         pids += ex.worker_pids
     assert not [pid for pid in pids if alive(pid)]
+
+
+async def test_one_node_listens_on_loopback_and_in_a_private_directory_only(
+    tiny_model: Path,
+) -> None:
+    # --master-addr names a host's address, which one node never needs
+    args = _args(tiny_model, tensor_parallel_size=2, master_addr="0.0.0.0")
+    async with open_multiproc_executor(args) as ex:
+        await ex.execute(_prefill())
+        sockets = listening_sockets([*ex.worker_pids, os.getpid()])
+        zmq_binds = [ex._ring.handle.overflow_address, ex._results.last_endpoint]
+        assert all(e.startswith("ipc://") for e in zmq_binds), zmq_binds
+        directories = {Path(e.removeprefix("ipc://")).parent for e in zmq_binds}
+        modes = {stat.S_IMODE(d.stat().st_mode) for d in directories}
+    # rank 0's store, and each rank's gloo listeners and wake-up socket
+    assert {pid for pid, *_ in sockets} >= set(ex.worker_pids)
+    assert [s for s in sockets if s[2] != "127.0.0.1"] == []
+    assert modes == {0o700}
+    assert not any(d.exists() for d in directories)
 
 
 async def test_an_undecodable_broadcast_is_counted_and_the_next_step_runs(

@@ -13,6 +13,7 @@ import os
 import queue
 import random
 import signal
+import socket
 import statistics
 import struct
 import subprocess
@@ -327,6 +328,32 @@ def test_readers_read_what_was_written_then_see_the_ring_closed(ctx: zmq.Context
     reader.close()
     with pytest.raises(RingClosed):
         reader.read()
+
+
+def test_wake_ups_from_anyone_but_the_writer_are_counted_and_dropped(ctx: zmq.Context) -> None:
+    with ShmRingWriter(1, zmq_context=ctx, chunk_bytes=256, n_chunks=2) as writer:
+        with ShmRingReader(writer.handle, 0, zmq_context=ctx) as reader:
+            port = reader._wake.getsockname()[1]
+            assert reader._wake.getsockname()[0] == "127.0.0.1"
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
+                for _ in range(3):
+                    stranger.sendto(b"!" * 4096, ("127.0.0.1", port))
+                with pytest.raises(RingTimeout):
+                    reader.read(timeout=0.2)  # woken three times, each time for nothing
+            assert reader.foreign_wakes == 3
+
+            got: list[list[Any]] = []
+            thread = threading.Thread(target=lambda: got.append(reader.read(timeout=GUARD)))
+            thread.start()
+            deadline = time.monotonic() + GUARD
+            while not writer._segment.sleeping(0) and time.monotonic() < deadline:
+                time.sleep(0.001)
+            writer.write([b"from the writer"])  # the reader sleeps: this sends its wake-up
+            thread.join(GUARD)
+
+            assert [bytes(f) for f in got[0]] == [b"from the writer"]
+            assert reader.foreign_wakes == 3
+            assert writer.handle.writer_wake_port == writer._waker.getsockname()[1]
 
 
 # Reader processes
