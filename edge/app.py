@@ -48,6 +48,7 @@ from .protocol import (
 )
 from .responses import Responses
 from .serving import Serving
+from .tenancy import Isolation
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ class Settings:
     tool_call_timeout: float = 30.0
     max_tool_turns: int = 8
     max_stored_responses: int = 1000
+    # "key": requests share cached prefix blocks only with requests under the same API key
+    prefix_cache_isolation: Isolation = "none"
 
 
 class App:
@@ -101,12 +104,11 @@ class App:
             if request.method == "OPTIONS":
                 await self._options(request, cors)
                 return
-            if (
-                self.settings.api_keys.enabled
-                and requires_auth(request.method, path)
-                and not self.settings.api_keys.check(request.headers.get(b"authorization"))
-            ):
-                raise APIError(401, "invalid or missing API key")
+            if self.settings.api_keys.enabled and requires_auth(request.method, path):
+                authorization = request.headers.get(b"authorization")
+                request.key_digest = self.settings.api_keys.match(authorization)
+                if request.key_digest is None:
+                    raise APIError(401, "invalid or missing API key")
             methods = match_route(scope, path)
             if methods is None:
                 raise APIError(404, f"no route for {path}")

@@ -38,19 +38,24 @@ class ApiKeys:
         return bool(self._digests)
 
     def check(self, authorization: bytes | None) -> bool:
-        """Whether an `Authorization` header value carries one of the keys. Never raises.
+        """Whether an `Authorization` header value carries one of the keys. Never raises."""
+        return self.match(authorization) is not None
+
+    def match(self, authorization: bytes | None) -> bytes | None:
+        """The digest of the key an `Authorization` header value carries, if it is one of the
+        keys (None otherwise): what names the caller without holding its key. Never raises.
 
         The token is compared with every stored digest, match or not, so the time taken does
         not tell which key (or how many) came close.
         """
         token = _bearer_token(authorization)
         if token is None:
-            return False
+            return None
         digest = _digest(token)
         matched = False
         for stored in self._digests:
             matched |= secrets.compare_digest(digest, stored)
-        return matched
+        return digest if matched else None
 
 
 def requires_auth(method: str, path: str) -> bool:

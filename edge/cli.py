@@ -45,6 +45,14 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
         help="accept this key (repeatable; also TRIODE_API_KEY, comma-separated)",
     )
     serve.add_argument(
+        "--prefix-cache-isolation",
+        choices=["none", "key"],
+        default="none",
+        help="key: requests share cached prompt blocks only with requests under the same API "
+        "key, so no key holder can tell another's prompts by cached_tokens (needs --api-key); "
+        "a request's cache_salt always separates it",
+    )
+    serve.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -236,6 +244,11 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise SystemExit("triode serve: --max-tool-turns must not be negative")
     if not 1 <= args.api_server_count <= 64:
         raise SystemExit("triode serve: --api-server-count must be between 1 and 64")
+    if args.prefix_cache_isolation == "key" and not keys:
+        raise SystemExit(
+            "triode serve: --prefix-cache-isolation key needs API keys to tell tenants apart "
+            "(--api-key or TRIODE_API_KEY)"
+        )
     try:
         tool_servers = [s for v in args.tool_server for s in parse_tool_server_specs(v)]
     except ValueError as e:
@@ -247,6 +260,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             served_model_names=names,
             api_keys=ApiKeys(keys),
             max_body_size=max_body,
+            prefix_cache_isolation=args.prefix_cache_isolation,
             allowed_origins=args.allowed_origins,
             tool_servers=tool_servers,
             allow_request_tool_servers=args.allow_request_tool_servers,

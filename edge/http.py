@@ -25,8 +25,8 @@ class Request:
     """What a handler sees of an HTTP request: method, the routed path, headers, body."""
 
     __slots__ = (
-        "body", "disconnected", "headers", "method", "path", "query", "receive", "scope", "send",
-        "started",
+        "body", "disconnected", "headers", "key_digest", "method", "path", "query", "receive",
+        "scope", "send", "started",
     )  # fmt: skip
 
     def __init__(self, scope: Scope, path: str, receive: Receive, send: Send) -> None:
@@ -43,6 +43,8 @@ class Request:
         self.body = b""
         self.started = False  # a response has begun: errors can no longer change its status
         self.disconnected = False  # seen by `cancel_on_disconnect`
+        # SHA-256 of the API key the request was authenticated with; None without one
+        self.key_digest: bytes | None = None
 
     async def read_body(self, limit: int) -> bytes:
         """The whole body; a 413 `APIError` as soon as it is known to exceed `limit` bytes."""

@@ -25,6 +25,10 @@ _Count = Annotated[int, Meta(ge=1)]
 _N = Annotated[int, Meta(ge=1, le=128)]
 _NumLogprobs = Annotated[int, Meta(ge=0, le=20)]
 _Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+# Longest `cache_salt` a client may send: vLLM's is unbounded; a salt names a tenant or a
+# session, and 256 characters leaves room for any such name or a digest of one.
+MAX_CACHE_SALT = 256
+_CacheSalt = Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)]
 
 
 # Requests
@@ -116,6 +120,8 @@ class _GenerationRequest(_Body, kw_only=True):
     request_id: str | None = None
     priority: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    # Only requests with the same salt share cached prefix blocks (vLLM's field).
+    cache_salt: _CacheSalt | None = None
     # Accepted and ignored: they do not change the answer.
     metadata: Any = None
     store: Any = None
@@ -141,7 +147,6 @@ class _GenerationRequest(_Body, kw_only=True):
     logits_processors: Any = None
     return_tokens_as_token_ids: Any = None
     return_token_ids: Any = None
-    cache_salt: Any = None
     vllm_xargs: Any = None
 
     _REFUSED = {
@@ -151,7 +156,6 @@ class _GenerationRequest(_Body, kw_only=True):
         "logits_processors": "custom logits processors",
         "return_tokens_as_token_ids": "return_tokens_as_token_ids",
         "return_token_ids": "return_token_ids",
-        "cache_salt": "cache_salt",
         "vllm_xargs": "vllm_xargs",
     }
 

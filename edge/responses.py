@@ -44,6 +44,7 @@ from .responses_protocol import (
 )
 from .responses_store import ResponseStore, StoredResponse
 from .sse import KEEPALIVE, SSE_HEADERS
+from .tenancy import request_cache_salt
 from .tool_calls import (
     ContentDelta,
     ToolCallDelta,
@@ -105,6 +106,8 @@ class Responses:
             req, engine=self.engine, store=self.store, tool_servers=self.tool_servers,
             model_name=self.model_name, max_tool_turns=self.settings.max_tool_turns,
         )  # fmt: skip
+        isolation = self.settings.prefix_cache_isolation
+        plan.cache_salt = request_cache_salt(isolation, request.key_digest, req.cache_salt)
         if req.background:
             await self._background(request, plan)
             return
@@ -293,7 +296,7 @@ class Responses:
             request_id = f"{plan.response.id}-{rounds}"
             try:
                 reason, generated = await self._generate(
-                    ids, params, request_id, out, parser, flush
+                    ids, params, request_id, out, parser, flush, plan.cache_salt
                 )
             except (RequestError, EngineDeadError, RuntimeError) as e:
                 return self._fail(out, engine_error(e))
@@ -337,6 +340,7 @@ class Responses:
         out: ResponseBuilder,
         parser: ToolCallStream | None,
         flush: Flush,
+        cache_salt: str | None = None,
     ) -> tuple[str | None, int]:
         """One generation, fed to `out` delta by delta: (finish reason, tokens generated)."""
         start = time.perf_counter()
@@ -346,7 +350,9 @@ class Responses:
         reason: str | None = None
         generated = cached = 0
         try:
-            generation = self.engine.generate(ids, params, request_id, delta=True)
+            generation = self.engine.generate(
+                ids, params, request_id, delta=True, cache_salt=cache_salt
+            )
             async with aclosing(generation) as outputs:
                 async for output in outputs:
                     choice = output.outputs[0]

@@ -66,6 +66,7 @@ class Plan:
     first_ids: list[int]
     mcp_names: dict[tuple[str, str], str] = field(default_factory=dict)
     max_tool_turns: int = 8
+    cache_salt: str | None = None  # what its KV blocks are hashed with (edge/tenancy.py)
 
     def mcp_name(self, label: str, tool: str) -> str:
         """The function name the model knows an MCP tool by."""

@@ -19,6 +19,7 @@ import msgspec
 from msgspec import Meta
 
 from .errors import APIError, validation_error
+from .protocol import MAX_CACHE_SALT
 
 # Requests
 
@@ -58,6 +59,8 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
     include: list[str] | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     reasoning: dict[str, Any] | None = None
+    # Only requests with the same salt share cached prefix blocks (vLLM's field).
+    cache_salt: Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)] | None = None
     # Accepted and ignored: they do not change the answer.
     service_tier: Any = None
     safety_identifier: Any = None

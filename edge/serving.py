@@ -60,6 +60,7 @@ from .protocol import (
 )
 from .sse import DONE, KEEPALIVE, SSE_HEADERS, event
 from .structured import check_structured, structured_from_grammar, structured_outputs_of
+from .tenancy import request_cache_salt
 from .tool_calls import (
     ContentDelta,
     ToolCallReader,
@@ -94,6 +95,7 @@ class _Prompt:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None  # what its KV blocks are hashed with (edge/tenancy.py)
     # timing, for the metrics
     start: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
@@ -196,6 +198,7 @@ class Serving:
         )
         self.check_token_ids(params=params)
         prompts = [_Prompt(token_ids, None)]
+        self._salt(request, req.cache_salt, prompts)
         _check_transfer_params(req.kv_transfer_params, prompts, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -286,6 +289,7 @@ class Serving:
         )
         self.check_token_ids(params=params)
         _check_transfer_params(req.kv_transfer_params, prompts, params)
+        self._salt(request, req.cache_salt, prompts)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if req.echo:
             for p in prompts:
@@ -383,6 +387,14 @@ class Serving:
 
     # Driving the engine
 
+    def _salt(self, request: Request, cache_salt: str | None, prompts: list[_Prompt]) -> None:
+        """Give the prompts the salt their KV blocks are hashed with: the request's own
+        `cache_salt`, and the caller's key under `--prefix-cache-isolation key`."""
+        isolation = self.settings.prefix_cache_isolation
+        salt = request_cache_salt(isolation, request.key_digest, cache_salt)
+        for prompt in prompts:
+            prompt.cache_salt = salt
+
     async def _generate(
         self,
         request: Request,
@@ -420,6 +432,7 @@ class Serving:
                         delta=True,
                         kv_transfer_params=kv_transfer_params,
                         prompt_embeds=prompt.embeds,
+                        cache_salt=prompt.cache_salt,
                     )
                     with scopes[index]:
                         async with aclosing(generation) as outputs:

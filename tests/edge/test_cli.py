@@ -109,6 +109,21 @@ def test_a_headless_node_0_and_a_bare_node_rank_are_refused() -> None:
         main(["serve", "--headless", "-tp", "2", "--nnodes", "2", "--master-port", "29500"])
 
 
+def test_prefix_cache_isolation_by_key_is_refused_without_keys(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from triode.edge.cli import main
+
+    assert _serve().prefix_cache_isolation == "none"
+    assert _serve("--prefix-cache-isolation", "key").prefix_cache_isolation == "key"
+    with pytest.raises(SystemExit):
+        _serve("--prefix-cache-isolation", "user")
+    monkeypatch.delenv("TRIODE_API_KEY", raising=False)
+    # refused before any model loads: without keys every caller would be one tenant
+    with pytest.raises(SystemExit, match="--prefix-cache-isolation key needs API keys"):
+        main(["serve", "--prefix-cache-isolation", "key"])
+
+
 def test_max_waiting_requests_is_a_flag_bounded_by_default_and_0_is_no_bound() -> None:
     from triode.actors.config import EngineArgs
 

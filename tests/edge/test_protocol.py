@@ -15,6 +15,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from triode.edge.errors import APIError
 from triode.edge.protocol import (
+    MAX_CACHE_SALT,
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
@@ -583,3 +584,20 @@ def test_tokenizer_responses_encode_every_field() -> None:
     )
     assert tokenized == {"count": 2, "max_model_len": 8, "tokens": [1, 2], "token_strs": None}
     assert json.loads(msgspec.json.encode(DetokenizeResponse(prompt="hi"))) == {"prompt": "hi"}
+
+
+# cache_salt
+
+
+@pytest.mark.parametrize("decode", [_chat, _completion])
+def test_cache_salt_is_a_bounded_non_empty_string_or_a_400_naming_it(
+    decode: Callable[..., Any],
+) -> None:
+    assert decode().cache_salt is None
+    assert decode(cache_salt="tenant-7").cache_salt == "tenant-7"
+    assert decode(cache_salt="x" * MAX_CACHE_SALT).cache_salt == "x" * MAX_CACHE_SALT
+    for bad in ["", "x" * (MAX_CACHE_SALT + 1), 5, ["a"], {"a": 1}]:
+        with pytest.raises(APIError) as info:
+            decode(cache_salt=bad)
+        assert (info.value.status, info.value.param) == (400, "cache_salt"), bad
+        assert info.value.message.startswith("cache_salt: ")

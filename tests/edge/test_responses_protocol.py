@@ -83,6 +83,16 @@ def test_a_missing_input_and_invalid_json_are_400s() -> None:
     assert "invalid JSON" in _refused(decode_responses_request, b'{"input": ').message
 
 
+def test_cache_salt_is_a_bounded_non_empty_string_or_a_400_naming_it() -> None:
+    from triode.edge.protocol import MAX_CACHE_SALT
+
+    assert _decode().cache_salt is None
+    assert _decode(cache_salt="x" * MAX_CACHE_SALT).cache_salt == "x" * MAX_CACHE_SALT
+    for bad in ["", "x" * (MAX_CACHE_SALT + 1), 5, [], {"a": 1}]:
+        error = _refused(_decode, cache_salt=bad)
+        assert error.param == "cache_salt" and error.message.startswith("cache_salt: "), bad
+
+
 def test_tools_other_than_function_and_mcp_are_refused() -> None:
     tools = [{"type": "function", "name": "f"}, {"type": "web_search"}]
 

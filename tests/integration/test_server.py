@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import signal
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -172,6 +174,79 @@ def test_logprobs(server: Server) -> None:
 def test_models(server: Server) -> None:
     models = _client(server).models.list()
     assert [m.id for m in models.data] == [SERVED_NAME]
+
+
+# cache_salt, and the fixture's --prefix-cache-isolation key: a prefix-cache hit shows in
+# usage.prompt_tokens_details.cached_tokens (and in the time to the first token), so a caller
+# who could hit another's blocks could tell what that one sent.
+
+
+def _cached(usage: Any) -> int:
+    details = getattr(usage, "prompt_tokens_details", None) or getattr(
+        usage, "input_tokens_details", None
+    )
+    return (details.cached_tokens or 0) if details is not None else 0
+
+
+def _salted(client: openai.OpenAI, route: str, text: str, salt: str | None) -> tuple[int, int]:
+    """(cached prompt tokens, prompt tokens) of one request on `route`."""
+    extra = {} if salt is None else {"cache_salt": salt}
+    if route == "completions":
+        usage = client.completions.create(
+            model=SERVED_NAME, prompt=text, max_tokens=1, temperature=0, extra_body=extra
+        ).usage
+        return _cached(usage), usage.prompt_tokens
+    if route == "chat":
+        usage = client.chat.completions.create(
+            model=SERVED_NAME, messages=[{"role": "user", "content": text}], max_tokens=1,
+            temperature=0, extra_body=extra,
+        ).usage  # fmt: skip
+        return _cached(usage), usage.prompt_tokens
+    usage = client.responses.create(
+        model=SERVED_NAME, input=text, max_output_tokens=1, store=False, extra_body=extra
+    ).usage
+    return _cached(usage), usage.input_tokens
+
+
+@pytest.mark.parametrize("route", ["completions", "chat", "responses"])
+def test_cached_prompt_blocks_are_shared_only_under_one_key_and_one_salt(
+    server: Server, route: str
+) -> None:
+    alice = _client(server)
+    bob = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEYS[1], max_retries=0)
+    text = f"{uuid.uuid4().hex} {route}: " + "The quick brown fox jumps over the lazy dog. " * 6
+
+    def shared(client: openai.OpenAI, salt: str | None) -> bool:
+        """Whether the whole prompt (its full blocks but the last token's) was cached; a
+        chat template's opening may be, from earlier requests of the same tenant and salt."""
+        cached, prompt = _salted(client, route, text, salt)
+        whole = (prompt - 1) // 16 * 16
+        assert cached <= whole and cached % 16 == 0, (cached, prompt)
+        return cached == whole
+
+    assert not shared(alice, "s1")  # nobody sent it yet
+    assert shared(alice, "s1")  # the same key and salt: its blocks
+    assert not shared(alice, "s2")  # another salt
+    assert not shared(alice, None)  # no salt is a salt of its own
+    # another key sees none of those, salt or not, and shares its own blocks
+    assert not shared(bob, "s1")
+    assert not shared(bob, None)
+    assert shared(bob, None)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions", "responses"])
+@pytest.mark.parametrize("salt", ["", "x" * 257, 7, ["a"]])
+def test_a_bad_cache_salt_is_a_400_naming_it(server: Server, route: str, salt: object) -> None:
+    body: dict[str, Any] = {"model": SERVED_NAME, "cache_salt": salt, "max_tokens": 1}
+    if route == "completions":
+        body["prompt"] = "hi"
+    elif route == "chat/completions":
+        body["messages"] = QUESTION
+    else:
+        body = {"model": SERVED_NAME, "input": "hi", "cache_salt": salt}
+    answer = httpx.post(f"{server.url}/v1/{route}", json=body, headers=_AUTH, timeout=30)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "cache_salt"
 
 
 def _stream_request(server: Server, max_tokens: int) -> tuple[str, dict]:
