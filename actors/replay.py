@@ -11,6 +11,14 @@ How many tokens a request had before an abort reached the engine (its client lef
 string matched) is a matter of timing: such a request is compared over the tokens both runs
 produced. A request that the recording ends inside (the engine stopped) is compared over its
 recorded tokens. A request whose ADD_REQUEST was rotated out of the recording is not compared.
+
+A recording is a file someone may hand over, so the engine arguments that reach past this host
+or process are not taken from it unless the caller trusts it (`trust_recorded_args`): the
+multi-node ones (`nnodes`, `node_rank`, `master_addr`, `master_port`: a replay would join, or
+wait for, a rendezvous somewhere else) and `kv_transfer_config` (it would open a KV port, or
+connect to a producer named in the recording). A recording that sets any of them is refused,
+naming them, unless they are trusted or overridden. A replay never records (`record_wire`) and
+always runs one engine core.
 """
 
 from __future__ import annotations
@@ -169,6 +177,7 @@ async def replay(
     model: str | None = None,
     speed: float = 1.0,
     max_seconds: float | None = None,
+    trust_recorded_args: bool = False,
     **engine_arg_overrides: Any,
 ) -> ReplayReport:
     """Replay the recording in `directory` against a new engine core and compare its outputs.
@@ -181,13 +190,14 @@ async def replay(
     for a recording that is not one, `msgspec.ValidationError` for bad engine arguments, and,
     in an exception group, what `open_engine_cores` raises if the engine fails to start,
     `EngineDeadError` if it dies, and `trio.TooSlowError` if it does not answer on a recorded
-    client topic within `CONNECT_TIMEOUT`.
+    client topic within `CONNECT_TIMEOUT`. Raises `UntrustedRecordingError` (before anything
+    starts) for recorded multi-node or KV-transfer arguments, unless `trust_recorded_args`.
     """
     if not speed > 0:
         raise ValueError("speed must be > 0 (math.inf: as fast as possible)")
     directory = Path(directory)
     meta = read_meta(directory)
-    args = _replay_args(meta, model, engine_arg_overrides)
+    args = _replay_args(meta, model, engine_arg_overrides, trust_recorded_args=trust_recorded_args)
     recording = await trio.to_thread.run_sync(_read_recording, directory)
     num_clients = meta.get("num_clients", 1)
     async with open_engine_cores(args, num_clients=num_clients) as cores:
@@ -209,14 +219,40 @@ async def replay(
     )
 
 
+# Recorded engine arguments that reach past this host or process (see the module's docstring).
+UNTRUSTED_ARGS = ("nnodes", "node_rank", "master_addr", "master_port", "kv_transfer_config")
+
+
+class UntrustedRecordingError(ValueError):
+    """A recording asks for engine arguments a replay takes only when told to."""
+
+
 def _replay_args(
-    meta: Mapping[str, Any], model: str | None, overrides: Mapping[str, Any]
+    meta: Mapping[str, Any],
+    model: str | None,
+    overrides: Mapping[str, Any],
+    *,
+    trust_recorded_args: bool = False,
 ) -> EngineArgs:
     """The engine arguments a replay runs with: the recorded ones, for one engine core that
-    records nothing, and then `model` and `overrides`."""
+    records nothing, and then `model` and `overrides`. Raises `UntrustedRecordingError` for a
+    recording that sets an `UNTRUSTED_ARGS` one (unless trusted, or overridden)."""
     recorded = meta.get("engine_args")
     if not isinstance(recorded, dict):
         raise ProtocolError("the recording's meta.json has no engine_args")
+    if not trust_recorded_args:
+        defaults = {f.name: f.default for f in msgspec.structs.fields(EngineArgs)}
+        asked = [
+            f"{name}={recorded[name]!r}"
+            for name in UNTRUSTED_ARGS
+            if name in recorded and name not in overrides and recorded[name] != defaults[name]
+        ]
+        if asked:
+            raise UntrustedRecordingError(
+                f"the recording asks for {', '.join(asked)}: multi-node and KV-transfer "
+                "arguments are taken from a recording only when trusted "
+                "(--trust-recorded-args), or give them yourself"
+            )
     fields = {**recorded, "record_wire": None, "data_parallel_size": 1, **overrides}
     if model is not None:
         fields["model"] = model

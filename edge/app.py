@@ -23,8 +23,9 @@ import trio
 
 from triode.actors import Engine, EngineDeadError
 
-from .auth import UNAUTHORIZED_HEADERS, ApiKeys, requires_auth
+from .auth import UNAUTHORIZED_HEADERS, ApiKeys, paths_without_key, requires_auth
 from .errors import APIError, validation_error
+from .health import HealthProbe
 from .http import (
     ClientDisconnected,
     Message,
@@ -74,6 +75,20 @@ class Settings:
     max_stored_responses: int = 1000
     # "key": requests share cached prefix blocks only with requests under the same API key
     prefix_cache_isolation: Isolation = "none"
+    # caps on what one request may cost (edge/serving.py): its choices (prompts x n), the
+    # logprob entries of a whole answer, and its prompt_embeds' bytes (once per choice)
+    max_choices_per_request: int = 2048
+    max_logprob_entries: int = 1 << 20
+    max_prompt_embeds_bytes: int = 256 << 20
+    # /health is 503 once the engine core has made no step for this long with work pending
+    health_stall_timeout: float = 60.0
+    # /metrics behind the key too (it is open for scrapers by default)
+    metrics_require_key: bool = False
+    # background responses running or queued at once (429 past it); seconds a stored one lives
+    max_background_responses: int = 32
+    response_ttl: float = 3600.0
+    # request-named MCP servers may be on loopback, private or link-local addresses
+    allow_private_tool_servers: bool = False
 
 
 class App:
@@ -87,6 +102,8 @@ class App:
         self.serving = Serving(engine, settings, self.metrics)
         self.responses = Responses(engine, settings, self.metrics, self.serving.check_model)
         self.draining = False
+        self._health = HealthProbe(engine, settings.health_stall_timeout)
+        self._open_paths = paths_without_key(metrics_require_key=settings.metrics_require_key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -104,7 +121,9 @@ class App:
             if request.method == "OPTIONS":
                 await self._options(request, cors)
                 return
-            if self.settings.api_keys.enabled and requires_auth(request.method, path):
+            if self.settings.api_keys.enabled and requires_auth(
+                request.method, path, self._open_paths
+            ):
                 authorization = request.headers.get(b"authorization")
                 request.key_digest = self.settings.api_keys.match(authorization)
                 if request.key_digest is None:
@@ -164,7 +183,10 @@ class App:
 
     async def health(self, request: Request) -> None:
         if self.engine.dead is not None:
-            raise APIError(503, str(self.engine.dead))
+            raise APIError(503, "the engine is not running")  # the reason is in the log
+        problem = await self._health.problem()
+        if problem is not None:
+            raise APIError(503, problem)
         await respond(request.send, 200, b"", content_type=b"text/plain; charset=utf-8")
 
     async def version(self, request: Request) -> None:

@@ -58,16 +58,28 @@ class ApiKeys:
         return digest if matched else None
 
 
-def requires_auth(method: str, path: str) -> bool:
-    """Whether a request needs a key: everything under `/v1` except CORS preflight (OPTIONS).
+# The routes anyone may call: liveness, the version, and (unless the operator puts it behind
+# the key) the Prometheus scrape. Every other path needs a key, routed or not, so a route added
+# later (an admin route outside /v1, say) is guarded without a second thought.
+OPEN_PATHS: Final = frozenset({"/health", "/version", "/metrics"})
+
+
+def paths_without_key(*, metrics_require_key: bool = False) -> frozenset[str]:
+    """The paths served without a key: `OPEN_PATHS`, less `/metrics` when it needs one."""
+    return OPEN_PATHS - {"/metrics"} if metrics_require_key else OPEN_PATHS
+
+
+def requires_auth(method: str, path: str, open_paths: frozenset[str] = OPEN_PATHS) -> bool:
+    """Whether a request needs a key: every path but those in `open_paths` (matched exactly),
+    and CORS preflights (OPTIONS), which answer with no data.
 
     `path` must be the very string the router matches (root_path already stripped). It is not
     normalised here; the router must not normalise it either, or a path could reach a protected
-    handler without passing this check.
+    handler without passing this check. Unrouted paths need a key too (a 401, not a 404).
     """
     if method == "OPTIONS":
         return False
-    return path == "/v1" or path.startswith("/v1/")
+    return path not in open_paths
 
 
 def keys_from(cli_keys: list[str] | None, env: Mapping[str, str]) -> list[str]:

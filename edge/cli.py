@@ -53,6 +53,11 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
         "a request's cache_salt always separates it",
     )
     serve.add_argument(
+        "--metrics-require-key",
+        action="store_true",
+        help="put /metrics behind the key too (it is open for scrapers by default)",
+    )
+    serve.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -81,6 +86,31 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
         default=10.0,
         help="seconds in-flight requests get to finish on shutdown",
     )
+    limits = serve.add_argument_group("what one request may cost")
+    limits.add_argument(
+        "--max-choices-per-request",
+        type=int,
+        default=2048,
+        help="choices (prompts x n) of one request; more is a 400",
+    )
+    limits.add_argument(
+        "--max-logprob-entries",
+        type=int,
+        default=1 << 20,
+        help="logprob entries (positions x (1 + alternatives)) a whole, not streamed, answer "
+        "may hold; more is a 400",
+    )
+    limits.add_argument(
+        "--max-prompt-embeds-bytes",
+        default="256MiB",
+        help="decoded prompt_embeds of one request, counted once per choice; more is a 400",
+    )
+    serve.add_argument(
+        "--health-stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds without an engine step, with requests pending, before /health is 503",
+    )
     tools = serve.add_argument_group("tools (the Responses API's MCP tools)")
     tools.add_argument(
         "--tool-server",
@@ -95,6 +125,12 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
         help="let a request name an MCP server_url that is not configured here",
     )
     tools.add_argument(
+        "--allow-private-tool-servers",
+        action="store_true",
+        help="let such a server_url resolve to a loopback, private, link-local or metadata "
+        "address (refused by default)",
+    )
+    tools.add_argument(
         "--tool-call-timeout",
         type=float,
         default=30.0,
@@ -105,6 +141,25 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
         type=int,
         default=8,
         help="rounds of MCP tool calls per response; then the model answers without tools",
+    )
+    stored = serve.add_argument_group("stored responses (/v1/responses)")
+    stored.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1000,
+        help="responses kept for retrieval and previous_response_id; the oldest finished go first",
+    )
+    stored.add_argument(
+        "--max-background-responses",
+        type=int,
+        default=32,
+        help="background responses queued or running at once; past it a new one is a 429",
+    )
+    stored.add_argument(
+        "--response-ttl",
+        type=float,
+        default=3600.0,
+        help="seconds a finished stored response is kept",
     )
     engine = serve.add_argument_group("engine")
     engine.add_argument(
@@ -232,16 +287,39 @@ def _run_serve(args: argparse.Namespace) -> int:
     # the engine core process logs (model loading, its progress) at the same level
     os.environ.setdefault("TRIODE_LOG_LEVEL", args.log_level.upper())
     engine_args = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
+    if args.kv_transfer_config is not None:
+        from triode.wire.kv_transfer import parse_kv_transfer_config
+
+        # before any process starts: a config or secret that cannot serve is one line
+        try:
+            parse_kv_transfer_config(args.kv_transfer_config).read_secret()
+        except ValueError as e:
+            print(f"triode serve: {e}", file=sys.stderr)
+            return 2
     if args.headless:
         return _run_headless(args.model, engine_args)
     if engine_args.get("node_rank", 0) != 0:
         raise SystemExit("triode serve: --node-rank other than 0 runs with --headless")
     keys = keys_from(args.api_key, os.environ)
     max_body = parse_size(args.max_body_size)
+    max_prompt_embeds = parse_size(args.max_prompt_embeds_bytes)
+    if min(args.max_choices_per_request, args.max_logprob_entries, max_prompt_embeds) < 1:
+        raise SystemExit(
+            "triode serve: --max-choices-per-request, --max-logprob-entries and "
+            "--max-prompt-embeds-bytes must be >= 1"
+        )
+    if not args.health_stall_timeout > 0:
+        raise SystemExit("triode serve: --health-stall-timeout must be positive")
     if args.tool_call_timeout <= 0:
         raise SystemExit("triode serve: --tool-call-timeout must be positive")
     if args.max_tool_turns < 0:
         raise SystemExit("triode serve: --max-tool-turns must not be negative")
+    if args.max_stored_responses < 1 or args.max_background_responses < 1:
+        raise SystemExit(
+            "triode serve: --max-stored-responses and --max-background-responses must be >= 1"
+        )
+    if not args.response_ttl > 0:
+        raise SystemExit("triode serve: --response-ttl must be positive")
     if not 1 <= args.api_server_count <= 64:
         raise SystemExit("triode serve: --api-server-count must be between 1 and 64")
     if args.prefix_cache_isolation == "key" and not keys:
@@ -266,6 +344,15 @@ def _run_serve(args: argparse.Namespace) -> int:
             allow_request_tool_servers=args.allow_request_tool_servers,
             tool_call_timeout=args.tool_call_timeout,
             max_tool_turns=args.max_tool_turns,
+            max_choices_per_request=args.max_choices_per_request,
+            max_logprob_entries=args.max_logprob_entries,
+            max_prompt_embeds_bytes=max_prompt_embeds,
+            health_stall_timeout=args.health_stall_timeout,
+            max_stored_responses=args.max_stored_responses,
+            metrics_require_key=args.metrics_require_key,
+            max_background_responses=args.max_background_responses,
+            response_ttl=args.response_ttl,
+            allow_private_tool_servers=args.allow_private_tool_servers,
         )
 
     if keys:
@@ -301,15 +388,6 @@ def _run_headless(model: str | None, engine_args: dict[str, object]) -> int:
 def _proxy_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     proxy = commands.add_parser(
         "proxy",
-    if args.kv_transfer_config is not None:
-        from triode.wire.kv_transfer import parse_kv_transfer_config
-
-        # before any process starts: a config or secret that cannot serve is one line
-        try:
-            parse_kv_transfer_config(args.kv_transfer_config).read_secret()
-        except ValueError as e:
-            print(f"triode serve: {e}", file=sys.stderr)
-            return 2
         help="route requests over prefill and decode instances (disaggregated prefill)",
         description="Serve the OpenAI API by prefilling each request on a prefill instance and "
         "decoding it, with the prefill's KV, on a decode instance; each kind in turn.",
@@ -331,6 +409,13 @@ def _proxy_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
         nargs="+",
         default=None,
         help="accept this key (repeatable; also TRIODE_API_KEY, comma-separated)",
+    )
+    proxy.add_argument(
+        "--kv-secret-file",
+        required=True,
+        metavar="PATH",
+        help="the deployment's secret, the file the instances' kv_connector_extra_config "
+        "secret_file names: it seals the proxy's requests to the prefill instances",
     )
     proxy.add_argument(
         "--backend-api-key",
@@ -365,6 +450,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
     import trio
 
     from triode.actors.config import parse_size
+    from triode.wire.kv_seal import read_secret
 
     from .auth import ApiKeys, keys_from
     from .proxy import ProxyOptions, serve_proxy
@@ -387,6 +473,8 @@ def _run_proxy(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             max_body_size=parse_size(args.max_body_size),
             graceful_timeout=args.graceful_timeout,
+            kv_secret=read_secret(args.kv_secret_file),
+            forward_client_key=args.forward_client_key,
         )
     except ValueError as e:
         print(f"triode proxy: {e}", file=sys.stderr)
@@ -421,6 +509,12 @@ def _replay_parser(commands: argparse._SubParsersAction) -> None:  # type: ignor
     )
     replay.add_argument("--json", action="store_true", help="print the report as JSON")
     replay.add_argument(
+        "--trust-recorded-args",
+        action="store_true",
+        help="take the recording's multi-node and KV-transfer arguments (nnodes, node_rank, "
+        "master_addr, master_port, kv_transfer_config) too; refused by default",
+    )
+    replay.add_argument(
         "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
     )
 
@@ -429,15 +523,8 @@ def _run_replay(args: argparse.Namespace) -> int:
     import msgspec
     import trio
 
-    from triode.actors.replay import replay
+    from triode.actors.replay import UntrustedRecordingError, replay
     from triode.wire import ProtocolError
-    proxy.add_argument(
-        "--kv-secret-file",
-        required=True,
-        metavar="PATH",
-        help="the deployment's secret, the file the instances' kv_connector_extra_config "
-        "secret_file names: it seals the proxy's requests to the prefill instances",
-    )
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -453,9 +540,12 @@ def _run_replay(args: argparse.Namespace) -> int:
                 model=args.model,
                 speed=args.speed,
                 max_seconds=args.max_seconds,
+                trust_recorded_args=args.trust_recorded_args,
             )
         )
-    except (FileNotFoundError, ProtocolError, msgspec.ValidationError) as e:
+    except (
+        FileNotFoundError, ProtocolError, msgspec.ValidationError, UntrustedRecordingError
+    ) as e:  # fmt: skip
         raise SystemExit(f"triode replay: {args.directory}: {e}") from None
     if args.json:
         print(msgspec.json.encode(report).decode())
@@ -465,7 +555,6 @@ def _run_replay(args: argparse.Namespace) -> int:
             f" ({report.inputs} inputs in {report.seconds:.1f} s"
             f"{', timed out' if report.timed_out else ''})"
         )
-    from triode.wire.kv_seal import read_secret
         for d in report.differences:
             print(
                 f"  {d.request_id}: at {d.index} recorded {d.recorded!r}, replayed {d.replayed!r}"
@@ -488,8 +577,6 @@ def build_parser() -> argparse.ArgumentParser:
     _proxy_parser(commands)
     _replay_parser(commands)
     bench = commands.add_parser("bench", help="run a benchmark and print its table")
-            kv_secret=read_secret(args.kv_secret_file),
-            forward_client_key=args.forward_client_key,
     bench.add_argument("which", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     fuzz = commands.add_parser(

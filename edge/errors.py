@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from typing import Any
 
 import msgspec
+
+log = logging.getLogger(__name__)
 
 # vLLM's type names for the statuses the edge returns.
 _TYPES = {
@@ -120,12 +123,15 @@ def engine_error(error: BaseException) -> APIError:
     from triode.actors import EngineDeadError, RequestError, RequestRefused
 
     if isinstance(error, EngineDeadError):
-        return APIError(503, f"the engine is not running: {error}")
+        return _engine_dead()
     if isinstance(error, RequestRefused):
         return too_busy(str(error), error.retry_after)
     if isinstance(error, RequestError):
         return validation_error(error)
-    return APIError(500, f"generation failed: {error}")
+    # the text of an unexpected exception may name files, hosts or internals: it goes to the
+    # log, the client gets the fact
+    log.error("generation failed: %s", error)
+    return APIError(500, "generation failed; the server log has the details")
 
 
 def too_busy(message: str, retry_after: float = 1.0) -> APIError:
@@ -137,4 +143,9 @@ def too_busy(message: str, retry_after: float = 1.0) -> APIError:
 def check_engine_alive(engine: Any) -> None:
     """A 503 unless the engine is running."""
     if engine.dead is not None:
-        raise APIError(503, f"the engine is not running: {engine.dead}")
+        raise _engine_dead()
+
+
+def _engine_dead() -> APIError:
+    # why it died (a remote traceback, an exit status) is for the operator's log, which has it
+    return APIError(503, "the engine is not running")

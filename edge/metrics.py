@@ -1,5 +1,9 @@
 """Prometheus metrics under vLLM's names, prefixed `triode:`, each labelled with `model_name`.
 
+Nothing per request is exposed: no ids, prompts or users, and every label takes its values from
+a fixed set (the served name, the finish reasons, the prompt-token sources), so no client can
+add series.
+
 Several API server processes (`--api-server-count`) share their metrics through
 prometheus-client's multiprocess mode: the parent points `PROMETHEUS_MULTIPROC_DIR` at a
 directory of its own before they start, each process's counters and histograms live in files
@@ -80,9 +84,11 @@ class Metrics:
             (*_LABELS, "finished_reason"),
             registry=r,
         )
-        # Created up front so every reason is exposed, at zero, before its first request.
-        for reason in FinishReason:
-            self._success.labels(model_name, str(reason))
+        # Created up front so every reason is exposed, at zero, before its first request; no
+        # other label value is ever made (a series per distinct value would grow without bound).
+        self._reasons = frozenset(str(reason) for reason in FinishReason)
+        for reason in self._reasons:
+            self._success.labels(model_name, reason)
         self._ttft = histogram(
             "triode:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
         )
@@ -112,10 +118,12 @@ class Metrics:
         e2e: float,
         finished_reason: str,
     ) -> None:
-        """Record one finished request. `ttft` is None when no token was produced."""
+        """Record one finished request. `ttft` is None when no token was produced; a reason
+        that is not a `FinishReason`'s name (one cut short has none) counts as `abort`."""
         self._prompt_tokens.inc(prompt_tokens)
         self._generation_tokens.inc(generation_tokens)
-        self._success.labels(self._model_name, finished_reason).inc()
+        reason = finished_reason if finished_reason in self._reasons else "abort"
+        self._success.labels(self._model_name, reason).inc()
         if ttft is not None:
             self._ttft.observe(ttft)
         for latency in inter_token_latencies:

@@ -29,7 +29,7 @@ import trio
 from triode.actors import Engine, EngineDeadError, RequestError
 from triode.wire import SamplingParams
 
-from .errors import APIError, check_engine_alive, engine_error, validation_error
+from .errors import APIError, check_engine_alive, engine_error, too_busy, validation_error
 from .http import JSON, ClientDisconnected, Request, respond, respond_json
 from .mcp_tools import ToolServers
 from .metrics import Metrics
@@ -78,7 +78,8 @@ class Responses:
         self.metrics = metrics
         self.check_model = check_model
         self.model_name = settings.served_model_names[0]
-        self.store = ResponseStore(settings.max_stored_responses)
+        self.store = ResponseStore(settings.max_stored_responses, ttl=settings.response_ttl)
+        self._background_count = 0  # queued or running
         self.tool_servers = ToolServers(
             settings.tool_servers,
             call_timeout=settings.tool_call_timeout,
@@ -102,16 +103,20 @@ class Responses:
         req = decode_responses_request(body)
         self.check_model(req.model)
         check_engine_alive(self.engine)
+        if req.background:
+            self._check_background_room()  # before the work of planning
+        owner = self._owner(request)
         plan = await plan_response(
             req, engine=self.engine, store=self.store, tool_servers=self.tool_servers,
             model_name=self.model_name, max_tool_turns=self.settings.max_tool_turns,
+            owner=owner,
         )  # fmt: skip
         isolation = self.settings.prefix_cache_isolation
         plan.cache_salt = request_cache_salt(isolation, request.key_digest, req.cache_salt)
         if req.background:
-            await self._background(request, plan)
+            await self._background(request, plan, owner)
             return
-        entry = StoredResponse(plan.response)
+        entry = StoredResponse(plan.response, owner=owner)
         if plan.response.store:
             self.store.add(entry)
         if req.stream:
@@ -153,9 +158,19 @@ class Responses:
         body = {"id": entry.response.id, "object": "response.deleted", "deleted": True}
         await respond_json(request.send, body)
 
+    def _owner(self, request: Request) -> bytes:
+        """The caller's key digest (b"" on a server without keys: all callers are one)."""
+        return self.settings.api_keys.match(request.headers.get(b"authorization")) or b""
+
+    def _check_background_room(self) -> None:
+        limit = self.settings.max_background_responses
+        if self._background_count >= limit:
+            raise too_busy(f"background: {limit} background responses are queued or running "
+                           "already; try again when one has ended")  # fmt: skip
+
     def _stored(self, request: Request) -> StoredResponse:
         response_id = request.scope["path_params"]["response_id"]
-        entry = self.store.get(response_id)
+        entry = self.store.get(response_id, self._owner(request))
         if entry is None:
             raise APIError(404, f"Response with id '{response_id}' not found.",
                            type="invalid_request_error", param="response_id")  # fmt: skip
@@ -184,6 +199,7 @@ class Responses:
         finally:
             _keep_text(plan, out.finish("cancelled"))
             entry.conversation = plan.conversation
+            self.store.ended(entry)
             entry.done.set()
         if request.disconnected:
             raise ClientDisconnected
@@ -201,12 +217,14 @@ class Responses:
         await writer.write(out.take())
         await request.send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _background(self, request: Request, plan: Plan) -> None:
+    async def _background(self, request: Request, plan: Plan, owner: bytes) -> None:
         if self._tasks is None:
             raise APIError(503, "background responses are not available in this server")
+        self._check_background_room()  # others may have started while this one was planned
         response = plan.response
         response.status = "queued"
-        entry = StoredResponse(response, scope=trio.CancelScope())
+        entry = StoredResponse(response, scope=trio.CancelScope(), owner=owner)
+        self._background_count += 1
         self.store.add(entry)
         streaming = bool(plan.req.stream)
         out = ResponseBuilder(response, streaming=streaming, mcp_tools=plan.mcp_tools())
@@ -261,6 +279,8 @@ class Responses:
             push()
             if channel is not None:
                 channel.close()
+            self._background_count -= 1
+            self.store.ended(entry)
             entry.done.set()
 
     async def _run(self, plan: Plan, out: ResponseBuilder, flush: Flush) -> APIError | None:

@@ -120,14 +120,16 @@ async def plan_response(
     tool_servers: ToolServers,
     model_name: str,
     max_tool_turns: int,
+    owner: bytes = b"",
 ) -> Plan:
     """Check `req` whole: its previous response, tools (listing each MCP server's), tool
     choice, text format and input, and render and measure its first prompt. A checkpoint
     (MCP listings, tokenizing); raises a 4xx `APIError` naming the field for a bad request.
+    A previous response that `owner` (the caller's key digest) did not create is not found.
     """
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
-        previous = store.get(req.previous_response_id)
+        previous = store.get(req.previous_response_id, owner)
         if previous is None:
             raise APIError(404, f"Previous response with id '{req.previous_response_id}' "
                            "not found.", type="invalid_request_error",

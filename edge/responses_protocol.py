@@ -23,6 +23,11 @@ from .protocol import MAX_CACHE_SALT
 
 # Requests
 
+# Characters of `instructions`: a system prompt this long is past any context window a server
+# runs (about 250k tokens); it is stored with the response, so it is capped like metadata
+# (OpenAI's 16 pairs of 64-character keys and 512-character values).
+MAX_INSTRUCTIONS = 1 << 20
+
 
 class TextConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     format: dict[str, Any] | None = None
@@ -38,7 +43,7 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 
     input: str | list[dict[str, Any]]
     model: str | None = None
-    instructions: str | None = None
+    instructions: Annotated[str, Meta(max_length=MAX_INSTRUCTIONS)] | None = None
     max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_tool_calls: Annotated[int, Meta(ge=1)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None

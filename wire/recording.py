@@ -12,14 +12,22 @@ second, so each message costs an encode and a memory copy on the trio thread and
 written in large pieces. A crash loses at most the unflushed tail and may tear the last record:
 the reader skips a torn last record, and raises `ProtocolError` for anything else that is not a
 recording.
+
+A recording holds every prompt and answer the engine saw, so it is the operator's alone: the
+directory is made 0700 (an existing one must be the user's own and writable by no one else, and
+not a symbolic link) and each file is created 0600, new (`O_EXCL`) and never through a symbolic
+link (`O_NOFOLLOW`), relative to the directory opened once, so that a path swapped afterwards
+redirects nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
+import stat
 import struct
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -47,6 +55,8 @@ _WRITE_BUFFER = 1 << 20
 _FLUSH_INTERVAL = 1.0
 _LENGTH = struct.Struct(">I")
 _FILE_NAME = re.compile(r"wire-(\d{6,})\.rec")
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class Record(msgspec.Struct, array_like=True, gc=False):
@@ -61,7 +71,8 @@ class Recorder:
     """Appends records to the files of one recording directory. Use it from one thread.
 
     A write that fails (a full disk) ends the recording with an error in the log; the engine
-    serves on.
+    serves on. Files are made in `dir_fd` when given (the directory `open_recorder` checked),
+    else in `directory` opened at the first record; the recorder closes it.
     """
 
     def __init__(
@@ -70,6 +81,7 @@ class Recorder:
         *,
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         max_files: int = DEFAULT_MAX_FILES,
+        dir_fd: int | None = None,
     ) -> None:
         if max_file_bytes <= len(MAGIC) + _LENGTH.size:
             raise ValueError(f"max_file_bytes must be > {len(MAGIC) + _LENGTH.size}")
@@ -86,6 +98,7 @@ class Recorder:
         self._file: BinaryIO | None = None
         self._size = 0
         self._flushed = time.monotonic()
+        self._dir_fd = dir_fd
 
     def record(self, direction: Direction, frames: Sequence[Buffer]) -> None:
         """Append one message's frames, stamped with the time now."""
@@ -117,7 +130,13 @@ class Recorder:
         self.records += 1
 
     def close(self) -> None:
-        """Flush and close the current file. Idempotent."""
+        """Flush and close the current file and the directory. Idempotent."""
+        self._close_file()
+        if self._dir_fd is not None:
+            fd, self._dir_fd = self._dir_fd, None
+            os.close(fd)
+
+    def _close_file(self) -> None:
         if self._file is not None:
             file, self._file = self._file, None
             file.close()
@@ -127,14 +146,18 @@ class Recorder:
         delete those that fall out of the newest `max_files`."""
         if self._file is not None and self._size == len(MAGIC):
             return  # a fresh file: the record goes in, whatever its size
-        self.close()
+        self._close_file()
+        if self._dir_fd is None:
+            self._dir_fd = os.open(self.directory, _DIRECTORY)
         self._index += 1
-        self._file = open(self.directory / _file_name(self._index), "xb", buffering=_WRITE_BUFFER)
+        fd = os.open(_file_name(self._index), _NEW_FILE, 0o600, dir_fd=self._dir_fd)
+        self._file = os.fdopen(fd, "wb", buffering=_WRITE_BUFFER)
         self._file.write(MAGIC)
         self._size = len(MAGIC)
         old = self._index - self.max_files
         if old >= 1:
-            (self.directory / _file_name(old)).unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_file_name(old), dir_fd=self._dir_fd)
 
 
 @asynccontextmanager
@@ -145,24 +168,67 @@ async def open_recorder(
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
     max_files: int = DEFAULT_MAX_FILES,
 ) -> AsyncIterator[Recorder]:
-    """Start a recording in `directory` (created if missing) and close it on leaving.
+    """Start a recording in `directory` (created 0700 with its missing parents) and close it on
+    leaving.
 
     `meta` (JSON-able: the engine arguments, ...) goes into `meta.json` with the start time
     under `start_time`. Raises `FileExistsError` if `directory` holds a recording already:
-    recordings are never mixed or overwritten. A checkpoint on entry.
+    recordings are never mixed or overwritten; `PermissionError` if it is a symbolic link,
+    another user's, or writable by group or others. A checkpoint on entry.
     """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    if (directory / META_FILE).exists() or record_files(directory):
-        raise FileExistsError(f"{directory} holds a wire recording already; give a new directory")
-    content = {**meta, "start_time": time.time()}
-    (directory / META_FILE).write_text(json.dumps(content, indent=2) + "\n")
-    recorder = Recorder(directory, max_file_bytes=max_file_bytes, max_files=max_files)
+    dir_fd = open_private_directory(directory)
+    try:
+        names = os.listdir(dir_fd)
+        if META_FILE in names or any(_FILE_NAME.fullmatch(n) for n in names):
+            raise FileExistsError(
+                f"{directory} holds a wire recording already; give a new directory"
+            )
+        content = {**meta, "start_time": time.time()}
+        fd = os.open(META_FILE, _NEW_FILE, 0o600, dir_fd=dir_fd)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(content, indent=2) + "\n")
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    recorder = Recorder(
+        directory, max_file_bytes=max_file_bytes, max_files=max_files, dir_fd=dir_fd
+    )
     await trio.lowlevel.checkpoint()
     try:
         yield recorder
     finally:
         recorder.close()
+
+
+def open_private_directory(directory: Path) -> int:
+    """A descriptor of `directory`, made 0700 (with any missing parents) if it is missing.
+
+    Raises `PermissionError` for a symbolic link, a directory of another user, or one that group
+    or others may write (they could plant or swap files in it), and `NotADirectoryError`.
+    """
+    missing = [p for p in (directory, *directory.parents) if not os.path.lexists(p)]
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another engine of the same run made it
+            os.mkdir(path, 0o700)
+    try:
+        fd = os.open(directory, _DIRECTORY)
+    except OSError:
+        if os.path.islink(directory):
+            raise PermissionError(
+                f"{directory} is a symbolic link; give the real directory to record into"
+            ) from None
+        raise
+    info = os.fstat(fd)
+    problem = None
+    if info.st_uid != os.geteuid():
+        problem = "belongs to another user"
+    elif info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        problem = f"may be written by group or others (mode {stat.S_IMODE(info.st_mode):o})"
+    if problem is not None:
+        os.close(fd)
+        raise PermissionError(f"{directory} {problem}; record into a directory of your own")
+    return fd
 
 
 def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import json
 
 import msgspec
 import pytest
+from app_harness import StubIntake, call, make_app
 
 from triode.edge.errors import APIError, engine_error, error_body, validation_error
 from triode.wire import SamplingParams
@@ -152,3 +153,52 @@ def test_a_full_engine_queue_is_a_429_with_retry_after() -> None:
     assert (error.status, error.type, error.code) == (429, "RateLimitError", 429)
     assert error.headers == [(b"retry-after", b"3")]  # whole seconds, rounded up
     assert engine_error(RequestRefused("busy", retry_after=0)).headers == [(b"retry-after", b"1")]
+
+
+# Nothing internal reaches a client
+
+SECRET = (
+    "actor 'engine-core' failed with RuntimeError: boom\n--- remote traceback ---\n"
+    'Traceback (most recent call last):\n  File "/srv/triode/actors/engine_core.py", line 9\n'
+)
+
+
+def _leaks(text: str) -> bool:
+    return any(s in text for s in ("Traceback", 'File "', "/srv/", ".py", "boom"))
+
+
+def test_engine_errors_say_what_happened_not_why() -> None:
+    from triode.actors import EngineDeadError
+
+    for error in (EngineDeadError(f"the engine core died: {SECRET}"), RuntimeError(SECRET)):
+        answer = engine_error(error)
+        assert answer.status in (500, 503) and not _leaks(error_body(answer).decode())
+
+
+class _FailingIntake(StubIntake):
+    async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        raise RuntimeError(SECRET)
+
+
+async def test_an_internal_error_is_a_bare_500_whatever_it_was() -> None:
+    app = make_app()
+    app.engine.intake = _FailingIntake()
+
+    answer = await call(app, "POST", "/tokenize", {"prompt": "hi"})
+
+    assert answer.status == 500
+    assert answer.json() == {"error": {"message": "internal server error",
+                                       "type": "InternalServerError", "param": None,
+                                       "code": 500}}  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "path"), [("GET", "/health"), ("POST", "/v1/completions")])
+async def test_a_dead_engine_is_a_503_without_its_traceback(method: str, path: str) -> None:
+    from triode.actors import EngineDeadError
+
+    app = make_app()
+    app.engine.dead = EngineDeadError(f"the engine core died: {SECRET}")
+
+    answer = await call(app, method, path, {"prompt": "hi", "max_tokens": 1})
+
+    assert answer.status == 503 and not _leaks(answer.body.decode())

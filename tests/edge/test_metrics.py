@@ -86,6 +86,19 @@ def test_requests_add_up_tokens_and_count_by_finish_reason() -> None:
     assert samples[("triode:e2e_request_latency_seconds_sum", m)] == pytest.approx(3.3)
 
 
+def test_a_reason_outside_the_fixed_set_adds_no_series() -> None:
+    metrics = Metrics("m")
+    series = len(_scrape(metrics)[1])
+    for reason in ("req-123", "tool_calls", "None", "x" * 1000):
+        metrics.observe_request(1, 1, None, [], 0.1, reason)
+
+    _, samples = _scrape(metrics)
+
+    assert len(samples) == series
+    key = ("triode:request_success_total", _labels(model_name="m", finished_reason="abort"))
+    assert samples[key] == 4
+
+
 def test_histograms_use_vllm_buckets() -> None:
     metrics = Metrics("m")
     metrics.observe_request(1, 2, 0.03, [0.06], 0.9, "stop")

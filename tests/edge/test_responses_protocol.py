@@ -4,10 +4,12 @@ and the store's eviction."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
 import pytest
+import trio
 from openai import omit
 from openai._models import construct_type
 from openai.lib.streaming.responses._responses import ResponseStreamState
@@ -16,6 +18,7 @@ from openai.types.responses import ResponseStreamEvent
 from triode.edge.errors import APIError
 from triode.edge.responses_output import ResponseBuilder
 from triode.edge.responses_protocol import (
+    MAX_INSTRUCTIONS,
     McpListTools,
     McpToolInfo,
     Response,
@@ -66,6 +69,9 @@ def test_a_minimal_request_decodes_with_the_api_defaults() -> None:
         ({"truncation": "auto"}, "truncation"),
         ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
         ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"metadata": {"k": "v" * 513}}, "metadata[...]"),
+        ({"instructions": "x" * (MAX_INSTRUCTIONS + 1)}, "instructions"),
         ({"text": {"format": {"type": "text"}, "colour": 1}}, "text.colour"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"prompt": {"id": "p"}}, "prompt"),
@@ -486,6 +492,73 @@ def test_the_store_evicts_the_least_recently_used_finished_response_first() -> N
     store.get("a")
     store.add(StoredResponse(Response(id="d", model="m", status="completed")))
     assert store.get("c") is None and len(store) == 2
+
+
+def _entry(rid: str, status: str = "completed", **kw: Any) -> StoredResponse:
+    return StoredResponse(Response(id=rid, model="m", status=status), **kw)  # type: ignore[arg-type]
+
+
+ALICE, BOB = hashlib.sha256(b"sk-alice").digest(), hashlib.sha256(b"sk-bob").digest()
+
+
+def test_a_response_is_found_only_with_the_key_that_made_it() -> None:
+    store = ResponseStore()
+    store.add(_entry("a", owner=ALICE))
+    store.add(_entry("open"))
+
+    assert store.get("a", ALICE) is not None
+    assert store.get("a", BOB) is None and store.get("a") is None
+    assert store.get("open") is not None and store.get("open", ALICE) is None
+
+
+def test_a_finished_response_lives_ttl_seconds_from_its_end() -> None:
+    now = [0.0]
+    store = ResponseStore(ttl=60, clock=lambda: now[0])
+    entry = _entry("a")
+    store.add(entry)
+    now[0] = 1000.0  # unfinished time does not count
+    store.ended(entry)
+
+    now[0] = 1059.0
+    assert store.get("a") is entry
+    now[0] = 1060.0
+    assert store.get("a") is None and len(store) == 0
+
+
+def test_expired_responses_are_dropped_when_others_are_added() -> None:
+    now = [0.0]
+    store = ResponseStore(ttl=60, clock=lambda: now[0])
+    for rid in ("a", "b"):
+        store.add(entry := _entry(rid))
+        store.ended(entry)
+    now[0] = 61.0
+
+    store.add(_entry("c"))
+
+    assert len(store) == 1
+
+
+def test_a_running_background_response_is_never_evicted_nor_expired() -> None:
+    # Evicting one would leave a run nobody can cancel; cancelling it on eviction would let any
+    # client's burst of responses cancel another's. The caller bounds their number instead.
+    now = [0.0]
+    store = ResponseStore(capacity=2, ttl=1, clock=lambda: now[0])
+    background = [_entry(f"bg{i}", "in_progress", scope=trio.CancelScope()) for i in range(3)]
+    for entry in background:
+        store.add(entry)
+    store.add(_entry("fg", "in_progress"))
+    now[0] = 100.0
+
+    for i in range(10):
+        store.add(_entry(f"done{i}"))
+
+    assert all(store.get(e.response.id) is e for e in background)
+    assert len(store) == 4  # capacity, plus the background runs past it
+    background[0].response.status = "cancelled"
+    background[0].done.set()
+    store.ended(background[0])
+    now[0] = 102.0
+    assert store.get("bg0") is None
 
 
 # MCP tools as the model sees them

@@ -16,7 +16,8 @@ import trio
 from processes import alive
 
 from triode.actors import Engine, SamplingParams, open_engine
-from triode.actors.replay import replay
+from triode.actors.config import EngineArgs
+from triode.actors.replay import UntrustedRecordingError, _replay_args, replay
 from triode.wire import Encoder, OutputDecoder, Recorder, encode_output, read_records
 
 pytestmark = pytest.mark.slow
@@ -139,3 +140,58 @@ async def test_a_replay_agrees_with_its_recording_and_finds_a_tampered_token(
         {"request_id": request_id, "index": index, "recorded": tampered_to, "replayed": recorded}
     ]
     assert not _engine_cores_of(pid)
+
+
+# What a recording may ask for
+
+RECORDED_REMOTE = {
+    "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.9", "master_port": 29500,
+    "kv_transfer_config": {"kv_connector": "TriodeConnector", "kv_role": "kv_consumer"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "value"), list(RECORDED_REMOTE.items()))
+def test_recorded_multi_node_and_kv_arguments_are_refused_unless_given(
+    name: str, value: object
+) -> None:
+    # Who hands over a recording: anyone; what it could make a replay do: join a rendezvous or
+    # open KV connections to hosts it names. So those arguments need the operator's word.
+    meta = {"engine_args": {**ENGINE_ARGS, "model": "tiny-random", name: value}}
+
+    with pytest.raises(UntrustedRecordingError, match=name):
+        _replay_args(meta, None, {})
+    default = getattr(EngineArgs(), name)
+    assert getattr(_replay_args(meta, None, {name: default}), name) == default
+
+
+def test_trusted_multi_node_arguments_are_taken() -> None:
+    remote = {"nnodes": 2, "node_rank": 0, "master_addr": "10.0.0.9", "master_port": 29500}
+    meta = {"engine_args": {**ENGINE_ARGS, "tensor_parallel_size": 2, **remote}}
+
+    args = _replay_args(meta, None, {}, trust_recorded_args=True)
+
+    assert {name: getattr(args, name) for name in remote} == remote
+
+
+def test_defaults_in_a_recording_are_taken_and_it_never_records(tmp_path: Path) -> None:
+    defaults = EngineArgs()
+    recorded = {name: getattr(defaults, name) for name in RECORDED_REMOTE}
+    meta = {"engine_args": {**ENGINE_ARGS, **recorded, "record_wire": str(tmp_path)}}
+
+    args = _replay_args(meta, None, {})
+
+    assert args.record_wire is None and args.nnodes == 1 and args.kv_transfer_config is None
+
+
+def test_triode_replay_refuses_a_recording_that_asks_for_another_node(tmp_path: Path) -> None:
+    recording = tmp_path / "recording"
+    recording.mkdir()
+    meta = {"engine_args": {**ENGINE_ARGS, "model": "tiny-random", **RECORDED_REMOTE}}
+    (recording / "meta.json").write_text(json.dumps(meta))
+    cli = [sys.executable, "-m", "triode.edge.cli", "replay", str(recording)]
+
+    _, returncode, _, stderr = _run(cli)
+
+    assert returncode != 0
+    message = stderr.decode()
+    assert "--trust-recorded-args" in message and "master_addr='10.0.0.9'" in message

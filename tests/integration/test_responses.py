@@ -25,6 +25,9 @@ from mcp_server import running_mcp_server
 pytestmark = pytest.mark.slow
 
 MODEL = "m"
+KEY, OTHER_KEY = "sk-responses", "sk-other-tenant"
+AUTH = {"authorization": f"Bearer {KEY}"}
+MAX_BACKGROUND = 2
 TOOL_TIMEOUT = 1.0
 WEATHER = {
     "type": "function",
@@ -59,7 +62,8 @@ def server(
     args = [
         "--served-model-name", MODEL, "--max-model-len", "2048",
         "--tool-server", f"{mcp.url},{dead_url}", "--tool-call-timeout", str(TOOL_TIMEOUT),
-        "--max-tool-turns", "2",
+        "--max-tool-turns", "2", "--api-key", KEY, OTHER_KEY, "--metrics-require-key",
+        "--max-background-responses", str(MAX_BACKGROUND),
     ]  # fmt: skip
     with running_server(args, log) as s:
         yield s
@@ -67,7 +71,13 @@ def server(
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def other(server: Server) -> openai.OpenAI:
+    """A client with the server's other key: another tenant."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=OTHER_KEY, max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +95,7 @@ def _mcp_tool(label: str, *allowed: str) -> dict[str, Any]:
 
 
 def _metrics(server: Server) -> dict[str, float]:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    text = httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=10).text
     found = re.findall(r"^(triode:[a-z_]+)(?:\{[^}]*\})? (\S+)$", text, re.MULTILINE)
     return {name: float(value) for name, value in found}
 
@@ -198,7 +208,9 @@ def test_a_cancelled_background_response_frees_the_engine(
 def test_a_disconnected_stream_frees_the_engine(server: Server) -> None:
     body = {"model": MODEL, "input": "Count from 1 to 500, one number per line:",
             "max_output_tokens": 1500, "temperature": 0, "stream": True}  # fmt: skip
-    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=30) as response:
+    with httpx.stream(
+        "POST", f"{server.url}/v1/responses", json=body, headers=AUTH, timeout=30
+    ) as response:
         seen = b""
         for chunk in response.iter_bytes():
             seen += chunk
@@ -323,7 +335,9 @@ def test_a_down_slow_or_failing_tool_is_an_error_item_not_a_failure(
 def test_bad_inputs_are_400s_naming_the_field(
     server: Server, body: dict[str, Any], param: str
 ) -> None:
-    r = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, **body}, timeout=30)
+    r = httpx.post(
+        f"{server.url}/v1/responses", json={"model": MODEL, **body}, headers=AUTH, timeout=30
+    )
 
     assert r.status_code == 400, r.text
     error = r.json()["error"]
@@ -345,8 +359,54 @@ def test_unknown_ids_are_404s_and_only_background_responses_cancel(
 def test_the_response_routes_answer_their_methods_only(server: Server) -> None:
     one = f"{server.url}/v1/responses/resp_x"
 
-    wrong = httpx.post(one, json={}, timeout=10)
+    wrong = httpx.post(one, json={}, headers=AUTH, timeout=10)
     assert wrong.status_code == 405 and wrong.headers["allow"] == "DELETE, GET, OPTIONS"
-    assert httpx.get(f"{one}/cancel", timeout=10).status_code == 405
-    assert httpx.get(f"{one}/cancel/more", timeout=10).status_code == 404
-    assert httpx.delete(one, timeout=10).status_code == 404
+    assert httpx.get(f"{one}/cancel", headers=AUTH, timeout=10).status_code == 405
+    assert httpx.get(f"{one}/cancel/more", headers=AUTH, timeout=10).status_code == 404
+    assert httpx.delete(one, headers=AUTH, timeout=10).status_code == 404
+
+
+# Tenants and bounds
+
+
+def test_a_response_is_invisible_to_another_key(
+    client: openai.OpenAI, other: openai.OpenAI
+) -> None:
+    mine = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(mine.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        other.responses.create(model=MODEL, input="Hi", previous_response_id=mine.id)
+    assert caught.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        other.responses.delete(mine.id)
+    assert client.responses.retrieve(mine.id).id == mine.id
+
+
+def test_background_responses_past_the_cap_are_429s(
+    client: openai.OpenAI, other: openai.OpenAI, server: Server
+) -> None:
+    # Who can start one: any key holder; what the largest costs: a run of up to max_model_len
+    # tokens that outlives its request. So at most MAX_BACKGROUND run at once, over all keys.
+    body = {"model": MODEL, "input": "Count from 1 to 500, one number per line:",
+            "max_output_tokens": 1500, "temperature": 0, "background": True}  # fmt: skip
+    running = [client.responses.create(**body), other.responses.create(**body)]
+    try:
+        refused = httpx.post(f"{server.url}/v1/responses", json=body, headers=AUTH, timeout=30)
+        assert refused.status_code == 429, refused.text
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.json()["error"]["message"].startswith("background:")
+    finally:
+        client.responses.cancel(running[0].id)
+        other.responses.cancel(running[1].id)
+    _settle(server)
+    again = client.responses.create(**{**body, "max_output_tokens": 2})
+    client.responses.cancel(again.id)
+
+
+def test_metrics_need_the_key_under_metrics_require_key(server: Server) -> None:
+    refused = httpx.get(f"{server.url}/metrics", timeout=10)
+    assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{server.url}/metrics", headers=AUTH, timeout=10).status_code == 200

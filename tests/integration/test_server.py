@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "Name three colours of the rainbow."}]
 KEY = API_KEYS[0]
+_AUTH = {"authorization": f"Bearer {KEY}"}
 
 
 def _client(server: Server, root: str = "") -> openai.OpenAI:
@@ -83,9 +84,10 @@ def test_chat_stream_equals_non_stream(server: Server) -> None:
     )
     # the same prompt again: its full blocks came from the prefix cache
     assert usage.prompt_tokens_details.cached_tokens >= 16
-    prompt = httpx.post(f"{server.url}/tokenize", json={"messages": QUESTION}, timeout=10).json()[
-        "count"
-    ]
+    tokenized = httpx.post(
+        f"{server.url}/tokenize", json={"messages": QUESTION}, headers=_AUTH, timeout=10
+    )
+    prompt = tokenized.json()["count"]
     assert whole.usage.prompt_tokens == prompt
     assert whole.usage.total_tokens == prompt + whole.usage.completion_tokens
 
@@ -129,7 +131,8 @@ def test_n_and_seed(server: Server) -> None:
 
 
 def _count_tokens(server: Server, text: str) -> int:
-    response = httpx.post(f"{server.url}/tokenize", json={"prompt": text}, timeout=10)
+    body = {"prompt": text}
+    response = httpx.post(f"{server.url}/tokenize", json=body, headers=_AUTH, timeout=10)
     return int(response.json()["count"])
 
 

@@ -318,8 +318,8 @@ def test_an_unknown_route_is_404(client: httpx.Client, path: str) -> None:
     assert error["message"] == f"no route for {path}"
 
 
-def test_an_unknown_route_outside_v1_needs_no_key(anonymous: httpx.Client) -> None:
-    expect_error(anonymous.get("/nope"), 404, param=None)
+def test_an_unknown_route_outside_v1_needs_the_key_too(anonymous: httpx.Client) -> None:
+    expect_error(anonymous.get("/nope"), 401, param=None)
 
 
 # Body size
@@ -424,6 +424,45 @@ def test_a_cors_preflight_needs_no_key(anonymous: httpx.Client) -> None:
 @pytest.mark.parametrize("path", ["/health", "/version", "/metrics"])
 def test_operational_endpoints_need_no_key(anonymous: httpx.Client, path: str) -> None:
     assert anonymous.get(path).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body"), [("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})]
+)
+def test_tokenize_and_detokenize_need_the_key(
+    anonymous: httpx.Client, path: str, body: dict[str, Any]
+) -> None:
+    response = anonymous.post(path, json=body)
+    expect_error(response, 401, param=None)
+    assert response.headers["www-authenticate"] == "Bearer"
+    assert anonymous.post(f"{ROOT_PATH}{path}", json=body).status_code == 401
+
+
+def test_metrics_show_nothing_a_client_sent(client: httpx.Client) -> None:
+    # Every label value is the served name or one of a fixed set: a client's model name, user,
+    # request id or prompt never becomes a label (unbounded series) or a value on the page.
+    canary = "canary-7f3a"
+    for model in (SERVED_NAME, canary):
+        client.post(
+            CHAT,
+            json={**BASE[CHAT], "model": model, "user": canary,
+                  "messages": [{"role": "user", "content": canary}]},
+            headers={"x-request-id": canary},
+        )  # fmt: skip
+    page = client.get("/metrics").text
+    assert canary not in page
+    values = {
+        (name, value)
+        for family in text_string_to_metric_families(page)
+        if family.name.startswith("triode:")
+        for sample in family.samples
+        for name, value in sample.labels.items()
+        if name not in ("le", "quantile")
+    }
+    allowed = {("model_name", SERVED_NAME)} | {
+        ("finished_reason", r) for r in ("stop", "length", "abort", "error", "refused")
+    } | {("source", s) for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    assert values <= allowed, values - allowed
 
 
 def test_the_root_path_is_guarded_too(anonymous: httpx.Client, client: httpx.Client) -> None:

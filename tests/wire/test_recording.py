@@ -4,6 +4,8 @@ total: a torn last record is skipped, anything else that is not a recording rais
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import msgspec
@@ -191,3 +193,71 @@ def test_recorded_inputs_become_wire_harness_seeds_that_pass(tmp_path: Path) -> 
     assert len(seeds) == sum(d == "in" for d, _ in written)
     for seed in seeds:
         wire_harness.test_one_input(seed)
+
+
+# The recording is the operator's alone
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.lstat().st_mode)
+
+
+async def test_a_new_recording_directory_is_0700_and_its_files_0600(tmp_path: Path) -> None:
+    # Who can read a recording: its user only; it holds every prompt and answer the engine saw.
+    # Its size stays within max_files * max_file_bytes (8 x 64 MiB by default).
+    target = tmp_path / "parent" / "rec"
+    async with open_recorder(target, META) as recorder:
+        recorder.record("in", _input(0))
+
+    assert _mode(target) == 0o700 and _mode(target.parent) == 0o700
+    files = sorted(p.name for p in target.iterdir())
+    assert files == ["meta.json", "wire-000001.rec"]
+    assert all(_mode(target / name) == 0o600 for name in files)
+
+
+async def test_a_symlinked_recording_directory_is_refused(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (tmp_path / "rec").symlink_to(elsewhere)
+
+    with pytest.raises(PermissionError, match="symbolic link"):
+        async with open_recorder(tmp_path / "rec", META):
+            pass
+    assert list(elsewhere.iterdir()) == []
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o702])
+async def test_a_directory_others_may_write_is_refused(tmp_path: Path, mode: int) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+
+    with pytest.raises(PermissionError, match="group or others"):
+        async with open_recorder(shared, META):
+            pass
+    assert list(shared.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's directory needs root")
+async def test_another_users_directory_is_refused(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 65534, 65534)
+
+    with pytest.raises(PermissionError, match="another user"):
+        async with open_recorder(theirs, META):
+            pass
+
+
+def test_a_symlink_planted_as_the_next_file_is_not_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    recording = tmp_path / "rec"
+    recording.mkdir(mode=0o700)
+    recorder = Recorder(recording)
+    (recording / "wire-000001.rec").symlink_to(victim)
+
+    recorder.record("in", _input(0))
+
+    assert isinstance(recorder.failed, FileExistsError)
+    assert victim.read_bytes() == b"precious"
