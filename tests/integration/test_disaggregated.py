@@ -6,6 +6,10 @@ Greedy float32 output through the proxy must equal Hugging Face transformers (wh
 instance is pinned to by test_engine.py), the decode instance must compute only each prompt's
 last token (its `prompt_tokens_by_source` metrics), and both sides must end with nothing
 running and no KV block in use.
+
+The instances and the proxy share a deployment secret; hostile requests (params made for
+another prompt, unsealed, forged, expired or another deployment's params, a client's own
+`do_remote_decode`) are refused with a 400 and leave every instance healthy and idle.
 """
 
 from __future__ import annotations
@@ -20,13 +24,17 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 import trio
+from kv_secret import secret_file
 from reference import Reference
 from server import Server, free_port, running_server
+
+from triode.wire.kv_seal import read_secret, seal, seal_remote_decode
 
 pytestmark = pytest.mark.slow
 
@@ -41,22 +49,22 @@ F32 = ["--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", "12
        "--served-model-name", "m"]  # fmt: skip
 
 
-def _kv(role: str, transport: str = "tcp", **extra: float) -> list[str]:
+def _kv(role: str, secret: str, transport: str = "tcp", **extra: float) -> list[str]:
     config = {
         "kv_connector": "TriodeConnector",
         "kv_role": role,
-        "kv_connector_extra_config": {"transport": transport, **extra},
+        "kv_connector_extra_config": {"transport": transport, "secret_file": secret, **extra},
     }
     return ["--kv-transfer-config", json.dumps(config)]
 
 
 @contextlib.contextmanager
-def running_proxy(prefill: list[str], decode: list[str], log: Path) -> Iterator[str]:
+def running_proxy(prefill: list[str], decode: list[str], secret: str, log: Path) -> Iterator[str]:
     port = free_port()
     with log.open("wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "triode.edge.cli", "proxy", "--port", str(port),
-             "--prefill", *prefill, "--decode", *decode],
+             "--prefill", *prefill, "--decode", *decode, "--kv-secret-file", secret],
             stdout=out,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -106,21 +114,31 @@ def _settle(*servers: Server, timeout: float = 20.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def instances(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
+def secret(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The deployment's secret file, shared by the instances and the proxy."""
+    return secret_file(tmp_path_factory.mktemp("secret"))
+
+
+@pytest.fixture(scope="module")
+def instances(tmp_path_factory: pytest.TempPathFactory, secret: str) -> Iterator[dict[str, Server]]:
     logs = tmp_path_factory.mktemp("pd")
     with (
-        running_server([*F32, *_kv("kv_producer", "tcp")], logs / "tcp.log") as tcp,
-        running_server([*F32, *_kv("kv_producer", "shm")], logs / "shm.log") as shm,
-        running_server([*F32, *_kv("kv_consumer", load_timeout=3.0)], logs / "d.log") as decode,
+        running_server([*F32, *_kv("kv_producer", secret, "tcp")], logs / "tcp.log") as tcp,
+        running_server([*F32, *_kv("kv_producer", secret, "shm")], logs / "shm.log") as shm,
+        running_server(
+            [*F32, *_kv("kv_consumer", secret, load_timeout=3.0)], logs / "d.log"
+        ) as decode,
     ):
         yield {"tcp": tcp, "shm": shm, "decode": decode}
 
 
 @pytest.fixture(scope="module")
-def proxy(instances: dict[str, Server], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def proxy(
+    instances: dict[str, Server], secret: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     log = tmp_path_factory.mktemp("proxy") / "proxy.log"
     prefill = [instances["tcp"].url, instances["shm"].url]
-    with running_proxy(prefill, [instances["decode"].url], log) as url:
+    with running_proxy(prefill, [instances["decode"].url], secret, log) as url:
         yield url
 
 
@@ -208,21 +226,132 @@ def test_bad_transfer_params_are_a_400(instances: dict[str, Server]) -> None:
         assert field in error["message"] and error["param"] == "kv_transfer_params"
 
 
+def _prefill(prefill: Server, prompt: str, secret: str) -> dict[str, Any]:
+    """The params a prefill hands on for `prompt`, asked for as the proxy asks."""
+    asked = seal_remote_decode(read_secret(secret), {"do_remote_decode": True})
+    answer = httpx.post(
+        f"{prefill.url}/v1/completions",
+        json={"prompt": prompt, "max_tokens": 1, "kv_transfer_params": asked},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    params = answer.json()["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["seal"]
+    return params
+
+
+def _complete(server: Server, prompt: str, params: Any = None) -> httpx.Response:
+    body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+
+
+def _refused(response: httpx.Response, says: str) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "kv_transfer_params" and says in error["message"], error
+
+
+def test_params_made_for_one_prompt_are_refused_with_another_and_poison_no_cache(
+    instances: dict[str, Server], reference: Reference, secret: str
+) -> None:
+    """The live attack: a prefill's params for prompt A sent to the decode with prompt B (of
+    as many tokens) loaded A's KV into the prefix cache under B's hashes, and later requests
+    starting with B, from anyone, were answered from A's KV."""
+    prefill, decode = instances["tcp"], instances["decode"]
+    tale = " they all lived happily ever after in the little house by the old mill near the river"
+    prompt_a = "Once upon a time, in a land far away, there lived a dragon who loved to eat apples "
+    prompt_b = "Once upon a time, in a town far away, there lived a farmer who loved to eat apples "
+    prompt_a += "and sing songs about the sea, and" + tale  # 45 tokens: 2 full blocks and a part
+    prompt_b += "and sing songs about the war, and" + tale
+    ids_a, ids_b = reference.encode(prompt_a), reference.encode(prompt_b)
+    assert len(ids_a) == len(ids_b)  # the token count, which was all that was compared
+    expected_b = reference.tokenizer.decode(reference.greedy(tuple(ids_b), NEW_TOKENS))
+    params_a = _prefill(prefill, prompt_a, secret)
+    _refused(_complete(decode, prompt_b, params_a), "made for another prompt")
+    for _ in range(2):  # the second is answered from the prefix cache, if anything is in it
+        answer = _complete(decode, prompt_b)
+        assert answer.json()["choices"][0]["text"] == expected_b
+    # the params still serve their own prompt, which frees the prefill's hold
+    expected_a = reference.tokenizer.decode(reference.greedy(tuple(ids_a), NEW_TOKENS))
+    loaded = _complete(decode, prompt_a, params_a)
+    assert loaded.json()["choices"][0]["text"] == expected_a
+    _settle(prefill, decode)
+
+
+def test_unsealed_forged_expired_and_foreign_params_are_a_400(
+    instances: dict[str, Server], secret: str
+) -> None:
+    prefill, decode = instances["shm"], instances["decode"]
+    params = _prefill(prefill, PROMPTS[0], secret)
+    unsealed = {k: v for k, v in params.items() if k != "seal"}
+    digest = params["prompt_digest"]
+    other = b"another deployment's secret, 32+ bytes"
+    for forged, says in [
+        (unsealed, "not sealed"),
+        ({**params, "remote_block_ids": [b + 1 for b in params["remote_block_ids"]]}, "seal"),
+        ({**params, "remote_endpoints": ["tcp://10.0.0.1:5000"]}, "seal"),
+        ({**params, "remote_secret": "guess"}, "seal"),
+        (seal(other, unsealed, digest, ttl=60), "seal"),
+        (seal(read_secret(secret), unsealed, digest, ttl=1, now=time.time() - 3600), "expired"),
+        ({**params, "remote_num_tokens": 2**80}, "64-bit"),
+        ({**params, "remote_block_ids": [2**64]}, "64-bit"),
+        ({**params, "extra": {"nested": [1]}}, "extra"),
+    ]:
+        _refused(_complete(decode, PROMPTS[0], forged), says)
+    loaded = _complete(decode, PROMPTS[0], params)  # the genuine ones free the hold
+    assert loaded.status_code == 200
+    _settle(prefill, decode)
+
+
+def test_a_clients_own_do_remote_decode_is_a_400_at_the_prefill(
+    instances: dict[str, Server],
+) -> None:
+    """Only the deployment's proxy may make a prefill instance hold blocks."""
+    prefill = instances["tcp"]
+    other = seal_remote_decode(
+        b"another deployment's secret, 32+ bytes", {"do_remote_decode": True}
+    )
+    for asked, says in [({"do_remote_decode": True}, "not sealed"), (other, "seal")]:
+        response = httpx.post(
+            f"{prefill.url}/v1/completions",
+            json={"prompt": PROMPTS[1], "max_tokens": 1, "kv_transfer_params": asked},
+            timeout=30,
+        )
+        _refused(response, says)
+    _settle(prefill)
+    for server in instances.values():
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_a_kv_instance_without_a_secret_refuses_to_start(tmp_path: Path) -> None:
+    loose = tmp_path / "kv.secret"
+    loose.write_text("0123456789abcdef" * 4)
+    loose.chmod(0o644)
+    for extra, says in [
+        ({}, "secret_file is required"),
+        ({"secret_file": str(loose)}, "chmod 600"),
+        ({"secret_file": str(tmp_path / "absent")}, "make one with"),
+    ]:
+        config = {"kv_connector": "TriodeConnector", "kv_role": "kv_consumer",
+                  "kv_connector_extra_config": extra}  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "-m", "triode.edge.cli", "serve", "--port", "0",
+             "--kv-transfer-config", json.dumps(config)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith("triode serve: ") and says in line
+
+
 def test_a_prefill_killed_before_the_transfer_makes_the_decode_recompute(
-    instances: dict[str, Server], expected: list[str]
+    instances: dict[str, Server], expected: list[str], secret: str
 ) -> None:
     """Last in the module: it kills the TCP prefill instance."""
     prefill, decode = instances["tcp"], instances["decode"]
-    first = httpx.post(
-        f"{prefill.url}/v1/completions",
-        json={
-            "prompt": PROMPTS[2],
-            "max_tokens": 1,
-            "kv_transfer_params": {"do_remote_decode": True},
-        },
-        timeout=60,
-    ).json()
-    params = first["kv_transfer_params"]
+    params = _prefill(prefill, PROMPTS[2], secret)
     assert params["do_remote_prefill"] and params["remote_block_ids"]
     engine = prefill.engine_pid()
     prefill.process.kill()
