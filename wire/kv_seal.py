@@ -161,14 +161,18 @@ def verify(
 
 
 def seal_remote_decode(
-    secret: bytes, params: dict[str, Any], *, now: float | None = None
+    secret: bytes,
+    params: dict[str, Any],
+    *,
+    now: float | None = None,
+    nonce: str | None = None,
 ) -> dict[str, Any]:
-    """A proxy's `do_remote_decode` params for a prefill instance, with a fresh nonce, an issue
-    time, an expiry and the seal."""
+    """A proxy's `do_remote_decode` params for a prefill instance, with a nonce (fresh unless
+    given, for a reproducible seal), an issue time, an expiry and the seal."""
     issued = int(time.time() if now is None else now)
     sealed = {
         **params,
-        NONCE: os.urandom(16).hex(),
+        NONCE: os.urandom(16).hex() if nonce is None else nonce,
         ISSUED_AT: issued,
         EXPIRES_AT: issued + REMOTE_DECODE_TTL,
     }
