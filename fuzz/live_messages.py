@@ -26,6 +26,7 @@ from triode.wire import (
     UtilityCall,
     encode_input,
 )
+from triode.wire.messages import MAX_WIRE_CACHE_SALT
 
 FUZZ_CLIENT = 1  # the output topic the fuzzer's own requests and calls answer on
 ADD, ABORT, UTILITY = (
@@ -149,6 +150,7 @@ class ZmqMutator:
             client_index=FUZZ_CLIENT if rng.random() < 0.8 else rng.randrange(2**16),
             priority=rng.choice([0, 0, 0, -5, 7, -(2**63), 2**63 - 1]),
             kv_transfer_params=rng.choice([None, {}, {"do_remote_prefill": True, "x": [1]}]),
+            cache_salt=rng.choice([None, None, "a", "\U0001f642", "x" * MAX_WIRE_CACHE_SALT]),
         )
 
     def _valid(self) -> list[bytes]:

@@ -52,7 +52,7 @@ FIELDS = [
     "priority", "kv_transfer_params", "response_format", "tools", "tool_choice",
     "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
     "add_special_tokens", "best_of", "suffix", "documents", "unknown_field", "tokens",
-    "return_token_strs",
+    "return_token_strs", "cache_salt",
 ]  # fmt: skip
 MALFORMED_HEADERS = [
     b"no-colon", b": empty-name", b"bad name: x", b" folded", b"x-nul: a\x00b",
@@ -91,6 +91,8 @@ OUT_OF_RANGE: list[tuple[str, Any]] = [
     ("chat_template_kwargs", {"add_generation_prompt": "yes"}),
     ("stream_options", {"include_usage": True}), ("best_of", 5), ("echo", True),
     ("tokens", [2**31]), ("tokens", [-1]), ("tokens", list(range(100000))),
+    ("cache_salt", ""), ("cache_salt", "x" * 257), ("cache_salt", "x" * 100000),
+    ("cache_salt", 7), ("cache_salt", ["a"]), ("cache_salt", {"a": "b"}), ("cache_salt", "\ud800"),
 ]  # fmt: skip
 
 
@@ -296,6 +298,7 @@ class HttpMutator:
             ("skip_special_tokens", lambda: rng.random() < 0.5),
             ("prompt_logprobs", lambda: rng.randint(0, 3)),
             ("user", lambda: "fuzz"),
+            ("cache_salt", lambda: rng.choice(["a", "tenant-2", "\u00e9\U0001f642", "x" * 256])),
         ]
         if chat:
             options.append(("logprobs", lambda: True))

@@ -308,3 +308,13 @@ def test_message_from_a_newer_peer_with_appended_fields_decodes() -> None:
     decoded = Decoder(UtilityCall).decode([body])
 
     assert_wire_equal(decoded, UtilityCall(call_id=9, method="sleep", args=[1], client_index=3))
+
+
+@pytest.mark.parametrize("salt", ["", "x" * 1025, 5, ["a"]])
+def test_a_cache_salt_out_of_bounds_is_a_protocol_error(salt: object) -> None:
+    from triode.wire import ProtocolError
+
+    body = msgspec.msgpack.encode(["r", [1], [], None, 0.0, 0, 0, None, None, salt])
+
+    with pytest.raises(ProtocolError, match=r"cache_salt|\$\[9\]"):
+        InputDecoder().decode([EngineCoreRequestType.ADD_REQUEST.value, body])

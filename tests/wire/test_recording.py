@@ -80,6 +80,21 @@ async def test_records_round_trip_with_meta_and_order(tmp_path: Path) -> None:
     assert kind is EngineCoreRequestType.ADD_REQUEST and request.request_id == "r0"  # type: ignore[union-attr]
 
 
+def test_a_recorded_request_keeps_its_cache_salt(tmp_path: Path) -> None:
+    # a replay sends the recorded frames as they are: the salt, and so the prefix-cache
+    # sharing, of each request is what it was
+    request = EngineCoreRequest("s", [5, 17], SamplingParams(), cache_salt="key abc salt s1")
+    frames = [bytes(f) for f in encode_input(ENCODER, EngineCoreRequestType.ADD_REQUEST, request)]
+    recorder = Recorder(tmp_path)
+    recorder.record("in", frames)
+    recorder.close()
+
+    [record] = read_records(tmp_path)
+    _, decoded = InputDecoder().decode(record.frames)
+
+    assert decoded == request
+
+
 async def test_a_directory_with_a_recording_is_refused(tmp_path: Path) -> None:
     async with open_recorder(tmp_path, META):
         pass
