@@ -15,7 +15,6 @@ app's nursery under a cancel scope that `cancel` cancels, to the same effect.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -29,9 +28,10 @@ import trio
 from triode.actors import Engine, EngineDeadError, RequestError
 from triode.wire import SamplingParams
 
+from . import json_text
 from .errors import APIError, check_engine_alive, engine_error, too_busy, validation_error
 from .http import JSON, ClientDisconnected, Request, respond, respond_json
-from .mcp_tools import ToolServers
+from .mcp_tools import ToolServerError, ToolServers
 from .metrics import Metrics
 from .responses_output import ResponseBuilder, Turn
 from .responses_plan import Plan, plan_response
@@ -414,7 +414,7 @@ class Responses:
         """(output, error) of one MCP tool call; failures of every kind become the error."""
         server_url = plan.server_url(call.server_label, call.name)
         try:
-            arguments = json.loads(call.arguments or "{}")
+            arguments = json_text.loads(call.arguments or "{}")
         except ValueError as e:
             return None, f"the arguments are not valid JSON: {e}"
         if not isinstance(arguments, dict):

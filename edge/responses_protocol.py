@@ -19,6 +19,7 @@ import msgspec
 from msgspec import Meta
 
 from .errors import APIError, validation_error
+from .json_text import nesting_error
 from .protocol import MAX_CACHE_SALT
 
 # Requests
@@ -261,10 +262,12 @@ def input_messages(
             messages.append({"role": _ROLES.get(item.role, item.role), "content": text})
         elif kind == "function_call":
             call = _convert(raw, _FunctionCallItem, where)
+            _check_arguments(call.arguments, f"{where}.arguments")
             _append_call(messages, call.call_id, call.name, call.arguments)
             calls.add(call.call_id)
         elif kind == "mcp_call":
             mcp = _convert(raw, _McpCallItem, where)
+            _check_arguments(mcp.arguments, f"{where}.arguments")
             call_id = mcp.id or new_id("mcp")
             _append_call(messages, call_id, mcp_name(mcp.server_label, mcp.name), mcp.arguments)
             result = mcp.output if mcp.error is None else f"error: {_error_text(mcp.error)}"
@@ -282,6 +285,11 @@ def input_messages(
             raise APIError(400, f"{where}.type: {kind!r} input items are not supported",
                            param=f"{where}.type")  # fmt: skip
     return messages
+
+
+def _check_arguments(arguments: str, param: str) -> None:
+    if (too_deep := nesting_error(arguments)) is not None:
+        raise APIError(400, f"{param}: {too_deep}", param=param)
 
 
 def _append_call(messages: list[dict[str, Any]], call_id: str, name: str, arguments: str) -> None:

@@ -13,6 +13,7 @@ import trio
 from triode.actors.structured_output import check_grammar
 from triode.wire import StructuredOutputsParams
 
+from . import json_text
 from .errors import APIError
 
 # Larger constraints are checked in a worker thread, so the event loop goes on meanwhile.
@@ -130,6 +131,10 @@ def _schema(schema: Any, param: str) -> StructuredOutputsParams:
         return StructuredOutputsParams(json_object=True)
     if not isinstance(schema, dict):
         raise APIError(400, f"{param}: a JSON schema must be an object", param=param)
+    try:
+        json_text.check_depth(schema)
+    except ValueError as e:
+        raise APIError(400, f"{param}: the JSON schema is {e}", param=param) from None
     return StructuredOutputsParams(json=json.dumps(schema, ensure_ascii=False))
 
 
@@ -159,7 +164,7 @@ def _one(kind: str, value: Any, param: str) -> StructuredOutputsParams:
     if kind == "json":
         if isinstance(value, str):
             try:
-                value = json.loads(value)
+                value = json_text.loads(value)
             except ValueError as e:
                 raise APIError(400, f"{param}: not valid JSON: {e}", param=param) from e
         return _schema(value, param)

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, NoReturn
 
 import msgspec
 
+from . import json_text
+
 if TYPE_CHECKING:
     from .tools import FunctionTool, ToolChoice
 
@@ -290,7 +292,8 @@ class ToolCallStream:
 
     def _call_of(self, text: str) -> tuple[str, str] | None:
         try:
-            value = json.loads(text, parse_constant=_no_constant)
+            # the model's text: as deep as its tokens go, which a bound keeps off the stack
+            value = json_text.loads(text, parse_constant=_no_constant)
         except ValueError:
             return None
         name, arguments = value.get("name"), value.get("arguments")

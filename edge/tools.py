@@ -13,6 +13,7 @@ import jinja2
 import llguidance
 import msgspec
 
+from . import json_text
 from .errors import APIError
 from .tool_calls import CALL_CLOSE as _CLOSE
 from .tool_calls import CALL_OPEN as _OPEN
@@ -132,6 +133,10 @@ def _tool(spec: dict[str, Any], where: str) -> FunctionTool:
             _fail(f"{where}.parameters", "must be a JSON schema (an object)")
         if parameters.get("type", "object") != "object":
             _fail(f"{where}.parameters", "must describe an object: its type must be 'object'")
+        try:
+            json_text.check_depth(parameters)
+        except ValueError as e:
+            _fail(f"{where}.parameters", f"the JSON schema is {e}")
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
         _fail(f"{where}.strict", "must be a boolean")
@@ -160,6 +165,8 @@ def _check_call(call: Any, where: str) -> str:
         _fail(f"{where}.function.name", "required, a string")
     if not isinstance(function.get("arguments"), str):
         _fail(f"{where}.function.arguments", "required, the arguments as JSON text")
+    if (too_deep := json_text.nesting_error(function["arguments"])) is not None:
+        _fail(f"{where}.function.arguments", too_deep)
     return call_id
 
 
@@ -287,7 +294,7 @@ def _with_argument_objects(message: dict[str, Any]) -> dict[str, Any]:
 def _arguments_object(arguments: str) -> Any:
     # Text that is not a JSON object is passed on as it is.
     try:
-        value = json.loads(arguments)
+        value = json_text.loads(arguments)
     except ValueError:
         return arguments
     return value if isinstance(value, dict) else arguments
