@@ -31,7 +31,7 @@ from triode.wire import SamplingParams
 from . import json_text
 from .errors import APIError, check_engine_alive, engine_error, too_busy, validation_error
 from .http import JSON, ClientDisconnected, Request, respond, respond_json
-from .mcp_tools import ToolServerError, ToolServers
+from .mcp_tools import ToolServers
 from .metrics import Metrics
 from .responses_output import ResponseBuilder, Turn
 from .responses_plan import Plan, plan_response
