@@ -111,10 +111,24 @@ async def test_shared_prefix_hits_the_prefix_cache(model_dir: Path, reference: R
     async with open_engine(str(model_dir), **F32) as engine:
         one = await _generate(engine, first)
         two = await _generate(engine, second)
+        # a salt starts a chain of its own: only the same salt shares, and answers the same
+        salted = [await _salted(engine, second, salt) for salt in ("a", "a", "b")]
+        with pytest.raises(RequestError, match="cache_salt"):
+            await _salted(engine, second, "")
     assert one.num_cached_tokens == 0
     shared = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
     assert two.num_cached_tokens == shared // 16 * 16 > 0
     assert two.outputs[0].token_ids == reference.greedy(tuple(second), NEW_TOKENS)
+    whole = (len(second) - 1) // 16 * 16
+    assert [out.num_cached_tokens for out in salted] == [0, whole, 0]
+    assert all(out.outputs[0].token_ids == two.outputs[0].token_ids for out in salted)
+
+
+async def _salted(engine, prompt, salt):  # type: ignore[no-untyped-def]
+    final = None
+    async for out in engine.generate(prompt, GREEDY, cache_salt=salt):
+        final = out
+    return final
 
 
 async def test_sampling_seeds_top_k_and_logprobs(model_dir: Path, reference: Reference) -> None:
