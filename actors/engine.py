@@ -301,6 +301,12 @@ class Engine:
     async def is_sleeping(self) -> bool:
         return all(await self._call_all("is_sleeping"))
 
+    async def seconds_stalled(self) -> float:
+        """The longest any live engine core has made no step while it had requests to work
+        on (0 when each is idle, stepping or asleep). Raises `EngineDeadError` when none is
+        left; cancelling it leaves nothing behind."""
+        return max(await self._call_all("seconds_stalled"))
+
     async def _call_all(self, method: str) -> list[Any]:
         """`method`'s results from every live engine core, in engine order. Raises
         `EngineDeadError` when none is left."""

@@ -103,12 +103,16 @@ class EngineCore:
         self.steps = 0
         self.overlapped_steps = 0  # steps submitted while an earlier one was in flight
         self.sleeping = False
+        # when the engine core last made progress (trio's clock): a step, or work coming to
+        # an idle loop
+        self._progress_at = 0.0
         self._work = trio.Event()
         self._outbox, self._publisher_inbox = trio.open_memory_channel[
             tuple[int, EngineCoreOutputs]
         ](64)
 
     async def run(self, input_socket: Socket, output_socket: Socket) -> None:
+        self._progress_at = trio.current_time()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._publish, output_socket)
@@ -124,11 +128,15 @@ class EngineCore:
         in_flight: deque[SchedulerOutput] = deque()
         while True:
             if not in_flight:
+                idle = False
                 while self.sleeping or not (
                     self.scheduler.has_unfinished_requests()
                     or self.scheduler.has_pending_transfers()
                 ):
+                    idle = True
                     await self._wait_for_input()
+                if idle:  # a stall counts from when the work came, not from the last step
+                    self._progress_at = trio.current_time()
             if len(in_flight) < depth and not self.sleeping:
                 scheduler_output = self.scheduler.schedule(
                     max_requests=self._micro_batch(depth), preempt=not in_flight
@@ -168,6 +176,7 @@ class EngineCore:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> None:
         self.steps += 1
+        self._progress_at = trio.current_time()
         per_client = self.scheduler.update_from_output(scheduler_output, runner_output)
         stats = self.scheduler.get_stats()
         for client, outputs in per_client.items():
@@ -383,6 +392,13 @@ class EngineCore:
             "grammar_errors": self.grammar_errors,
         }
 
+    def seconds_stalled(self) -> float:
+        """How long the engine core has made no step while it has requests to work on: 0
+        with none, or asleep (it is told to take no steps then)."""
+        if self.sleeping or not self.scheduler.has_unfinished_requests():
+            return 0.0
+        return trio.current_time() - self._progress_at
+
     def sleep(self, level: int = 1) -> None:
         """Stop taking steps; requests wait (and keep their KV blocks) until `wake_up`."""
         self.sleeping = True
@@ -396,7 +412,14 @@ class EngineCore:
 
 _UTILITIES = {
     name: getattr(EngineCore, name)
-    for name in ("reset_prefix_cache", "get_stats", "sleep", "wake_up", "is_sleeping")
+    for name in (
+        "reset_prefix_cache",
+        "get_stats",
+        "sleep",
+        "wake_up",
+        "is_sleeping",
+        "seconds_stalled",
+    )
 }
 
 

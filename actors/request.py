@@ -86,6 +86,7 @@ class Request:
         "sampling_params",
         "seq",
         "status",
+        "stop_ids",
         "stop_reason",
     )
 
@@ -120,6 +121,8 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
+        # looked up for every token: a set, however many ids the request names
+        self.stop_ids = frozenset(sampling_params.stop_token_ids)
         self.stop_reason: int | str | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit of the first scheduling; -1: not yet

@@ -156,14 +156,14 @@ class Scheduler:
         self._seq += 1
         self.requests[req.request_id] = req
         bisect.insort(self.waiting, req, key=_sort_key)
+        if self.connector is not None:
+            self.connector.request_added(req)
         return None
 
     def waiting_full(self, pending: int = 0) -> bool:
         """Whether a new request would pass `max_waiting_requests`, with `pending` more on
         their way in (grammars compiling)."""
         bound = self.config.max_waiting_requests
-        if self.connector is not None:
-            self.connector.request_added(req)
         return bool(bound) and len(self.waiting) + pending >= bound
 
     def refusal(self, request_id: str) -> EngineCoreOutput:
@@ -497,7 +497,7 @@ class Scheduler:
         if req.num_output_tokens >= params.min_tokens:
             if token == req.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
+            if token in req.stop_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
@@ -552,6 +552,7 @@ class Scheduler:
             prompt_tokens_transferred=self.prompt_tokens_transferred,
             kv_load_failures=self.kv_load_failures,
             kv_protocol_errors=self.kv_protocol_errors,
+            kv_params_refused=0 if self.connector is None else self.connector.seal_refusals,
         )
 
 
@@ -561,7 +562,6 @@ def _sort_key(req: Request) -> tuple[int, int]:
 
 def _embeds_error(request: EngineCoreRequest, prompt_embeds: np.ndarray | None) -> str | None:
     """Why a request and its prompt embeddings do not go together, or None."""
-            kv_params_refused=0 if self.connector is None else self.connector.seal_refusals,
     if (request.prompt_embeds is None) != (prompt_embeds is None):
         return "prompt_embeds: the request and its embeddings must come together"
     if prompt_embeds is None:

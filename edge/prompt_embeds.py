@@ -5,8 +5,10 @@ stored, not compressed, and add up to no more than the body limit, so nothing in
 what the client sent; then `torch.load(..., weights_only=True)` reads it, which unpickles
 tensors and plain containers only and refuses any other global, so no payload runs code. What
 comes out must be one dense CPU tensor [positions, hidden size] (or [1, positions, hidden size])
-of float32, bfloat16 or float16, with finite values and fewer positions than the context.
-Anything else is a 400 naming `prompt_embeds`. torch is imported on the first such request.
+of float32, bfloat16 or float16, with finite values and fewer positions than the context,
+whose elements are all in the payload: a view that repeats them (a stride of 0, an expanded
+tensor) would make a few kilobytes into any size once made contiguous. Anything else is a 400
+naming `prompt_embeds`. torch is imported on the first such request.
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ def decode_prompt_embeds(
         raise _invalid(f"must be a tensor, not {type(loaded).__name__}")
     if loaded.layout != torch.strided or loaded.is_quantized or loaded.device.type != "cpu":
         raise _invalid("must be a dense tensor")
+    if loaded.numel() * loaded.element_size() > loaded.untyped_storage().nbytes():
+        raise _invalid(
+            "its elements overlap (a stride of 0, or an expanded view): send a tensor that "
+            "holds its own values"
+        )
     tensor = loaded.detach().as_subclass(torch.Tensor)
     if tensor.ndim == 3 and tensor.shape[0] == 1:
         tensor = tensor[0]

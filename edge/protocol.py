@@ -18,6 +18,7 @@ from msgspec import Meta
 
 from triode.edge.errors import APIError, validation_error
 from triode.wire import SamplingParams, StructuredOutputsParams
+from triode.wire.messages import MAX_LOGIT_BIAS
 
 _MAX_TOKEN_ID = 2**31  # token ids are below this, on the wire and in every vocabulary
 _TokenId = Annotated[int, Meta(ge=0)]
@@ -25,6 +26,9 @@ _Count = Annotated[int, Meta(ge=1)]
 _N = Annotated[int, Meta(ge=1, le=128)]
 _NumLogprobs = Annotated[int, Meta(ge=0, le=20)]
 _Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+# No vocabulary has more ids (Gemma 3's is 2**18): a longer list of them is refused as it is
+# decoded, before a repeat is looked for in it
+_TokenIds = Annotated[list[_TokenId], Meta(max_length=1 << 18)]
 # Longest `cache_salt` a client may send: vLLM's is unbounded; a salt names a tenant or a
 # session, and 256 characters leaves room for any such name or a digest of one.
 MAX_CACHE_SALT = 256
@@ -96,7 +100,7 @@ class _GenerationRequest(_Body, kw_only=True):
     n: _N | None = None
     max_tokens: _Count | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[_TokenId] | None = None
+    stop_token_ids: _TokenIds | None = None
     temperature: Annotated[float, Meta(ge=0.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=-1)] | None = None  # -1 or 0: off
@@ -106,7 +110,7 @@ class _GenerationRequest(_Body, kw_only=True):
     frequency_penalty: _Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     logit_bias: dict[str, float] | None = None
-    allowed_token_ids: list[_TokenId] | None = None
+    allowed_token_ids: _TokenIds | None = None
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -428,6 +432,12 @@ def _top_k(top_k: int | None) -> int:
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if bias is None:
         return None
+    if len(bias) > MAX_LOGIT_BIAS:  # before converting the keys of a body-sized dict
+        raise APIError(
+            400,
+            f"logit_bias: at most {MAX_LOGIT_BIAS} entries, not {len(bias)}",
+            param="logit_bias",
+        )
     try:
         return {int(token): value for token, value in bias.items()}
     except ValueError:

@@ -155,6 +155,48 @@ class Serving:
         if problem is not None:
             raise validation_error(ValueError(problem))
 
+    def check_choices(self, req: CompletionRequest, num_prompts: int) -> None:
+        """A 400 for a request of more generations (prompts x n) than the server takes in one
+        (`Settings.max_choices_per_request`)."""
+        limit, n = self.settings.max_choices_per_request, req.n or 1
+        if num_prompts * n > limit:
+            param = "n" if n > 1 else "prompt"
+            raise APIError(
+                400,
+                f"{param}: {num_prompts} prompts x n = {n} ask for {num_prompts * n} choices; "
+                f"this server takes at most {limit} in one request",
+                param=param,
+            )
+
+    def check_logprobs_volume(
+        self,
+        req: ChatCompletionRequest | CompletionRequest,
+        prompts: list[_Prompt],
+        params: SamplingParams,
+    ) -> None:
+        """A 400 for a whole (not streamed) answer that could hold more logprob entries
+        (positions x (1 + alternatives)) than `Settings.max_logprob_entries`: it is built in
+        memory before it is sent. A stream sends them as they come, so it has no such bound."""
+        if req.stream:
+            return
+        entries, param = 0, "prompt_logprobs"
+        if params.logprobs is not None:
+            assert params.max_tokens is not None  # `sampling_params` always sets it
+            entries = len(prompts) * params.n * params.max_tokens * (1 + params.logprobs)
+            param = "top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs"
+        if params.prompt_logprobs is not None:
+            positions = sum(len(p.token_ids) for p in prompts)
+            entries += positions * (1 + params.prompt_logprobs)
+        limit = self.settings.max_logprob_entries
+        if entries > limit:
+            raise APIError(
+                400,
+                f"{param}: the answer could hold {entries} logprob entries (positions x (1 + "
+                f"alternatives), for every choice); at most {limit} are built for a whole "
+                "answer: lower max_tokens, n or the alternatives asked for, or stream it",
+                param=param,
+            )
+
     # Chat
 
     async def chat(self, request: Request) -> None:
@@ -198,6 +240,7 @@ class Serving:
         )
         self.check_token_ids(params=params)
         prompts = [_Prompt(token_ids, None)]
+        self.check_logprobs_volume(req, prompts, params)
         self._salt(request, req.cache_salt, prompts)
         _check_transfer_params(req.kv_transfer_params, prompts, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -269,6 +312,8 @@ class Serving:
         req = decode_request(body, CompletionRequest)
         self.check_model(req.model)
         check_engine_alive(self.engine)
+        # before any prompt costs a decode or a tokenization
+        self.check_choices(req, len(req.embeds_prompts()) + len(req.prompts()))
         intake = self.engine.intake
         prompts = await self._embeds_prompts(req)
         for p in req.prompts():
@@ -288,6 +333,7 @@ class Serving:
             structured_outputs=await _structured(req),
         )
         self.check_token_ids(params=params)
+        self.check_logprobs_volume(req, prompts, params)
         _check_transfer_params(req.kv_transfer_params, prompts, params)
         self._salt(request, req.cache_salt, prompts)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -343,9 +389,19 @@ class Serving:
             max_model_len=self.engine.max_model_len,
             max_bytes=self.settings.max_body_size,
         )
-        prompts = []
+        # each choice gets its own copy in shared memory: n copies count n times
+        copies, budget = req.n or 1, self.settings.max_prompt_embeds_bytes
+        prompts, total = [], 0
         for payload in payloads:
             embeds = await trio.to_thread.run_sync(decode, payload)
+            total += embeds.nbytes * copies
+            if total > budget:
+                raise APIError(
+                    400,
+                    f"prompt_embeds: {total} bytes or more once decoded, counted once per "
+                    f"choice; this server takes at most {budget} in one request",
+                    param="prompt_embeds",
+                )
             prompts.append(_Prompt([0] * len(embeds), None, embeds=embeds))
         return prompts
 

@@ -43,7 +43,9 @@ class SamplingState:
     """One request's sampling state, kept by the model runner from first sight until it finishes.
 
     Everything that does not change between steps (allowed ids, biases, the ids min_tokens holds
-    back, the prompt for the repetition penalty) becomes an array once here, not on every step.
+    back, the prompt for the repetition penalty) becomes an array once here, not on every step;
+    the allowed ids become a mask over the vocabulary, so a step costs the same however many
+    of them a request names.
     Append each sampled token with `append`, never to `output_token_ids` directly: penalties
     read a numpy mirror of the output that `append` keeps.
 
@@ -73,9 +75,11 @@ class SamplingState:
         self.truncates = not self.greedy and (self.top_k > 0 or params.top_p < 1.0)
         self.uses_min_p = not self.greedy and params.min_p > 0.0
 
-        self.allowed_ids: np.ndarray | None = None
+        self.allowed_mask: torch.Tensor | None = None  # bool [vocab_size]
         if params.allowed_token_ids is not None:
-            self.allowed_ids = self._ids("allowed_token_ids", params.allowed_token_ids)
+            allowed = self._ids("allowed_token_ids", params.allowed_token_ids)
+            self.allowed_mask = torch.zeros(vocab_size, dtype=torch.bool, device="cpu")
+            self.allowed_mask[torch.from_numpy(allowed)] = True
         self.logit_bias: tuple[np.ndarray, np.ndarray] | None = None  # ids, values
         if params.logit_bias:
             values = np.fromiter(params.logit_bias.values(), dtype=np.float32)
@@ -234,16 +238,15 @@ def _refuse_bits(values: np.ndarray, allowed: np.ndarray) -> None:
 def process_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     """Apply allowed_token_ids, logit_bias, min_tokens and penalties to `logits`, in place.
 
-    `logits` must be contiguous float32. Each stage touches only the rows that use it, through
-    one batched scatter over the concatenated per-row ids; penalties touch only the tokens that
-    occurred. Returns `logits`.
+    `logits` must be contiguous float32. Each stage touches only the rows that use it: the
+    allowed ids through their rows' masks, the biases and min_tokens through one batched scatter
+    over the concatenated per-row ids; penalties touch only the tokens that occurred. Returns
+    `logits`.
     """
-    vocab = logits.shape[1]
-    allowed = [(i, s.allowed_ids) for i, s in enumerate(states) if s.allowed_ids is not None]
+    allowed = [(i, s.allowed_mask) for i, s in enumerate(states) if s.allowed_mask is not None]
     if allowed:
         rows = torch.tensor([i for i, _ in allowed])
-        keep = torch.zeros(len(allowed), vocab, dtype=torch.bool)
-        keep[_pairs([(j, ids) for j, (_, ids) in enumerate(allowed)])] = True
+        keep = torch.stack([mask for _, mask in allowed]).to(logits.device)
         logits[rows] = logits[rows].masked_fill_(~keep, -math.inf)
 
     biased = [(i, s.logit_bias) for i, s in enumerate(states) if s.logit_bias is not None]
@@ -474,7 +477,7 @@ def plain_greedy(states: list[SamplingState]) -> bool:
 
 def _needs_processing(state: SamplingState) -> bool:
     return (
-        state.allowed_ids is not None
+        state.allowed_mask is not None
         or state.logit_bias is not None
         or state.min_tokens_ids is not None
         or state.penalized

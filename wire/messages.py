@@ -23,6 +23,13 @@ _INF = math.inf
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
+# Caps on what one request may ask for, each far above ordinary use (OpenAI takes 4 stop
+# strings and 300 logit_bias entries; vLLM caps neither): a stop string is searched for in the
+# new text of every step, and the held-back tail of a stream is as long as the longest one.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LENGTH = 256
+MAX_LOGIT_BIAS = 300
+
 # Longest `EngineCoreRequest.cache_salt`: room for a client's salt and a key digest the edge
 # adds to it, with a margin; the salt is hashed once per request, so the bound is about memory.
 MAX_WIRE_CACHE_SALT = 1024
@@ -123,7 +130,7 @@ class SamplingParams(msgspec.Struct, **_HOT):
             and (self.max_tokens is None or self.min_tokens <= self.max_tokens)
             and (self.logprobs is None or 0 <= self.logprobs <= 20)
             and (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20)
-            and (not self.stop or all(self.stop))
+            and (not self.stop or _valid_stop(self.stop))
             and (not self.stop_token_ids or min(self.stop_token_ids) >= 0)
             and (self.logit_bias is None or _valid_bias(self.logit_bias))
             and (
@@ -132,6 +139,12 @@ class SamplingParams(msgspec.Struct, **_HOT):
             )
         ):
             self._explain()
+        # Each id once: with ids below the vocabulary size (checked where the model is known),
+        # the lists are then no longer than the vocabulary, whatever the request sent.
+        if len(self.stop_token_ids) > 1:
+            self.stop_token_ids = _unique(self.stop_token_ids)
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) > 1:
+            self.allowed_token_ids = _unique(self.allowed_token_ids)
 
     def _explain(self) -> None:
         _check(1 <= self.n <= 128, "n", "must be between 1 and 128")
@@ -157,7 +170,22 @@ class SamplingParams(msgspec.Struct, **_HOT):
             "must be in [0, 20]",
         )
         _check(all(self.stop), "stop", "must not contain empty strings")
+        _check(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"at most {MAX_STOP_STRINGS} stop strings, not {len(self.stop)}",
+        )
+        _check(
+            all(len(s) <= MAX_STOP_STRING_LENGTH for s in self.stop),
+            "stop",
+            f"a stop string may be at most {MAX_STOP_STRING_LENGTH} characters long",
+        )
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be >= 0")
+        _check(
+            self.logit_bias is None or len(self.logit_bias) <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            f"at most {MAX_LOGIT_BIAS} entries, not {len(self.logit_bias or ())}",
+        )
         _check(
             self.logit_bias is None or _valid_bias(self.logit_bias),
             "logit_bias",
@@ -307,7 +335,19 @@ class EngineCoreOutputs(msgspec.Struct, **_HOT):
 
 
 def _valid_bias(bias: dict[int, float]) -> bool:
-    return all(t >= 0 and -100.0 <= b <= 100.0 for t, b in bias.items())
+    return len(bias) <= MAX_LOGIT_BIAS and all(
+        t >= 0 and -100.0 <= b <= 100.0 for t, b in bias.items()
+    )
+
+
+def _valid_stop(stop: list[str]) -> bool:
+    return len(stop) <= MAX_STOP_STRINGS and all(0 < len(s) <= MAX_STOP_STRING_LENGTH for s in stop)
+
+
+def _unique(ids: list[int]) -> list[int]:
+    """`ids` without repeats, in first-seen order (the list itself when it has none)."""
+    once = list(dict.fromkeys(ids))
+    return ids if len(once) == len(ids) else once
 
 
 def _check(ok: bool, field: str, why: str) -> None:

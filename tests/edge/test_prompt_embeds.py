@@ -246,3 +246,39 @@ async def test_each_payload_is_one_prompt_of_placeholder_tokens() -> None:
 
     assert [p.token_ids for p in prompts] == [[0] * 3, [0] * 5]
     assert [tuple(p.embeds.shape) for p in prompts] == [(3, HIDDEN), (5, HIDDEN)]
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        torch.zeros(1, HIDDEN).expand(MAX_MODEL_LEN - 1, HIDDEN),  # stride 0 over the rows
+        torch.zeros(MAX_MODEL_LEN + HIDDEN).as_strided((MAX_MODEL_LEN - 1, HIDDEN), (1, 1)),
+    ],
+    ids=["expanded", "overlapping"],
+)
+def test_a_view_that_repeats_its_elements_is_refused_before_it_is_made_contiguous(
+    view: torch.Tensor,
+) -> None:
+    payload = _saved(view)
+    assert len(payload) < 4096  # the whole tensor would be 63 x 8 x 4 bytes and more
+
+    assert "overlap" in _refused(payload).message
+
+
+def test_a_view_into_a_larger_saved_storage_is_taken() -> None:
+    whole = torch.arange(4 * HIDDEN, dtype=torch.float32).reshape(4, HIDDEN)
+    assert torch.equal(_decode(_saved(whole[1:3])), whole[1:3])
+
+
+async def test_the_decoded_bytes_of_a_request_count_once_per_choice() -> None:
+    serving = _serving()
+    serving.settings.max_prompt_embeds_bytes = 2 * 3 * HIDDEN * 4  # two copies of one prompt
+    payload = _saved(torch.zeros(3, HIDDEN))
+    taken = decode_request(_body(prompt_embeds=payload, n=2), CompletionRequest)
+    assert len(await serving._embeds_prompts(taken)) == 1
+
+    for fields in ({"n": 3}, {"prompt_embeds": [payload] * 3}):
+        req = decode_request(_body(**{"prompt_embeds": payload, **fields}), CompletionRequest)
+        with pytest.raises(APIError) as caught:
+            await serving._embeds_prompts(req)
+        assert (caught.value.status, caught.value.param) == (400, "prompt_embeds")
