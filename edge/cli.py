@@ -14,6 +14,7 @@ BENCHMARKS = {
     "wire": "triode.wire.bench",
     "throughput": "triode.edge.bench_throughput",
     "serve": "triode.edge.bench_serve",
+    "ab": "triode.edge.bench_ab",
     "frontend": "triode.edge.bench_frontend",
     "vllm": "triode.edge.bench_vllm",
     "structured": "triode.edge.bench_structured",
