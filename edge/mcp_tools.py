@@ -11,35 +11,49 @@ inside one cancel scope whose deadline follows the phase: `connect_timeout` to c
 handshake, `call_timeout` for the request, `CLOSE_TIMEOUT` to close. A session is never reused,
 so one that broke cannot break a later call, and a server that restarts is picked up by the next
 operation. Nothing runs in the background: a `ToolServers` needs no nursery, only `start()`.
+
+A server a request names by URL (allowed by `allow_request_servers`) is reached only at public
+addresses (`destinations.py`) unless `allow_private_servers`. What any server sends is bounded,
+and its failures are told in this server's own words ("cannot connect: connection refused"),
+their exceptions' text going to the log only (`mcp_answers.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import json
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-import anyio
 import httpx2
 import msgspec
 import trio
-from mcp import Client, MCPError
+from mcp import Client
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import (
-    CONNECTION_CLOSED,
-    CallToolResult,
-    EmbeddedResource,
     Implementation,
-    TextContent,
-    TextResourceContents,
     Tool,
+)
+
+from .destinations import DestinationRefused, check_destination, checked_client
+from .mcp_answers import (
+    MAX_ERROR_CHARS,
+    MAX_OUTPUT_CHARS,
+    MAX_TOOLS,
+    MCPTool,
+    cut,
+    describe,
+    is_connection_error,
+    offered_tools,
+    result_output,
+    result_text,
+    summary,
 )
 
 log = logging.getLogger("triode.edge.mcp")
@@ -60,13 +74,6 @@ CLIENT_INFO = Implementation(name="triode", version=_version())
 _T = TypeVar("_T")
 _LABEL = re.compile(r"[A-Za-z0-9_.-]+")
 _HOST_PORT = re.compile(r"[A-Za-z0-9.-]+:\d{1,5}|\[[0-9A-Fa-f:.]+\]:\d{1,5}")
-_CONNECTION_ERRORS = (
-    httpx2.TransportError,
-    OSError,
-    anyio.BrokenResourceError,
-    anyio.ClosedResourceError,
-    anyio.EndOfStream,
-)
 
 
 class ToolServerError(Exception):
@@ -75,14 +82,6 @@ class ToolServerError(Exception):
 
 class ToolServerUnavailable(ToolServerError):
     """A tool server could not be reached, or did not answer; the message says why."""
-
-
-class MCPTool(msgspec.Struct):
-    """One tool as a server lists it."""
-
-    name: str
-    description: str | None
-    input_schema: dict[str, Any]
 
 
 class ToolResult(msgspec.Struct):
@@ -178,10 +177,12 @@ class ToolServers:
         call_timeout: float = 30.0,
         connect_timeout: float = 10.0,
         allow_request_servers: bool = False,
+        allow_private_servers: bool = False,
     ) -> None:
         self._call_timeout = call_timeout
         self._connect_timeout = connect_timeout
         self._allow_request_servers = allow_request_servers
+        self._allow_private_servers = allow_private_servers
         self._servers: list[_Server] = []
         for spec in specs:
             label, url = _parse_spec(spec)
@@ -209,16 +210,19 @@ class ToolServers:
         server's from its last listing (listed again if it was down or its last session
         broke), a request-supplied URL's listed now. A checkpoint; cancelled, nothing changes.
 
-        Raises ToolServerError for an unknown or refused server, and ToolServerUnavailable
-        when the server cannot be reached or does not list its tools.
+        Raises ToolServerError for an unknown or refused server (a request-supplied one whose
+        host resolves to an address it may not be at included), and ToolServerUnavailable when
+        the server cannot be reached or does not list its tools.
         """
         server, url = self._resolve(label, server_url)
         if server is not None and server.tools is not None:
             await trio.lowlevel.checkpoint()
             return server.tools
+        if server is None:
+            await self._check(url)
         try:
             if server is None:
-                tools, _ = await self._list(url)
+                tools, _ = await self._list(url, checked=True)
                 return tools
             return await self._refresh(server)
         except _Failed as e:
@@ -244,9 +248,14 @@ class ToolServers:
         if not isinstance(arguments, dict):
             await trio.lowlevel.checkpoint()
             return ToolResult("", error=f"the arguments of tool {name!r} must be a JSON object")
+        if server is None:
+            await self._check(url)
         try:
             result, info = await self._session(
-                url, f"calling tool {name!r}", lambda c: c.call_tool(name, arguments)
+                url,
+                f"calling tool {name!r}",
+                lambda c: c.call_tool(name, arguments),
+                checked=server is None,
             )
         except _Failed as e:
             if server is not None and e.connection:
@@ -256,10 +265,17 @@ class ToolServers:
         if server is not None:
             self._name(server, info)
         if result.is_error:
-            message = _text(result) or "the tool reported an error"
+            message = cut(result_text(result), MAX_ERROR_CHARS) or "the tool reported an error"
             log.info("%s: tool %r failed: %r", where, name, message)
             return ToolResult("", error=f"tool {name!r} failed: {message}")
-        return ToolResult(_output(result))
+        return ToolResult(cut(result_output(result), MAX_OUTPUT_CHARS))
+
+    async def _check(self, url: str) -> None:
+        """A ToolServerError unless a request-supplied `url` may be reached. A checkpoint."""
+        try:
+            await check_destination(url, allow_private=self._allow_private_servers)
+        except DestinationRefused as e:
+            raise ToolServerError(f"server_url {url!r}: {e}") from None
 
     def _resolve(self, label: str | None, server_url: str | None) -> tuple[_Server | None, str]:
         """(the configured server or None, the URL to connect to) for a request's names."""
@@ -307,32 +323,40 @@ class ToolServers:
         log.info("MCP server %r (%s): %d tools", server.label, server.url, len(tools))
         return tools
 
-    async def _list(self, url: str) -> tuple[list[MCPTool], Implementation | None]:
+    async def _list(
+        self, url: str, *, checked: bool = False
+    ) -> tuple[list[MCPTool], Implementation | None]:
         async def list_all(client: Client) -> list[Tool]:
             tools: list[Tool] = []
             cursor = None
             for _ in range(MAX_LIST_PAGES):
                 page = await client.list_tools(cursor=cursor)
                 tools += page.tools
-                if (cursor := page.next_cursor) is None:
+                if (cursor := page.next_cursor) is None or len(tools) >= MAX_TOOLS:
                     break
             return tools
 
-        tools, info = await self._session(url, "listing tools", list_all)
-        return [MCPTool(t.name, t.description, dict(t.input_schema)) for t in tools], info
+        tools, info = await self._session(url, "listing tools", list_all, checked=checked)
+        return offered_tools(url, tools), info
 
     @contextlib.asynccontextmanager
-    async def _open(self, url: str) -> AsyncIterator[Client]:
+    async def _open(self, url: str, *, checked: bool = False) -> AsyncIterator[Client]:
         """A connected MCP client for `url`: SSE for a path ending in `/sse`, else streamable
-        HTTP. Its HTTP read timeout only backs up the caller's deadlines."""
+        HTTP. Its HTTP read timeout only backs up the caller's deadlines. `checked`: a
+        request-supplied server, reached only at allowed addresses (`checked_client`)."""
         read = self._connect_timeout + self._call_timeout + CLOSE_TIMEOUT
+        factory = partial(checked_client, allow_private=self._allow_private_servers)
         if urlsplit(url).path.endswith("/sse"):
-            transport = sse_client(url, timeout=self._connect_timeout, sse_read_timeout=read)
+            options: dict[str, Any] = {"httpx_client_factory": factory} if checked else {}
+            transport = sse_client(
+                url, timeout=self._connect_timeout, sse_read_timeout=read, **options
+            )
             async with Client(transport, cache=None, client_info=CLIENT_INFO) as client:
                 yield client
             return
         timeout = httpx2.Timeout(self._connect_timeout, read=read)
-        async with httpx2.AsyncClient(timeout=timeout) as http:
+        http_client = factory(timeout=timeout) if checked else httpx2.AsyncClient(timeout=timeout)
+        async with http_client as http:
             transport = streamable_http_client(url, http_client=http)
             async with Client(transport, cache=None, client_info=CLIENT_INFO) as client:
                 yield client
@@ -349,7 +373,12 @@ class ToolServers:
         server.label = name
 
     async def _session(
-        self, url: str, doing: str, request: Callable[[Client], Awaitable[_T]]
+        self,
+        url: str,
+        doing: str,
+        request: Callable[[Client], Awaitable[_T]],
+        *,
+        checked: bool = False,
     ) -> tuple[_T, Implementation | None]:
         """Open a session to `url`, run `request` on it and close it, each phase within its
         timeout: (what `request` returned, the server's info). Raises _Failed. A failure to
@@ -360,7 +389,7 @@ class ToolServers:
         errors: ExceptionGroup[Exception] | None = None
         with trio.move_on_after(self._connect_timeout) as scope:
             try:
-                async with self._open(url) as client:
+                async with self._open(url, checked=checked) as client:
                     info = client.server_info
                     phase = doing
                     scope.deadline = trio.current_time() + self._call_timeout
@@ -371,67 +400,21 @@ class ToolServers:
                 errors = group
         if answered:
             if errors is not None or scope.cancelled_caught:
-                log.debug("closing the MCP session to %s failed: %s", url, _describe(errors))
+                log.debug("closing the MCP session to %s failed: %s", url, describe(errors))
             return answered[0], info
         if scope.cancelled_caught:
             timeout = self._connect_timeout if phase == "connecting" else self._call_timeout
+            log.info("MCP session to %s timed out %s", url, phase)
             raise _Failed(
-                f"timed out after {timeout:g} s {phase} ({url})", connection=phase == "connecting"
+                f"timed out after {timeout:g} s {phase}", connection=phase == "connecting"
             )
         assert errors is not None
-        broken = errors.subgroup(_is_connection_error) is not None
+        broken = errors.subgroup(is_connection_error) is not None
         what = "cannot connect" if phase == "connecting" else f"{phase} failed"
         broken = broken or phase == "connecting"
-        raise _Failed(f"{what} ({url}): {_describe(errors)}", connection=broken)
+        log.info("MCP session to %s: %s: %s", url, what, describe(errors))
+        raise _Failed(f"{what}: {summary(errors)}", connection=broken)
 
 
 def _where(server: _Server | None, url: str) -> str:
     return f"MCP server {server.label if server else url!r}"
-
-
-def _is_connection_error(exc: BaseException) -> bool:
-    if isinstance(exc, MCPError):
-        return exc.code == CONNECTION_CLOSED
-    return isinstance(exc, _CONNECTION_ERRORS)
-
-
-def _leaves(exc: BaseException) -> Iterator[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
-
-
-def _describe(errors: BaseException | None) -> str:
-    """The distinct messages of the exceptions in `errors`, each with its type's name."""
-    if errors is None:
-        return "the session was cancelled"
-    messages: list[str] = []
-    for exc in _leaves(errors):
-        text = exc.message if isinstance(exc, MCPError) else str(exc)
-        message = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-        if message not in messages:
-            messages.append(message)
-    return "; ".join(messages)
-
-
-def _text(result: CallToolResult) -> str:
-    """The text blocks of a result (and the text of embedded text resources), joined."""
-    parts = []
-    for block in result.content:
-        if isinstance(block, TextContent):
-            parts.append(block.text)
-        elif isinstance(block, EmbeddedResource) and isinstance(
-            block.resource, TextResourceContents
-        ):
-            parts.append(block.resource.text)
-    return "\n".join(parts)
-
-
-def _output(result: CallToolResult) -> str:
-    """A successful result as text: its text, else its structured content as JSON."""
-    text = _text(result)
-    if not text and result.structured_content is not None:
-        return json.dumps(result.structured_content)
-    return text

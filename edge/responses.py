@@ -31,7 +31,7 @@ from triode.wire import SamplingParams
 from . import json_text
 from .errors import APIError, check_engine_alive, engine_error, too_busy, validation_error
 from .http import JSON, ClientDisconnected, Request, respond, respond_json
-from .mcp_tools import ToolServers
+from .mcp_tools import ToolServerError, ToolServers
 from .metrics import Metrics
 from .responses_output import ResponseBuilder, Turn
 from .responses_plan import Plan, plan_response
@@ -84,6 +84,7 @@ class Responses:
             settings.tool_servers,
             call_timeout=settings.tool_call_timeout,
             allow_request_servers=settings.allow_request_tool_servers,
+            allow_private_servers=settings.allow_private_tool_servers,
         )
         self._tasks: trio.Nursery | None = None
 
@@ -425,7 +426,9 @@ class Responses:
             )
         except Exception as e:  # a failing tool must not fail the response
             log.warning("MCP call %s/%s failed", call.server_label, call.name, exc_info=True)
-            return None, f"the tool call failed: {e}"
+            if isinstance(e, ToolServerError):  # a refusal, in this server's own words
+                return None, str(e)
+            return None, "the tool call failed (the server log has why)"
         return result.output, result.error
 
 

@@ -131,3 +131,35 @@ def test_max_waiting_requests_is_a_flag_bounded_by_default_and_0_is_no_bound() -
     assert EngineArgs().max_waiting_requests == 4096
     with pytest.raises(ValueError, match="max_waiting_requests"):
         EngineArgs(max_waiting_requests=-1)
+
+
+def test_trust_boundary_flags_reach_the_app_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    import trio
+
+    from triode.edge import cli
+
+    captured = {}
+
+    def fake_run(serve, options, settings, engine_args):  # type: ignore[no-untyped-def]
+        captured["settings"] = settings(None)
+
+    monkeypatch.setattr(trio, "run", fake_run)
+    cli.main(["serve", "--api-key", "k", "--metrics-require-key", "--allow-request-tool-servers",
+              "--allow-private-tool-servers", "--max-background-responses", "3",
+              "--response-ttl", "60", "--max-stored-responses", "10"])  # fmt: skip
+    settings = captured["settings"]
+    assert settings.metrics_require_key and settings.allow_private_tool_servers
+    assert (settings.max_background_responses, settings.response_ttl) == (3, 60.0)
+    assert settings.max_stored_responses == 10
+    defaults = _serve()
+    assert not defaults.metrics_require_key and not defaults.allow_private_tool_servers
+    assert (defaults.max_background_responses, defaults.response_ttl) == (32, 3600.0)
+    for bad in (["--response-ttl", "0"], ["--max-background-responses", "0"]):
+        with pytest.raises(SystemExit):
+            cli.main(["serve", *bad])
+
+
+def test_replay_takes_recorded_remote_arguments_only_when_told() -> None:
+    args = build_parser().parse_args(["replay", "dir"])
+    assert not args.trust_recorded_args
+    assert build_parser().parse_args(["replay", "dir", "--trust-recorded-args"]).trust_recorded_args

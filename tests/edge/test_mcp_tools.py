@@ -2,15 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import signal
 from collections.abc import Iterator
+from ipaddress import ip_address
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
+from mcp.types import Tool
 from mcp_server import MCPServerProcess, Transport, free_port, kill, running_mcp_server
 
+from triode.edge import destinations
+from triode.edge.destinations import refusal
+from triode.edge.mcp_answers import (
+    MAX_DESCRIPTION,
+    MAX_OUTPUT_CHARS,
+    MAX_SCHEMA_BYTES,
+    MAX_TOOLS,
+    offered_tools,
+)
 from triode.edge.mcp_tools import (
     ToolServerError,
     ToolServers,
@@ -48,12 +62,14 @@ async def started(
     call_timeout: float = 30.0,
     connect_timeout: float = 10.0,
     allow_request_servers: bool = False,
+    allow_private_servers: bool = False,
 ) -> ToolServers:
     tool_servers = ToolServers(
         list(specs),
         call_timeout=call_timeout,
         connect_timeout=connect_timeout,
         allow_request_servers=allow_request_servers,
+        allow_private_servers=allow_private_servers,
     )
     await tool_servers.start()
     return tool_servers
@@ -130,7 +146,7 @@ async def test_a_server_down_at_start_is_listed_once_it_comes_up(
     with pytest.raises(ToolServerUnavailable, match="cannot connect"):
         await tool_servers.list_tools(f"127.0.0.1:{port}")
     down = await tool_servers.call(f"127.0.0.1:{port}", "add", {"a": 1, "b": 2})
-    assert down.output == "" and down.error is not None and "cannot connect" in down.error
+    assert down.error == f"MCP server '127_0_0_1_{port}': cannot connect: connection refused"
     with running_mcp_server(tmp_path, transport, port=port) as up:
         tools = await tool_servers.list_tools(f"127.0.0.1:{port}")
         assert {t.name for t in tools} == TOOLS
@@ -178,7 +194,7 @@ async def test_a_request_server_url_is_refused_unless_allowed(
         await strict.list_tools("mine", server_url=url)
     assert not isinstance(refused.value, ToolServerUnavailable)
 
-    lenient = await started(allow_request_servers=True)
+    lenient = await started(allow_request_servers=True, allow_private_servers=True)
     assert {t.name for t in await lenient.list_tools("mine", server_url=url)} == TOOLS
     assert (await lenient.call("mine", "add", {"a": 4, "b": 5}, server_url=url)).output == "9"
     with pytest.raises(ToolServerError, match="http:// or https://"):
@@ -239,3 +255,148 @@ def test_two_servers_with_one_label_are_refused() -> None:
 def test_a_refused_scheme_fails_construction() -> None:
     with pytest.raises(ValueError, match="http:// or https://"):
         ToolServers(["stdio://server"])
+
+
+# Request-named servers: where they may be, and what they may send
+
+
+@pytest.mark.parametrize(
+    ("host", "reason"),
+    [
+        ("127.0.0.1", "a loopback address"),
+        ("localhost", "a loopback address"),
+        ("[::1]", "a loopback address"),
+        ("[::ffff:127.0.0.1]", "a loopback address"),
+        ("10.1.2.3", "a private address"),
+        ("192.168.0.1", "a private address"),
+        ("169.254.169.254", "a cloud metadata address"),
+        ("[fd00:ec2::254]", "a cloud metadata address"),
+        ("169.254.1.1", "a link-local address"),
+        ("[fe80::1]", "a link-local address"),
+        ("224.0.0.251", "a multicast address"),
+        ("0.0.0.0", "the unspecified address"),
+        ("100.64.0.1", "not a public address"),
+        ("[64:ff9b::a00:1]", "a private address"),
+        ("[2002:7f00:1::]", "a loopback address"),
+    ],
+)
+async def test_a_request_server_url_at_a_private_address_is_refused(host: str, reason: str) -> None:
+    # Who can name one: any key holder, once --allow-request-tool-servers is on; what it would
+    # cost: a connection from this host to anything it can reach. Refused before connecting.
+    tool_servers = await started(allow_request_servers=True)
+    url = f"http://{host}:8000/mcp"
+
+    with pytest.raises(ToolServerError, match=reason) as refused:
+        await tool_servers.list_tools("x", server_url=url)
+    assert not isinstance(refused.value, ToolServerUnavailable)
+    with pytest.raises(ToolServerError, match=reason):
+        await tool_servers.call("x", "add", {}, server_url=url)
+
+
+@pytest.mark.parametrize("address", ["93.184.216.34", "2606:2800:220:1::1", "8.8.8.8"])
+def test_public_addresses_are_allowed(address: str) -> None:
+    assert refusal(ip_address(address)) is None
+
+
+async def test_the_address_connected_is_the_one_checked(
+    servers: dict[str, MCPServerProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # DNS rebinding: the name is public when checked, loopback a moment later when connected
+    server = servers["streamable-http"]
+    answers = itertools.cycle([[ip_address("93.184.216.34")], [ip_address("127.0.0.1")]])
+
+    async def resolve(host: str, port: int) -> list[Any]:
+        return next(answers)
+
+    monkeypatch.setattr(destinations, "_resolve", resolve)
+    tool_servers = await started(allow_request_servers=True, connect_timeout=5)
+    url = server.url.replace("127.0.0.1", "rebinding.example")
+    before = len(server.calls())
+
+    with pytest.raises(ToolServerUnavailable, match=r"resolves to 127\.0\.0\.1, a loopback"):
+        await tool_servers.list_tools("x", server_url=url)
+    result = await tool_servers.call("x", "add", {"a": 1, "b": 2}, server_url=url)
+
+    assert result.error is not None and "a loopback address" in result.error
+    assert len(server.calls()) == before
+
+
+async def _answer_once(
+    response: bytes, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """An HTTP server on loopback that answers every request with `response`."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+
+    async def answer(stream: trio.SocketStream) -> None:
+        with contextlib.suppress(trio.BrokenResourceError):
+            await stream.receive_some(65536)
+            await stream.send_all(response)
+        await stream.aclose()
+
+    await trio.serve_listeners(answer, listeners)
+
+
+@pytest.mark.parametrize("path", ["/mcp", "/sse"])
+async def test_a_servers_error_page_is_summarised_not_echoed(path: str) -> None:
+    page = b"SECRET stack trace at /srv/app/server.py line 3"
+    response = (
+        b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: text/html\r\n"
+        b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(page), page)
+    )
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(_answer_once, response)
+        url = f"http://127.0.0.1:{port}{path}"
+        tool_servers = await started(f"tools={url}", connect_timeout=5)
+
+        with pytest.raises(ToolServerUnavailable) as down:
+            await tool_servers.list_tools("tools")
+        called = await tool_servers.call("tools", "add", {"a": 1})
+        nursery.cancel_scope.cancel()
+
+    # neither the page nor where the operator's server is (its address) reaches the client
+    for message in (str(down.value), called.error or ""):
+        assert message.startswith("MCP server 'tools': cannot connect: ")
+        assert "SECRET" not in message and "/srv/" not in message and str(port) not in message
+        assert "HTTP 500" in message or "MCP error -32603" in message
+
+
+async def test_a_tools_output_is_cut(server: MCPServerProcess) -> None:
+    tool_servers = await started(f"tools={server.url}")
+
+    result = await tool_servers.call("tools", "get_weather", {"city": "x" * (300 << 10)})
+
+    assert result.error is None
+    assert len(result.output) < MAX_OUTPUT_CHARS + 100 and "[cut:" in result.output
+
+
+async def test_an_answer_past_the_byte_cap_is_a_failure(
+    servers: dict[str, MCPServerProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With --allow-private-tool-servers any key holder may make this server talk to whatever
+    # it can reach; the most one answer costs is MAX_RESPONSE_BYTES read (16 MiB), and what
+    # stays is MAX_OUTPUT_CHARS of a tool's output or MAX_TOOLS tools of a listing.
+    monkeypatch.setattr(destinations, "MAX_RESPONSE_BYTES", 256)
+    url = servers["streamable-http"].url
+    tool_servers = await started(allow_request_servers=True, allow_private_servers=True)
+
+    with pytest.raises(ToolServerUnavailable):
+        await tool_servers.list_tools("x", server_url=url)
+
+
+def test_a_listing_offers_at_most_max_tools_with_sane_names_and_schemas() -> None:
+    def tool(name: str, schema: dict[str, Any] | None = None, description: str = "") -> Tool:
+        return Tool(name=name, description=description,
+                    input_schema=schema or {"type": "object"})  # fmt: skip
+
+    listed = [tool(f"t{i}") for i in range(MAX_TOOLS + 10)]
+    listed[0] = tool("bad name!")
+    listed[1] = tool("big", {"type": "object", "description": "x" * MAX_SCHEMA_BYTES})
+    listed[2] = tool("wordy", description="d" * 5000)
+
+    offered = offered_tools("http://h/mcp", listed)
+
+    assert len(offered) == MAX_TOOLS
+    names = [t.name for t in offered]
+    assert "bad name!" not in names and "big" not in names
+    assert len(offered[0].description or "") < MAX_DESCRIPTION + 50
