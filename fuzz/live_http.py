@@ -72,6 +72,17 @@ class Target:
 def under_v1(target: bytes) -> bool:
     """Whether a request target names something under `/v1` by any reading: absolute form,
     percent-escapes (twice), dot segments, doubled or back slashes, case."""
+    path = _any_reading(target)
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def needs_key(target: bytes) -> bool:
+    """Whether a request target names, by any reading, a route that only a key may reach:
+    anything under `/v1`, `/tokenize` and `/detokenize`."""
+    return under_v1(target) or _any_reading(target) in ("/tokenize", "/detokenize")
+
+
+def _any_reading(target: bytes) -> str:
     path = target.decode("latin-1")
     if "://" in path:
         path = "/" + path.split("://", 1)[1].partition("/")[2]
@@ -79,8 +90,7 @@ def under_v1(target: bytes) -> bool:
     for _ in range(2):
         path = urllib.parse.unquote(path, encoding="latin-1")
     path = posixpath.normpath("/" + path.replace("\\", "/")).lower()
-    path = "/" + path.lstrip("/")
-    return path == "/v1" or path.startswith("/v1/")
+    return "/" + path.lstrip("/")
 
 
 def check_outcome(plan: Plan, outcome: Outcome, keyed: bool) -> str | None:
@@ -93,7 +103,7 @@ def check_outcome(plan: Plan, outcome: Outcome, keyed: bool) -> str | None:
             return f"{plan.kind}: {what} answered {status}: {body}"
         if not keyed or req.method == b"OPTIONS":
             continue
-        if 200 <= status < 300 and req.auth == INVALID and under_v1(req.target):
+        if 200 <= status < 300 and req.auth == INVALID and needs_key(req.target):
             return f"{plan.kind}: {what} answered {status} without a valid key: {body}"
         if status == 401 and req.auth == VALID:
             return f"{plan.kind}: {what} refused a valid key: {body}"

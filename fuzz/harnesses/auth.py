@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 from triode.edge.app import ROUTES, match_route, routed_path
-from triode.edge.auth import ApiKeys, requires_auth
+from triode.edge.auth import OPEN_PATHS, ApiKeys, requires_auth
 
 from .source import ByteSource
 
@@ -100,7 +100,7 @@ def _check_routes(src: ByteSource) -> None:
     needs = requires_auth(method, routed)
     assert isinstance(needs, bool)
     handler = (match_route({}, routed) or {}).get(method)  # exact and pattern routes alike
-    if handler is not None and routed.startswith("/v1"):
-        assert needs, f"{method} {routed!r} reaches a /v1 handler without a key"
+    if handler is not None and routed not in OPEN_PATHS and method != "OPTIONS":
+        assert needs, f"{method} {routed!r} reaches a handler without a key"
     if method != "OPTIONS" and (routed == "/v1" or routed.startswith("/v1/")):
         assert needs

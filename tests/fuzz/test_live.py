@@ -10,7 +10,7 @@ import pytest
 
 from triode.fuzz import live_http, live_zmq
 from triode.fuzz.live import LAUNCH_ENV, parse_args
-from triode.fuzz.live_http import check_outcome, under_v1
+from triode.fuzz.live_http import check_outcome, needs_key, under_v1
 from triode.fuzz.live_requests import INVALID, UNSURE, VALID, HttpMutator, Plan, Req
 from triode.fuzz.raw_http import Outcome, Responses
 from triode.wire import InputDecoder, ProtocolError
@@ -32,6 +32,19 @@ def test_every_spelling_of_a_v1_path_counts_as_under_v1(target: bytes) -> None:
 @pytest.mark.parametrize("target", [b"/health", b"/tokenize", b"/v10/models", b"/", b"*", b""])
 def test_paths_outside_v1_do_not(target: bytes) -> None:
     assert not under_v1(target)
+
+
+@pytest.mark.parametrize(
+    "target", [b"/tokenize", b"/detokenize?x=1", b"/%74okenize", b"//TOKENIZE", b"/v1/../tokenize"]
+)
+def test_tokenize_and_detokenize_by_any_spelling_need_a_key(target: bytes) -> None:
+    assert needs_key(target)
+    assert check_outcome(_plan(b"POST", target, INVALID), Outcome([200], [b""]), True)
+
+
+@pytest.mark.parametrize("target", [b"/health", b"/version", b"/metrics"])
+def test_operational_paths_need_no_key(target: bytes) -> None:
+    assert not needs_key(target)
 
 
 def test_responses_parse_lengths_chunks_head_and_interim_answers() -> None:
