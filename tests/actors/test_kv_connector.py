@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from triode.actors.kv_connector import KVConnectorScheduler
+from triode.actors.kv_connector import KVConnectorScheduler, transfer_params_error
 from triode.actors.scheduler import Scheduler, SchedulerConfig
 from triode.wire import EngineCoreOutput, EngineCoreRequest, SamplingParams
 from triode.wire.kv_seal import prompt_digest, seal, seal_remote_decode, verify
@@ -212,3 +212,21 @@ def test_a_load_the_connector_did_not_plan_never_fills_the_prefix_cache() -> Non
     consumer.step(KVConnectorOutput(finished_recving=["d"]))
     assert not consumer.scheduler.kv_cache.pool.cached
     assert consumer.scheduler.kv_load_failures == 1
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"do_remote_prefill": False, "x": 2**64},  # msgpack has no room for it: it was a 500
+        {"x": -(2**63) - 1},
+        {"x": [2**70]},
+        {"x": {"nested": 1}},
+        {"x": 1.5},
+        {"x": "a" * 10_000},
+        {"x": list(range(200_000))},
+        {f"k{i}": 0 for i in range(100)},
+    ],
+)
+def test_params_no_wire_message_can_carry_are_refused_by_shape(params: dict[str, Any]) -> None:
+    problem = transfer_params_error(params)
+    assert problem is not None and problem.startswith("kv_transfer_params: ")

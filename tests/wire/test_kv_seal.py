@@ -124,8 +124,19 @@ def test_any_change_breaks_the_seal(change: dict) -> None:
 
 def test_unsealed_odd_and_oversized_params_are_refused_without_raising() -> None:
     digest = prompt_digest([1])
+    sealed = seal(SECRET, PARAMS, digest, ttl=120, now=NOW)
     for params in (
         PARAMS,
+        *(
+            {**sealed, **odd}
+            for odd in (
+                {"x": 2**64},
+                {"x": [2**70]},
+                {"x": {"y": 1}},
+                {"x": 1.5},
+                {"x": "a" * 100_000},
+            )
+        ),
         {**PARAMS, "seal": 5},
         {**PARAMS, "seal": "ü"},
         {**PARAMS, "remote_num_tokens": 2**64},
