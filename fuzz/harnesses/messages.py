@@ -118,6 +118,7 @@ def engine_core_request(src: ByteSource) -> EngineCoreRequest:
         priority=src.int(-(2**63), 2**63 - 1),
         kv_transfer_params=None if src.bool() else {_str(src, 8): _any(src) for _ in range(2)},
         prompt_embeds=None if src.bool() else tensor_handle(src),
+        cache_salt=None if src.bool() else _str(src, 32) or "s",
     )
 
 
