@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from triode.actors.kv_connector import KVConnectorScheduler, transfer_params_error
+from triode.actors.kv_connector import KVConnectorScheduler, seal_error, transfer_params_error
 from triode.actors.scheduler import Scheduler, SchedulerConfig
 from triode.wire import EngineCoreOutput, EngineCoreRequest, SamplingParams
 from triode.wire.kv_seal import prompt_digest, seal, seal_remote_decode, verify
@@ -230,3 +230,14 @@ def test_a_load_the_connector_did_not_plan_never_fills_the_prefix_cache() -> Non
 def test_params_no_wire_message_can_carry_are_refused_by_shape(params: dict[str, Any]) -> None:
     problem = transfer_params_error(params)
     assert problem is not None and problem.startswith("kv_transfer_params: ")
+
+
+def test_params_that_say_no_hold_need_no_seal_and_load_nothing() -> None:
+    """What a prefill past its hold cap answers goes through the proxy to the decode, which
+    computes the prompt."""
+    no_hold = {"do_remote_prefill": False, "do_remote_decode": False, "hold": False}
+    assert seal_error(SECRET, no_hold, PROMPT_A) is None
+    consumer = Instance("kv_consumer")
+    consumer.add("d", PROMPT_A, no_hold, max_tokens=2)
+    consumer.run("d")
+    assert consumer.connector.seal_refusals == 0 and not consumer.scheduler.loading
