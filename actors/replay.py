@@ -14,10 +14,11 @@ recorded tokens. A request whose ADD_REQUEST was rotated out of the recording is
 
 A recording is a file someone may hand over, so the engine arguments that reach past this host
 or process are not taken from it unless the caller trusts it (`trust_recorded_args`): the
-multi-node ones (`nnodes`, `node_rank`, `master_addr`, `master_port`: a replay would join, or
-wait for, a rendezvous somewhere else) and `kv_transfer_config` (it would open a KV port, or
-connect to a producer named in the recording). A recording that sets any of them is refused,
-naming them, unless they are trusted or overridden. A replay never records (`record_wire`) and
+multi-node ones (`nnodes`, `node_rank`, `master_addr`, `master_port`, `cluster_key_file`: a
+replay would join, or wait for, a rendezvous somewhere else, with a key file the recording
+names) and `kv_transfer_config` (it would open a KV port, or connect to a producer named in the
+recording). A recording that sets any of them is refused, naming them, unless they are trusted
+or overridden. A replay never records (`record_wire`) and
 always runs one engine core.
 """
 
@@ -220,7 +221,9 @@ async def replay(
 
 
 # Recorded engine arguments that reach past this host or process (see the module's docstring).
-UNTRUSTED_ARGS = ("nnodes", "node_rank", "master_addr", "master_port", "kv_transfer_config")
+UNTRUSTED_ARGS = (
+    "nnodes", "node_rank", "master_addr", "master_port", "cluster_key_file", "kv_transfer_config",
+)  # fmt: skip
 
 
 class UntrustedRecordingError(ValueError):
@@ -245,7 +248,7 @@ def _replay_args(
         asked = [
             f"{name}={recorded[name]!r}"
             for name in UNTRUSTED_ARGS
-            if name in recorded and name not in overrides and recorded[name] != defaults[name]
+            if name in recorded and name not in overrides and recorded[name] != defaults.get(name)
         ]
         if asked:
             raise UntrustedRecordingError(

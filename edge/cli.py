@@ -227,6 +227,13 @@ def _serve_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore
     )
     parallel.add_argument("--master-port", type=int, default=None, help="rendezvous port")
     parallel.add_argument(
+        "--cluster-key-file",
+        default=None,
+        metavar="PATH",
+        help="several nodes: the CurveZMQ key every node shares, 0600 (make one with "
+        "`triode cluster-key PATH`)",
+    )
+    parallel.add_argument(
         "--distributed-timeout",
         type=float,
         default=None,
@@ -269,6 +276,7 @@ ENGINE_FLAGS = (
     "kv_transfer_config",
     "data_parallel_size",
     "record_wire",
+    "cluster_key_file",
 )
 
 
@@ -294,6 +302,15 @@ def _run_serve(args: argparse.Namespace) -> int:
         # before any process starts: a config or secret that cannot serve is one line
         try:
             parse_kv_transfer_config(args.kv_transfer_config).read_secret()
+        except ValueError as e:
+            print(f"triode serve: {e}", file=sys.stderr)
+            return 2
+    if args.nnodes not in (None, 1) or args.cluster_key_file is not None:
+        from triode.wire.cluster_key import ClusterKey
+
+        # before any process starts: several nodes without a usable key is one line
+        try:
+            ClusterKey.for_world((args.nnodes or 1) > 1, args.cluster_key_file)
         except ValueError as e:
             print(f"triode serve: {e}", file=sys.stderr)
             return 2
@@ -513,7 +530,7 @@ def _replay_parser(commands: argparse._SubParsersAction) -> None:  # type: ignor
         "--trust-recorded-args",
         action="store_true",
         help="take the recording's multi-node and KV-transfer arguments (nnodes, node_rank, "
-        "master_addr, master_port, kv_transfer_config) too; refused by default",
+        "master_addr, master_port, cluster_key_file, kv_transfer_config) too; refused by default",
     )
     replay.add_argument(
         "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
@@ -563,6 +580,18 @@ def _run_replay(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _make_cluster_key(path: str) -> int:
+    from triode.wire.cluster_key import ClusterKey
+
+    try:
+        ClusterKey.generate().write(path)
+    except OSError as e:
+        print(f"triode cluster-key: {path}: {e.strerror}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}: give every node the same file with --cluster-key-file {path}")
+    return 0
+
+
 def _default_name(model: str | None, engine: object) -> str:
     """The name the API answers to: what was given on the command line, else the model's."""
     if model is None:
@@ -577,6 +606,14 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(commands)
     _proxy_parser(commands)
     _replay_parser(commands)
+    cluster_key = commands.add_parser(
+        "cluster-key",
+        help="make the key file that the nodes of a multi-node world share",
+        description="Write a new CurveZMQ key to PATH (created 0600; never over an existing "
+        "file). Copy it to every node and give it to each `triode serve` with "
+        "--cluster-key-file PATH.",
+    )
+    cluster_key.add_argument("path", metavar="PATH")
     bench = commands.add_parser("bench", help="run a benchmark and print its table")
     bench.add_argument("which", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
@@ -599,6 +636,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_serve(args)
     if args.command == "proxy":
         return _run_proxy(args)
+    if args.command == "cluster-key":
+        return _make_cluster_key(args.path)
     if args.command == "replay":
         return _run_replay(args)
     if args.command == "fuzz":

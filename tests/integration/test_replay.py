@@ -147,7 +147,9 @@ async def test_a_replay_agrees_with_its_recording_and_finds_a_tampered_token(
 RECORDED_REMOTE = {
     "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.9", "master_port": 29500,
     "kv_transfer_config": {"kv_connector": "TriodeConnector", "kv_role": "kv_consumer"},
+    "cluster_key_file": "/tmp/someone-elses.key",
 }  # fmt: skip
+RECORDED_REMOTE = {k: v for k, v in RECORDED_REMOTE.items() if k in EngineArgs.__struct_fields__}
 
 
 @pytest.mark.parametrize(("name", "value"), list(RECORDED_REMOTE.items()))
@@ -166,6 +168,8 @@ def test_recorded_multi_node_and_kv_arguments_are_refused_unless_given(
 
 def test_trusted_multi_node_arguments_are_taken() -> None:
     remote = {"nnodes": 2, "node_rank": 0, "master_addr": "10.0.0.9", "master_port": 29500}
+    if "cluster_key_file" in EngineArgs.__struct_fields__:  # several nodes need one
+        remote["cluster_key_file"] = "/etc/triode/cluster.key"
     meta = {"engine_args": {**ENGINE_ARGS, "tensor_parallel_size": 2, **remote}}
 
     args = _replay_args(meta, None, {}, trust_recorded_args=True)
