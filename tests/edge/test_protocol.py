@@ -593,6 +593,9 @@ def test_tokenizer_responses_encode_every_field() -> None:
 def test_cache_salt_is_a_bounded_non_empty_string_or_a_400_naming_it(
     decode: Callable[..., Any],
 ) -> None:
+    # Any caller of the generation routes sends it; the largest taken (256 characters, and the
+    # key isolation's 68 more) is hashed once per request in the engine core, which refuses
+    # more than 1024 on the wire.
     assert decode().cache_salt is None
     assert decode(cache_salt="tenant-7").cache_salt == "tenant-7"
     assert decode(cache_salt="x" * MAX_CACHE_SALT).cache_salt == "x" * MAX_CACHE_SALT
