@@ -26,7 +26,7 @@ from triode.wire import (
     UtilityCall,
     encode_input,
 )
-from triode.wire.messages import MAX_WIRE_CACHE_SALT
+from triode.wire.messages import MAX_STOP_STRING_LENGTH, MAX_WIRE_CACHE_SALT
 
 FUZZ_CLIENT = 1  # the output topic the fuzzer's own requests and calls answer on
 ADD, ABORT, UTILITY = (
@@ -128,7 +128,7 @@ class ZmqMutator:
             repetition_penalty=rng.choice([1.0, 1e-9, 1e9, 2.0]),
             max_tokens=max_tokens,
             min_tokens=rng.randint(0, max_tokens or 64),
-            stop=rng.choice([[], ["a"], ["\x00"], ["<|im_end|>", "x" * 1000]]),
+            stop=rng.choice([[], ["a"], ["\x00"], ["<|im_end|>", "x" * MAX_STOP_STRING_LENGTH]]),
             stop_token_ids=[token() for _ in range(rng.randint(0, 3))],
             include_stop_str_in_output=rng.random() < 0.5,
             ignore_eos=rng.random() < 0.5,
