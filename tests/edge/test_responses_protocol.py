@@ -512,6 +512,10 @@ def test_a_response_is_found_only_with_the_key_that_made_it() -> None:
 
 
 def test_a_finished_response_lives_ttl_seconds_from_its_end() -> None:
+    # Who fills the store: any key holder (each sees only its own). The most it holds is
+    # --max-stored-responses finished responses plus --max-background-responses running ones,
+    # each kept at most --response-ttl seconds after it ended and made from one request body of
+    # at most --max-body-size.
     now = [0.0]
     store = ResponseStore(ttl=60, clock=lambda: now[0])
     entry = _entry("a")
