@@ -162,6 +162,7 @@ class KVConnectorScheduler:
         self.num_blocks = 0
         # requests whose `do_remote_decode` the proxy sealed, checked on arrival
         self._may_hold: set[str] = set()
+        self._nonces: dict[str, float] = {}  # used do_remote_decode nonces -> their expiry
         self.load_refusals = 0  # params this instance could not use (layout, prompt)
         self.seal_refusals = 0  # params refused unsealed, altered, expired or for another prompt
         self._expose: list[KVExpose] = []
@@ -179,12 +180,32 @@ class KVConnectorScheduler:
         params = request.kv_transfer_params
         if not (self.config.is_producer and params and params.get("do_remote_decode") is True):
             return
-        problem = seal_error(self.secret, params, [], now=self.wall_clock())
+        now = self.wall_clock()
+        # seals are issued in about the order they arrive, so the oldest nonces come first;
+        # one past its expiry is refused by its seal anyway
+        while self._nonces and next(iter(self._nonces.values())) < now:
+            del self._nonces[next(iter(self._nonces))]
+        problem = seal_error(self.secret, params, [], now=now)
+        if problem is None:
+            problem = self._replayed(params, now)
         if problem is not None:
             self.seal_refusals += 1
             log.warning("request %s holds no blocks: %s", request.request_id, problem)
             return
         self._may_hold.add(request.request_id)
+
+    def _replayed(self, params: dict[str, Any], now: float) -> str | None:
+        """Why a proxy's sealed `do_remote_decode` may not hold blocks again (its nonce was
+        used before it expired), or None, remembering the nonce until its expiry. Only seals
+        this deployment made get here, so the memory is bounded by the proxies' request rate
+        over `kv_seal.REMOTE_DECODE_TTL`."""
+        nonce = params.get(kv_seal.NONCE)
+        if not isinstance(nonce, str):
+            return "kv_transfer_params: a sealed do_remote_decode carries no nonce"
+        if nonce in self._nonces:
+            return "kv_transfer_params: this do_remote_decode was already used"
+        self._nonces[nonce] = float(params[kv_seal.EXPIRES_AT])
+        return None
 
     # The decode side
 

@@ -122,6 +122,26 @@ def test_a_proxy_seal_past_its_expiry_holds_nothing() -> None:
     assert not producer.scheduler.held
 
 
+def test_a_proxy_seal_holds_blocks_once_and_a_replay_of_it_holds_nothing() -> None:
+    producer = Instance("kv_producer")
+    sealed = _ask()
+    producer.add("first", PROMPT_A, sealed)
+    assert producer.run("first") is not None and list(producer.scheduler.held) == ["first"]
+    producer.add("replayed", PROMPT_A, dict(sealed))
+    assert producer.run("replayed") == {
+        "do_remote_prefill": False,
+        "do_remote_decode": False,
+        "hold": False,
+    }
+    assert list(producer.scheduler.held) == ["first"]
+    assert producer.scheduler.get_stats().kv_params_refused == 1
+    # a nonce is forgotten once its seal has expired, which refuses it anyway
+    producer.now = sealed["expires_at"] + 1
+    producer.add("late", PROMPT_A, dict(sealed))
+    producer.run("late")
+    assert not producer.connector._nonces
+
+
 def test_a_hold_keeps_the_prompts_blocks_only() -> None:
     producer = Instance("kv_producer")
     producer.add("long", PROMPT_A, _ask(), 12)
