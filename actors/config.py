@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 
+from triode.wire.cluster_key import MAKE_ONE
 from triode.wire.kv_transfer import parse_kv_transfer_config
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -62,6 +63,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # a directory the engine core records its wire traffic into (`triode replay` reads it);
     # with several data-parallel engines, each records into its `engine-N` subdirectory
     record_wire: str | None = None
+    # several nodes: the file holding the CurveZMQ key every node shares (`triode cluster-key`)
+    cluster_key_file: str | None = None
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
@@ -110,6 +113,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"node_rank must be in [0, {self.nnodes})")
         if self.nnodes > 1 and self.master_port is None:
             raise ValueError("several nodes meet at --master-addr and --master-port: give both")
+        if self.nnodes > 1 and self.cluster_key_file is None:
+            raise ValueError(f"several nodes need --cluster-key-file: {MAKE_ONE}")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ValueError("master_port must be a TCP port")
         if self.data_parallel_size > 1 and self.nnodes > 1:

@@ -2,9 +2,10 @@
 
 Node `node_rank` of `nnodes` hosts ranks `node_rank * local .. (node_rank + 1) * local - 1`
 (`local = world / nnodes`). They meet the others at the torch.distributed rendezvous (rank 0's
-TCPStore at `--master-addr:--master-port`), read the executor's ZMQ addresses from that store,
-and take every step's broadcast over ZMQ. There is no node discovery of triode's own: the
-addresses and ranks are the command line's, as with torchrun.
+TCPStore at `--master-addr:--master-port`), read the executor's ZMQ addresses from that store
+(sealed with the cluster key: `--cluster-key-file`, which every node shares), and take every
+step's broadcast over ZMQ, CurveZMQ with that key. There is no node discovery of triode's own:
+the addresses and ranks are the command line's, as with torchrun.
 
 The process ends when its workers do: cleanly once the engine core broadcasts SHUTDOWN (or its
 rank 0 disappears), with an error as soon as one of them dies, having killed the others.

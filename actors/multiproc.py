@@ -7,7 +7,9 @@ engine core itself); ranks on other nodes are started there by `triode serve --h
 the master address). Each step's `SchedulerOutput` goes to every rank at once through a
 shared-memory ring (`triode.wire.shm_ring`; messages larger than a chunk, and every message for
 ranks on other nodes, over its ZMQ fallback), and the driver rank (TP rank 0 of the last stage)
-answers on a ZMQ PULL socket. This process never imports torch.
+answers on a ZMQ PULL socket. On one node both sockets are ipc:// in a private directory; with
+several, they listen on the master address with CurveZMQ and the cluster key (`ClusterGate`
+admits only its holders). This process never imports torch.
 
 A worker that dies fails the engine at once: the world cannot step without every rank, so the
 supervisor kills the other ranks (which would otherwise wait out their collective timeout) and
@@ -18,6 +20,7 @@ which is the same death.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -42,6 +45,7 @@ from triode.wire import (
     Socket,
     WorkerMessageType,
 )
+from triode.wire.cluster_key import ClusterGate, ClusterKey
 from triode.wire.ports import free_port
 from triode.wire.shm_ring import RingTimeout, ShmRingWriter
 
@@ -242,21 +246,37 @@ async def open_multiproc_executor(args: EngineArgs) -> AsyncIterator[MultiprocEx
     # one node's rendezvous is on loopback, whatever --master-addr says (the workers' too)
     host = args.master_addr if multi_node else "127.0.0.1"
     master_port = args.master_port or free_port(host)
-    tmpdir = tempfile.mkdtemp(prefix="triode-workers-")
-    zctx = zmq.Context()
-    # ranks on other nodes reach the broadcast and the results over TCP at the master address
-    overflow = f"tcp://{_zmq_host(host)}:*" if multi_node else f"ipc://{tmpdir}/broadcast"
-    ring = ShmRingWriter(
-        local, zmq_context=zctx, overflow_address=overflow, remote_readers=world - local
-    )
-    results_bind = f"tcp://{_zmq_host(host)}:*" if multi_node else f"ipc://{tmpdir}/results"
-    results = Socket.open(zctx, zmq.PULL, bind=results_bind)
-    cluster = {"ring": msgspec.to_builtins(ring.handle), "result": results.last_endpoint}
-    options = {
-        rank: worker_options(args, rank, master_port, cluster=cluster) for rank in range(local)
-    }
+    key = ClusterKey.for_world(multi_node, args.cluster_key_file)
     group = WorkerGroup(list(range(local)))
-    try:
+    with contextlib.ExitStack() as resources:
+        tmpdir = tempfile.mkdtemp(prefix="triode-workers-")
+        resources.callback(shutil.rmtree, tmpdir, ignore_errors=True)
+        zctx = zmq.Context()
+        resources.callback(zctx.term)
+        # ranks on other nodes reach the broadcast and the results over TCP at the master
+        # address, through CurveZMQ with the cluster's key; the gate turns away the rest
+        server_options = []
+        if key is not None:
+            gate = ClusterGate(zctx, key)
+            resources.callback(_close_gate, gate)
+            server_options = key.server_options()
+        overflow = f"tcp://{_zmq_host(host)}:*" if multi_node else f"ipc://{tmpdir}/broadcast"
+        ring = ShmRingWriter(
+            local,
+            zmq_context=zctx,
+            overflow_address=overflow,
+            remote_readers=world - local,
+            socket_options=server_options,
+        )
+        resources.callback(ring.close)
+        results_bind = f"tcp://{_zmq_host(host)}:*" if multi_node else f"ipc://{tmpdir}/results"
+        results = Socket.open(zctx, zmq.PULL, bind=results_bind, options=server_options)
+        resources.callback(results.close)
+        resources.callback(group.kill_all)
+        cluster = {"ring": msgspec.to_builtins(ring.handle), "result": results.last_endpoint}
+        options = {
+            rank: worker_options(args, rank, master_port, cluster=cluster) for rank in range(local)
+        }
         async with trio.open_nursery() as nursery:
             group.start(nursery, options)
             await group.ready.wait()
@@ -285,12 +305,12 @@ async def open_multiproc_executor(args: EngineArgs) -> AsyncIterator[MultiprocEx
                     scope.shield = True
                     await executor.broadcast([WorkerMessageType.SHUTDOWN.value])
                 nursery.cancel_scope.cancel()
-    finally:
-        group.kill_all()
-        results.close()
-        ring.close()
-        zctx.term()
-        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _close_gate(gate: ClusterGate) -> None:
+    if gate.refused:
+        log.warning("turned away %d connections without the cluster key", gate.refused)
+    gate.close()
 
 
 def _zmq_host(host: str) -> str:

@@ -305,19 +305,12 @@ def _run_serve(args: argparse.Namespace) -> int:
         except ValueError as e:
             print(f"triode serve: {e}", file=sys.stderr)
             return 2
-    if args.nnodes not in (None, 1) or args.cluster_key_file is not None:
-        from triode.wire.cluster_key import ClusterKey
-
-        # before any process starts: several nodes without a usable key is one line
-        try:
-            ClusterKey.for_world((args.nnodes or 1) > 1, args.cluster_key_file)
-        except ValueError as e:
-            print(f"triode serve: {e}", file=sys.stderr)
-            return 2
     if args.headless:
         return _run_headless(args.model, engine_args)
     if engine_args.get("node_rank", 0) != 0:
         raise SystemExit("triode serve: --node-rank other than 0 runs with --headless")
+    if _cluster_key_refused(engine_args):
+        return 2
     keys = keys_from(args.api_key, os.environ)
     max_body = parse_size(args.max_body_size)
     max_prompt_embeds = parse_size(args.max_prompt_embeds_bytes)
@@ -399,6 +392,8 @@ def _run_headless(model: str | None, engine_args: dict[str, object]) -> int:
         raise SystemExit(f"triode serve --headless: {e}") from None
     if args.node_rank == 0:
         raise SystemExit("triode serve --headless: node 0 runs the engine core; give --node-rank")
+    if _cluster_key_refused(engine_args):
+        return 2
     trio.run(serve_headless, args)
     return 0
 
@@ -578,6 +573,19 @@ def _run_replay(args: argparse.Namespace) -> int:
                 f"  {d.request_id}: at {d.index} recorded {d.recorded!r}, replayed {d.replayed!r}"
             )
     return 0 if report.ok else 1
+
+
+def _cluster_key_refused(engine_args: dict[str, object]) -> bool:
+    """Several nodes without a usable cluster key: one line, before any process starts."""
+    from triode.wire.cluster_key import ClusterKey, ClusterKeyError
+
+    nnodes, path = engine_args.get("nnodes", 1), engine_args.get("cluster_key_file")
+    try:
+        ClusterKey.for_world(nnodes != 1, None if path is None else str(path))
+    except ClusterKeyError as e:
+        print(f"triode serve: {e}", file=sys.stderr)
+        return True
+    return False
 
 
 def _make_cluster_key(path: str) -> int:

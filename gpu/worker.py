@@ -6,6 +6,9 @@ its pipeline stage, says READY with the KV block count every rank agreed on, and
 step loop: each broadcast `SchedulerOutput` (from the shared-memory ring, or over ZMQ on a node
 other than the engine core's) goes through `ModelRunner.execute` on every rank, and the driver
 rank (TP rank 0 of the last stage) sends the `ModelRunnerOutput` back on a ZMQ PUSH socket.
+In a world of several nodes those sockets are CurveZMQ clients with the cluster key, and a rank
+on another node takes the executor's addresses from the rendezvous store only with the key's
+seal on them.
 
 The step loop runs in a thread, so the trio loop stays free to notice SHUTDOWN and a parent
 that died while a collective blocks. A broadcast message that does not decode is counted and
@@ -36,6 +39,7 @@ from triode.wire import (
     SchedulerOutput,
     WorkerMessageType,
 )
+from triode.wire.cluster_key import ClusterKey, apply_options
 from triode.wire.shm_ring import RingClosed, RingHandle, RingTimeout, ShmRingReader
 
 from . import parallel_state
@@ -103,6 +107,11 @@ class Worker:
             same_host_tp=local_world % options.tensor_parallel_size == 0,
             loopback=local_world == self.layout.world_size,
         )
+        # several nodes: the executor's sockets are CurveZMQ, and its addresses in the store
+        # are sealed, with the cluster's key (None on one node: nothing leaves the host)
+        key_file = options.engine_args.get("cluster_key_file")
+        self.key = ClusterKey.for_world(self.multi_node, key_file)
+        client_options = self.key.client_options() if self.key is not None else []
         cluster = self._cluster()
         self.runner = ModelRunner.from_engine_args(
             options.engine_args,
@@ -114,20 +123,36 @@ class Worker:
         self.remote = not options.local
         index = options.rank - options.local_world_size if self.remote else options.rank
         handle = msgspec.convert(cluster["ring"], RingHandle)
-        self.reader = ShmRingReader(handle, index, zmq_context=zmq_context, remote=self.remote)
+        self.reader = ShmRingReader(
+            handle,
+            index,
+            zmq_context=zmq_context,
+            remote=self.remote,
+            socket_options=client_options,
+        )
         self.result_address: str = cluster["result"]
+        self.result_options = client_options
         self.zmq_context = zmq_context
+
+    @property
+    def multi_node(self) -> bool:
+        return self.options.local_world_size < self.layout.world_size
 
     def _cluster(self) -> dict[str, Any]:
         """The executor's addresses: given to the engine core's node, shared through the
-        rendezvous store with the others."""
+        rendezvous store with the others, sealed with the cluster key (the store takes any
+        host's writes: a rank connects only where the engine core's node said)."""
         store = self.state.store
         assert store is not None
         if self.options.cluster is not None:
-            if self.layout.rank == 0:
-                store.set(CLUSTER_KEY, json.dumps(self.options.cluster))
+            if self.layout.rank == 0 and self.key is not None:
+                value = json.dumps(self.options.cluster).encode()
+                store.set(CLUSTER_KEY, self.key.seal(CLUSTER_KEY, value))
             return self.options.cluster
-        return json.loads(store.get(CLUSTER_KEY))
+        if self.key is None:
+            raise RuntimeError("a rank on another node has no cluster key")
+        value = self.key.open(CLUSTER_KEY, store.get(CLUSTER_KEY))
+        return msgspec.json.decode(value, type=dict[str, Any])
 
     def ready(self) -> Ready:
         runner = self.runner
@@ -155,6 +180,7 @@ class Worker:
         results = None
         if self.layout.is_driver:
             results = self.zmq_context.socket(zmq.PUSH)
+            apply_options(results, self.result_options)
             results.setsockopt(zmq.LINGER, 1000)
             results.setsockopt(zmq.SNDHWM, 0)
             results.connect(self.result_address)

@@ -146,7 +146,10 @@ class ShmRingWriter:
         n_chunks: int = DEFAULT_N_CHUNKS,
         overflow_address: str | None = None,
         remote_readers: int = 0,
+        socket_options: Sequence[tuple[int, Any]] = (),
     ) -> None:
+        """`socket_options` are set on the XPUB before it binds: the CurveZMQ server keys of a
+        ring that readers on other nodes reach."""
         if remote_readers and overflow_address is None:
             raise ValueError("remote readers need an overflow_address they can reach")
         if n_readers < 0 or remote_readers < 0:
@@ -157,6 +160,8 @@ class ShmRingWriter:
             undo.callback(self._segment.close)
             self._pub = pub = zmq_context.socket(zmq.XPUB)
             undo.callback(pub.close, linger=0)
+            for option, value in socket_options:
+                pub.setsockopt(option, value)
             pub.setsockopt(zmq.SNDHWM, 0)
             pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every reader's hello, not just the first
             pub.setsockopt(zmq.LINGER, _LINGER_MS)
@@ -320,7 +325,10 @@ class ShmRingReader:
         *,
         zmq_context: zmq.Context,
         remote: bool = False,
+        socket_options: Sequence[tuple[int, Any]] = (),
     ) -> None:
+        """`socket_options` are set on the SUB before it connects (the writer's CurveZMQ
+        client keys, where it needs them)."""
         if reader_index < 0 or (not remote and reader_index >= handle.n_readers):
             raise ValueError(f"reader {reader_index} of a ring with {handle.n_readers} readers")
         self._index = reader_index
@@ -333,6 +341,8 @@ class ShmRingReader:
                 undo.callback(self._segment.close)
             self._sub = sub = zmq_context.socket(zmq.SUB)
             undo.callback(sub.close, linger=0)
+            for option, value in socket_options:
+                sub.setsockopt(option, value)
             sub.setsockopt(zmq.RCVHWM, 0)
             sub.setsockopt(zmq.LINGER, 0)
             topics = [_RING_COPY, _CLOSE] if remote else [_OVERFLOW]

@@ -45,10 +45,14 @@ class Socket:
         hwm: int = 0,
         linger: int = 0,
         subscribe: bytes | None = None,
+        options: Sequence[tuple[int, Any]] = (),
     ) -> Socket:
-        """Create, configure and bind or connect a socket. `hwm=0` means unbounded."""
+        """Create, configure and bind or connect a socket. `hwm=0` means unbounded. `options`
+        are set before the bind or connect (CurveZMQ keys must be)."""
         sock = ctx.socket(kind)
         try:
+            for option, value in options:
+                sock.setsockopt(option, value)
             sock.setsockopt(zmq.SNDHWM, hwm)
             sock.setsockopt(zmq.RCVHWM, hwm)
             sock.setsockopt(zmq.LINGER, linger)

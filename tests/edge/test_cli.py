@@ -71,14 +71,15 @@ def test_parallel_flags_reach_the_engine_args() -> None:
 
     args = _serve("-tp", "2", "--pipeline-parallel-size", "2", "--nnodes", "2", "--node-rank",
                   "1", "--master-addr", "10.0.0.1", "--master-port", "29500",
-                  "--distributed-timeout", "5", "--headless")  # fmt: skip
+                  "--distributed-timeout", "5", "--headless",
+                  "--cluster-key-file", "/etc/triode/cluster.key")  # fmt: skip
     given = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
     engine = EngineArgs(**given)
     assert (engine.world_size, engine.executor_backend, engine.node_rank) == (4, "mp", 1)
     assert (engine.master_addr, engine.master_port, engine.distributed_timeout) == (
         "10.0.0.1", 29500, 5.0
     )  # fmt: skip
-    assert args.headless
+    assert args.headless and engine.cluster_key_file == "/etc/triode/cluster.key"
     assert EngineArgs().executor_backend == "inproc"
 
 
@@ -88,6 +89,7 @@ def test_parallel_flags_reach_the_engine_args() -> None:
         ({"tensor_parallel_size": 2, "distributed_executor_backend": "inproc"}, "world of one"),
         ({"tensor_parallel_size": 3, "nnodes": 2, "master_port": 1234}, "evenly"),
         ({"nnodes": 2, "tensor_parallel_size": 2}, "master-port"),
+        ({"nnodes": 2, "tensor_parallel_size": 2, "master_port": 1234}, "cluster-key-file"),
         ({"node_rank": 1}, "node_rank"),
         ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
         ({"distributed_executor_backend": "ray"}, "mp or inproc"),
@@ -106,7 +108,8 @@ def test_a_headless_node_0_and_a_bare_node_rank_are_refused() -> None:
     with pytest.raises(SystemExit, match="node-rank"):
         main(["serve", "--nnodes", "2", "--node-rank", "1", "--master-port", "29500"])
     with pytest.raises(SystemExit, match="node 0"):
-        main(["serve", "--headless", "-tp", "2", "--nnodes", "2", "--master-port", "29500"])
+        main(["serve", "--headless", "-tp", "2", "--nnodes", "2", "--master-port", "29500",
+              "--cluster-key-file", "unused"])  # fmt: skip
 
 
 def test_prefix_cache_isolation_by_key_is_refused_without_keys(

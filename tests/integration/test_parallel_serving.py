@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 import trio
-from processes import alive
+from processes import alive, on_every_interface
 from reference import Reference
 from server import free_port, running_server, stream_and_kill
 
@@ -168,10 +168,21 @@ def test_a_killed_worker_ends_the_stream_with_an_error_fast(tmp_path: Path) -> N
         assert "worker rank 1 died" in server.output()
 
 
-def two_nodes(*args: str) -> list[str]:
+@pytest.fixture(scope="module")
+def cluster_key(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A key file made as the README says, with `triode cluster-key`."""
+    path = tmp_path_factory.mktemp("cluster") / "cluster.key"
+    command = [sys.executable, "-m", "triode.edge.cli", "cluster-key", str(path)]
+    subprocess.run(command, check=True, capture_output=True)
+    assert path.stat().st_mode & 0o777 == 0o600
+    return path
+
+
+def two_nodes(key: Path, *args: str) -> list[str]:
     """The flags of a TP=2 world over two nodes on loopback, with a fresh master port."""
     return [*args, "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr",
-            "127.0.0.1", "--master-port", str(free_port())]  # fmt: skip
+            "127.0.0.1", "--master-port", str(free_port()),
+            "--cluster-key-file", str(key)]  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -190,24 +201,65 @@ def headless_node(world: list[str], log: Path) -> Iterator[subprocess.Popen[byte
             node.wait()
 
 
+def _executor_addresses(world: list[str], key: Path) -> dict[str, str]:
+    """The engine core's broadcast and result addresses, as rank 0 published them in the
+    rendezvous store: any host that reaches the store can read them, so they are no secret."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from triode.gpu.worker import CLUSTER_KEY
+    from triode.wire.cluster_key import ClusterKey
+
+    port = int(world[world.index("--master-port") + 1])
+    store = dist.TCPStore("127.0.0.1", port, timeout=datetime.timedelta(seconds=10))
+    cluster = json.loads(ClusterKey.load(key).open(CLUSTER_KEY, store.get(CLUSTER_KEY)))
+    return {"ring": cluster["ring"]["overflow_address"], "result": cluster["result"]}
+
+
 def test_two_nodes_on_loopback_match_a_world_of_one(
-    model_dir: Path, reference: Reference, expected: list[list[int]], tmp_path: Path
+    model_dir: Path,
+    reference: Reference,
+    expected: list[list[int]],
+    tmp_path: Path,
+    cluster_key: Path,
 ) -> None:
-    world = two_nodes(*F32)
+    import zmq
+
+    world = two_nodes(cluster_key, *F32)
     with headless_node(world, tmp_path / "node1.log") as node1:
         with running_server([*world, "--node-rank", "0"], tmp_path / "node0.log") as server:
             remote = descendants(node1.pid)
             assert len(actors(remote)) == 1  # node 1 hosts rank 1
             assert len(actors(descendants(server.engine_pid()))) == 1  # node 0 hosts rank 0
+            everyone = [server.process.pid, *descendants(server.process.pid), node1.pid, *remote]
+            assert on_every_interface(everyone) == []  # the master address (here loopback) only
+            # a host without the cluster key that found the executor's sockets: it hears no
+            # step, and its garbage never reaches the engine core (whose driver's answers are
+            # trusted: an undecodable one fails the engine)
+            addresses = _executor_addresses(world, cluster_key)
+            context = zmq.Context()
+            listener = context.socket(zmq.SUB)
+            listener.setsockopt(zmq.SUBSCRIBE, b"")
+            listener.connect(addresses["ring"])
+            intruder = context.socket(zmq.PUSH)
+            intruder.setsockopt(zmq.SNDHWM, 1)
+            intruder.connect(addresses["result"])
+            for _ in range(3):
+                with contextlib.suppress(zmq.Again):
+                    intruder.send(b"\xc1 not a step's answer", zmq.NOBLOCK)
             texts = _completions(server.url, reference)
+            heard = listener.poll(0)
+            context.destroy(linger=0)
         assert texts == [reference.tokenizer.decode(e) for e in expected]
+        assert not heard
         # the engine's SHUTDOWN reaches node 1's worker over ZMQ: that node ends by itself
         assert node1.wait(timeout=15) == 0, (tmp_path / "node1.log").read_text()
         assert not wait_gone(remote, 2.0)
 
 
-def test_a_headless_node_ends_when_node_0_dies(tmp_path: Path) -> None:
-    world = two_nodes("tiny-random")
+def test_a_headless_node_ends_when_node_0_dies(tmp_path: Path, cluster_key: Path) -> None:
+    world = two_nodes(cluster_key, "tiny-random")
     with headless_node(world, tmp_path / "node1.log") as node1:
         with running_server([*world, "--node-rank", "0"], tmp_path / "node0.log") as server:
             remote = list(actors(descendants(node1.pid)).values())
@@ -218,3 +270,33 @@ def test_a_headless_node_ends_when_node_0_dies(tmp_path: Path) -> None:
             assert node1.wait(timeout=10) != 0
             assert time.monotonic() - killed < 5
             assert not wait_gone(remote, 2.0)
+
+
+def test_a_node_with_another_cluster_key_cannot_join(tmp_path: Path, cluster_key: Path) -> None:
+    from triode.wire.cluster_key import ClusterKey
+
+    other = tmp_path / "other.key"
+    ClusterKey.generate().write(other)
+    world = two_nodes(cluster_key, "tiny-random")
+    stranger = [*world[: world.index("--cluster-key-file")], "--cluster-key-file", str(other)]
+    with headless_node(stranger, tmp_path / "node1.log") as node1:
+        with pytest.raises(RuntimeError, match="exited early"):
+            with running_server([*world, "--node-rank", "0"], tmp_path / "node0.log"):
+                pass
+        # node 1 met the world at the store, found the executor's addresses sealed with
+        # another key, and connected to nothing
+        assert node1.wait(timeout=30) != 0
+    assert "not sealed with this cluster's key" in (tmp_path / "node1.log").read_text()
+
+
+def test_several_nodes_without_a_cluster_key_refuse_to_start() -> None:
+    world = two_nodes(Path("unused"))[:-2]
+    command = [sys.executable, "-m", "triode.edge.cli", "serve", *world]
+    for node in (["--headless", "--node-rank", "1"], ["--node-rank", "0"]):
+        done = subprocess.run([*command, *node], capture_output=True, text=True)
+        assert done.returncode != 0
+        [line] = done.stderr.strip().splitlines()
+        assert line.endswith(
+            "several nodes need --cluster-key-file: make one with `triode cluster-key PATH` "
+            "and give every node the same file"
+        )
