@@ -168,11 +168,15 @@ class KVConnectorScheduler:
         self._expose: list[KVExpose] = []
         self._release: list[str] = []
         self._loads: list[KVLoad] = []
+        self._cancel: list[str] = []
+        # requests admitted to load that have not started: with `loading`, capped
+        self._admitted: set[str] = set()
+        self.loads_refused = 0  # past max_concurrent_loads
 
     @property
     def pending(self) -> bool:
         """Whether any transfer is outstanding: the engine then keeps stepping to hear of it."""
-        return bool(self.loading or self.holds or self._release)
+        return bool(self.loading or self.holds or self._release or self._cancel)
 
     def request_added(self, request: Request) -> None:
         """Note a new request: a `do_remote_decode` one may hold blocks when it finishes only
@@ -209,6 +213,30 @@ class KVConnectorScheduler:
 
     # The decode side
 
+    def admit_load(self, request_id: str, params: dict[str, Any] | None) -> str | None:
+        """Count a new request that asks to load its prompt; why it must be refused for now
+        (it would pass `max_concurrent_loads`), or None. Every admitted load leaves the count
+        when it is tried, through, or cancelled (`cancel_load`)."""
+        if not (self.config.is_consumer and params and params.get("do_remote_prefill") is True):
+            return None
+        cap = self.config.max_concurrent_loads
+        if len(self.loading) + len(self._admitted) >= cap:
+            self.loads_refused += 1
+            return (
+                f"the server is busy: {cap} KV loads are under way "
+                "(kv_connector_extra_config.max_concurrent_loads); try again later"
+            )
+        self._admitted.add(request_id)
+        return None
+
+    def cancel_load(self, request_id: str) -> None:
+        """An aborted request's load: one not started leaves the count; one under way is
+        stopped on every rank, which report it failed, and stays `loading` (its blocks the
+        scheduler's to keep) until every rank is through with it."""
+        self._admitted.discard(request_id)
+        if request_id in self.loading:
+            self._cancel.append(request_id)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
         """(prompt tokens beyond the `num_computed` found locally that can be loaded, whether
         they load asynchronously): (0, False) for a request that computes its prompt here."""
@@ -221,6 +249,7 @@ class KVConnectorScheduler:
         ):
             return 0, False
         request.kv_load_tried = True
+        self._admitted.discard(request.request_id)
         problem = self._incompatible(request, params)
         if problem is not None:
             self.load_refusals += 1
@@ -391,10 +420,14 @@ class KVConnectorScheduler:
     def build_connector_meta(self) -> KVConnectorMetadata | None:
         """What the workers must do before this step's forward, or None when nothing."""
         sync = bool(self.loading or self.holds)
-        if not (self._expose or self._release or self._loads or sync):
+        if not (self._expose or self._release or self._loads or self._cancel or sync):
             return None
         meta = KVConnectorMetadata(
-            expose=self._expose, release=self._release, loads=self._loads, sync=sync
+            expose=self._expose,
+            release=self._release,
+            loads=self._loads,
+            sync=sync,
+            cancel=self._cancel,
         )
-        self._expose, self._release, self._loads = [], [], []
+        self._expose, self._release, self._loads, self._cancel = [], [], [], []
         return meta

@@ -144,6 +144,12 @@ class Scheduler:
             )
         if self.waiting_full():
             return self.refusal(request.request_id)
+        if self.connector is not None:
+            busy = self.connector.admit_load(request.request_id, request.kv_transfer_params)
+            if busy is not None:
+                return EngineCoreOutput(
+                    request.request_id, finish_reason=FinishReason.REFUSED, stop_reason=busy
+                )
         root = None
         if self.config.enable_prefix_caching:
             if request.cache_salt is not None:
@@ -204,8 +210,11 @@ class Scheduler:
                 if self.connector is not None and self.connector.drop_hold(request_id):
                     self._free_held(request_id)
                 continue
+            if self.connector is not None:
+                self.connector.cancel_load(request_id)
             if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
-                # its blocks stay until every rank is through writing them (`_loaded`)
+                # its load stops, but its blocks stay until every rank is through writing
+                # them (`_loaded`)
                 req.status = RequestStatus.FINISHED_ABORTED
                 del self.requests[request_id]
             else:

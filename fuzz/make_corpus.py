@@ -65,7 +65,7 @@ from triode.wire import (
 )
 from triode.wire.tensor_ipc import NAME_PREFIX
 
-from .harnesses import HARNESSES, auth, chat, http_body, kv_seal, shm_ring, sse, wire
+from .harnesses import HARNESSES, auth, chat, http_body, kv_seal, kv_server, shm_ring, sse, wire
 from .run import CORPUS_DIR
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 7018, 2, 198, 1, 4093, 198]
@@ -401,6 +401,7 @@ SEEDS: dict[str, Callable[[], Iterable[bytes]]] = {
     "chat": chat_seeds,
     "scheduler": scheduler_seeds,
     "shm_ring": shm_ring.seeds,
+    "kv_server": kv_server.seeds,
     "kv_seal": kv_seal.seeds,
 }
 

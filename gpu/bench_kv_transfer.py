@@ -2,13 +2,15 @@
 
 One process, real sockets: a KV server over a cache of the default model's geometry (30 layers,
 3 KV heads of 64, bfloat16, blocks of 16) exposes a prompt's blocks, and a loader copies them
-into a second cache, over TCP (ZMQ, loopback) and over shared memory (the memfd mapping), each
-beside a `torch` copy of the same bytes from one cache into the other.
+into a second cache, over TCP (ZMQ, loopback) and over shared memory (the memfd handed over a
+unix socket, then mapped), each beside a `torch` copy of the same bytes from one cache into the
+other.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -16,7 +18,9 @@ import torch
 
 from triode.wire.kv_transfer import KVExpose, KVLoad
 
-from .kv_transport import KVLoader, KVServer, block_bytes, shared_cache
+from .kv_loader import KVLoader
+from .kv_shm import shared_cache
+from .kv_transport import KVServer, block_bytes
 
 
 def _measure(args: argparse.Namespace, transport: str) -> tuple[float, float]:
@@ -28,8 +32,9 @@ def _measure(args: argparse.Namespace, transport: str) -> tuple[float, float]:
         source, fd = torch.zeros(shape, dtype=torch.bfloat16), None
     source.normal_()
     target = torch.zeros(shape, dtype=torch.bfloat16)
-    server = KVServer("tcp://127.0.0.1:*", source, engine_id="bench", shm_fd=fd)
-    loader = KVLoader(0, target, timeout=30.0)
+    secret = os.urandom(32)
+    server = KVServer("tcp://127.0.0.1:*", source, engine_id="bench", secret=secret, shm_fd=fd)
+    loader = KVLoader(0, target, timeout=30.0, secret=secret)
     ids = list(range(args.blocks))
     size = len(ids) * block_bytes(server.geometry)
     rates, copies = [], []
@@ -52,6 +57,8 @@ def _measure(args: argparse.Namespace, transport: str) -> tuple[float, float]:
     finally:
         server.close()
         loader.close()
+        if fd is not None:
+            os.close(fd)
     return statistics.median(rates), statistics.median(copies)
 
 

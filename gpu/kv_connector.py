@@ -1,7 +1,8 @@
 """The KV connector's worker side: one per rank, beside the model runner.
 
 After vLLM V1's `KVConnectorBase_V1` in its worker role. `register_kv_caches` takes the rank's
-cache and starts its KV server (prefill side) and loader (decode side, `kv_transport.py`);
+cache and starts its KV server (prefill side, `kv_transport.py`) and loader (decode side,
+`kv_loader.py`), both keyed with the deployment's secret;
 around each forward the runner binds the step's `KVConnectorMetadata` (exposing and
 withdrawing blocks, then `start_load_kv`), and when the metadata asks, every rank's
 `get_finished` goes to the driver, which reports a transfer once every rank is through with it
@@ -24,7 +25,12 @@ import torch
 
 from triode.wire.kv_transfer import KVConnectorMetadata, KVConnectorOutput, KVTransferConfig
 
-from .kv_transport import KVLoader, KVServer, shared_cache
+from .kv_loader import KVLoader
+from .kv_shm import shared_cache
+from .kv_transport import KVServer
+
+# threads loading at once on a rank: up to the admitted loads, at most this many
+MAX_LOADER_THREADS = 16
 
 
 class KVConnectorWorker:
@@ -36,6 +42,8 @@ class KVConnectorWorker:
             msgspec.convert(config, KVTransferConfig) if isinstance(config, dict) else config
         )
         self.rank = rank
+        # read at once, so that a rank with an unusable secret file fails before it serves
+        self._secret = self.config.read_secret()
         self.server: KVServer | None = None
         self.loader: KVLoader | None = None
         self._shm_fd: int | None = None
@@ -67,10 +75,20 @@ class KVConnectorWorker:
             port = config.kv_port + self.rank if config.kv_port else "*"
             assert config.engine_id is not None
             self.server = KVServer(
-                f"tcp://{host}:{port}", cache, engine_id=config.engine_id, shm_fd=self._shm_fd
+                f"tcp://{host}:{port}",
+                cache,
+                engine_id=config.engine_id,
+                secret=self._secret,
+                shm_fd=self._shm_fd,
             )
         if config.is_consumer:
-            self.loader = KVLoader(self.rank, cache, timeout=config.load_timeout)
+            self.loader = KVLoader(
+                self.rank,
+                cache,
+                timeout=config.load_timeout,
+                secret=self._secret,
+                workers=min(config.max_concurrent_loads, MAX_LOADER_THREADS),
+            )
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
         """Take a step's metadata before its forward: withdrawn blocks stop being served
@@ -81,11 +99,13 @@ class KVConnectorWorker:
             self.server.expose(metadata.expose)
 
     def start_load_kv(self) -> None:
-        """Start the bound metadata's loads; they run beside the steps."""
+        """Start the bound metadata's loads, and stop those of aborted requests; they run
+        beside the steps."""
         if self._metadata is None or self.loader is None:
             return
         for load in self._metadata.loads:
             self.loader.submit(load)
+        self.loader.cancel(self._metadata.cancel)
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Nothing to wait for: a loading request is in no step until its blocks are whole."""

@@ -31,6 +31,7 @@ EXTRA_DEFAULTS: dict[str, Any] = {
     "hold_timeout": 120.0,  # seconds a prefill keeps blocks nobody said DONE for
     "secret_file": None,  # the deployment's shared secret (`kv_seal.read_secret`): required
     "max_hold_fraction": 0.5,  # of a prefill's cache that blocks kept for decodes may take
+    "max_concurrent_loads": 16,  # a decode's loads admitted at once; past it a 429
 }
 
 
@@ -85,6 +86,9 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 "kv_connector_extra_config: secret_file is required: the instances of a "
                 f"deployment share a secret; make one with: {SECRET_RECIPE}"
             )
+        loads = self.kv_connector_extra_config["max_concurrent_loads"]
+        if isinstance(loads, bool) or not isinstance(loads, int) or not 1 <= loads <= 4096:
+            raise ValueError("kv_connector_extra_config: max_concurrent_loads must be 1 to 4096")
 
     @property
     def is_producer(self) -> bool:
@@ -118,6 +122,10 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         """The deployment's secret; `kv_seal.SecretFileError` (a ValueError, one line) when
         the file cannot serve as one."""
         return read_secret(self.secret_file)
+
+    @property
+    def max_concurrent_loads(self) -> int:
+        return int(self.kv_connector_extra_config["max_concurrent_loads"])
 
 
 def parse_kv_transfer_config(value: str | dict[str, Any] | KVTransferConfig) -> KVTransferConfig:
@@ -173,6 +181,7 @@ class KVConnectorMetadata(msgspec.Struct, **_HOT):
     release: list[str] = []
     loads: list[KVLoad] = []
     sync: bool = False
+    cancel: list[str] = []  # loads whose request was aborted: stopped, reported as failed
 
 
 class KVConnectorOutput(msgspec.Struct, **_HOT):
@@ -215,14 +224,21 @@ class KVRequest(msgspec.Struct, **_HOT, forbid_unknown_fields=True):
     secret: str
     block_ids: list[int] = []
     transport: str = "tcp"
+    timestamp: float = 0.0  # the sender's wall clock: a request is good within a window of it
+    mac: bytes = b""  # HMAC-SHA256 of the request with `mac` empty, keyed from the deployment's
 
 
 class KVShmRef(msgspec.Struct, **_HOT):
-    """Where a same-host reader finds the prefill rank's whole cache."""
+    """Where a same-host reader asks for the prefill rank's whole cache: the unix socket `path`
+    in the producer's private directory, which hands an authenticated reader the cache's memfd
+    (SCM_RIGHTS). `pid` and `fd` are no longer sent (0): a reader never opens what a peer names.
+    """
 
     pid: int
     fd: int
     num_blocks: int  # the cache's, not the request's
+    path: str = ""
+    size: int = 0  # the cache's bytes
 
 
 class KVReply(msgspec.Struct, **_HOT):

@@ -14,7 +14,17 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-HARNESSES = ("wire", "http_body", "auth", "sse", "chat", "scheduler", "shm_ring", "kv_seal")
+HARNESSES = (
+    "wire",
+    "http_body",
+    "auth",
+    "sse",
+    "chat",
+    "scheduler",
+    "shm_ring",
+    "kv_server",
+    "kv_seal",
+)
 
 
 def load(name: str) -> ModuleType:

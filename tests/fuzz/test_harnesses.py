@@ -30,6 +30,7 @@ MIN_EXECUTIONS = {
     "chat": 75,
     "scheduler": 125,
     "shm_ring": 2500,
+    "kv_server": 1000,
     "kv_seal": 2000,
 }
 
