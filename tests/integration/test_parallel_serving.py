@@ -144,6 +144,8 @@ def test_serve_with_tp2_x_pp2_matches_and_leaves_no_process(
     with running_server(args, tmp_path / "serve.log") as server:
         processes = descendants(server.process.pid)
         assert len(actors(processes)) == 1 + 4  # the engine core and its four ranks
+        # the API, the rendezvous store, gloo and the ring's wake-ups: loopback only
+        assert on_every_interface([server.process.pid, *processes]) == []
         texts = _completions(server.url, reference)
         assert httpx.get(f"{server.url}/health", timeout=2).status_code == 200
     assert texts == [reference.tokenizer.decode(e) for e in expected]
