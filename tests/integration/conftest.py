@@ -37,14 +37,17 @@ ROOT_PATH = "/api"
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def server(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Server]:
     """One `triode serve` on the default model for a test module: two API keys (each its own
-    tenant of the prefix cache), a root path, a served model name and a 1 MiB body limit."""
+    tenant of the prefix cache), a root path, a served model name and a 1 MiB body limit, and
+    the flags the module names in `SERVER_ARGS`."""
     log = tmp_path_factory.mktemp("server") / "serve.log"
     args = [
         "--api-key", *API_KEYS, "--root-path", ROOT_PATH, "--served-model-name", SERVED_NAME,
         "--max-num-seqs", "16", "--max-body-size", "1MiB", "--max-model-len", "2048",
-        "--prefix-cache-isolation", "key",
+        "--prefix-cache-isolation", "key", *getattr(request.module, "SERVER_ARGS", ()),
     ]  # fmt: skip
     with running_server(args, log) as s:
         yield s

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import base64
 import http.client
+import io
 import json
+import os
 import re
+import signal
+import time
 from collections.abc import Iterator
 from importlib.metadata import version
 from typing import Any
@@ -16,6 +20,8 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+import torch
+import trio
 from conftest import API_KEYS, ROOT_PATH, SERVED_NAME
 from prometheus_client.parser import text_string_to_metric_families
 from server import Server
@@ -34,6 +40,14 @@ BASE = {
     COMPLETIONS: {"prompt": "Hello", "max_tokens": 1},
 }
 LONG_TEXT = "hello " * 3000  # about 3000 tokens: more than MAX_MODEL_LEN on its own
+# Small bounds on what a request may cost, so that each is reached with few requests.
+MAX_WAITING = 4
+STALL_TIMEOUT = 2.0
+SERVER_ARGS = [
+    "--max-waiting-requests", str(MAX_WAITING), "--health-stall-timeout", str(STALL_TIMEOUT),
+    "--max-choices-per-request", "64", "--max-logprob-entries", "10000",
+    "--max-prompt-embeds-bytes", "1MiB",
+]  # fmt: skip
 ANY = object()  # `expect_error`'s "any param"
 
 
@@ -459,9 +473,11 @@ def test_metrics_show_nothing_a_client_sent(client: httpx.Client) -> None:
         for name, value in sample.labels.items()
         if name not in ("le", "quantile")
     }
-    allowed = {("model_name", SERVED_NAME)} | {
-        ("finished_reason", r) for r in ("stop", "length", "abort", "error", "refused")
-    } | {("source", s) for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    allowed = (
+        {("model_name", SERVED_NAME)}
+        | {("finished_reason", r) for r in ("stop", "length", "abort", "error", "refused")}
+        | {("source", s) for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    )
     assert values <= allowed, values - allowed
 
 
@@ -624,3 +640,164 @@ def test_metrics_count_the_tokens_of_a_completion(client: httpx.Client) -> None:
         assert after[count] == before[count] + 1
     itl = "triode:inter_token_latency_seconds_count"
     assert after[itl] > before[itl]
+
+
+# What a request may cost: every shape that costs far more than it weighs is refused, and the
+# server ends healthy and idle
+
+
+def _embeds(tensor: torch.Tensor) -> str:
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _deep(depth: int) -> str:
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+def _tool_history(arguments: str) -> list[dict[str, Any]]:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [*MESSAGES, {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]  # fmt: skip
+
+
+HOSTILE = [
+    (CHAT, {"stop": [f"s{i}" for i in range(65)]}, "stop"),
+    (COMPLETIONS, {"stop": "x" * 257}, "stop"),
+    (CHAT, {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    (COMPLETIONS, {"stop_token_ids": [1] * ((1 << 18) + 1)}, "stop_token_ids"),
+    (COMPLETIONS, {"allowed_token_ids": [1] * ((1 << 18) + 1)}, "allowed_token_ids"),
+    (COMPLETIONS, {"prompt": ["a"] * 65}, "prompt"),
+    (COMPLETIONS, {"prompt": ["a"] * 9, "n": 8}, "n"),
+    (CHAT, {"logprobs": True, "top_logprobs": 20, "n": 8, "max_tokens": 100}, "top_logprobs"),
+    (COMPLETIONS, {"logprobs": 5, "n": 20, "max_tokens": 100}, "logprobs"),
+    # 3.9 KB of payload that would be 4.6 MB once contiguous
+    (COMPLETIONS, {"prompt_embeds": _embeds(torch.zeros(1, 576).expand(2000, 576))},
+     "prompt_embeds"),
+    # 230 KB decoded, five copies: past 1 MiB
+    (COMPLETIONS, {"prompt_embeds": _embeds(torch.randn(100, 576)), "n": 5}, "prompt_embeds"),
+    (CHAT, {"guided_json": _deep(100_000)}, "guided_json"),
+    (COMPLETIONS, {"structured_outputs": {"json": "[" * 100_000}}, "structured_outputs.json"),
+    (CHAT, {"messages": _tool_history("[" * 100_000)},
+     "messages[1].tool_calls[0].function.arguments"),
+    ("/v1/responses",
+     {"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": _deep(5000)},
+                {"type": "function_call_output", "call_id": "c1", "output": "ok"}],
+      "max_output_tokens": 1},
+     "input[0].arguments"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "change", "param"), HOSTILE, ids=[f"{p}-{param}" for p, _, param in HOSTILE]
+)
+def test_a_request_that_costs_far_more_than_it_weighs_is_a_400_naming_its_field(
+    client: httpx.Client, path: str, change: dict[str, Any], param: str
+) -> None:
+    body = {**BASE.get(path, {}), **change}
+    if path == COMPLETIONS and "prompt_embeds" in change:
+        body.pop("prompt")
+    expect_error(client.post(path, json=body), 400, param=param)
+
+
+def test_repeated_token_ids_cost_what_their_distinct_ids_do(client: httpx.Client) -> None:
+    body = {**BASE[COMPLETIONS], "stop_token_ids": [7] * 200_000, "allowed_token_ids": [1, 2] * 100}
+    assert client.post(COMPLETIONS, json=body).status_code == 200
+
+
+async def _queue(client: httpx.AsyncClient) -> tuple[float, float]:
+    """(running, waiting) requests, as /metrics has them."""
+    text = (await client.get("/metrics")).text
+    values = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.labels == {"model_name": SERVED_NAME}
+    }
+    return values["triode:num_requests_running"], values["triode:num_requests_waiting"]
+
+
+async def test_past_max_waiting_requests_a_request_is_a_429_with_retry_after(
+    server: Server,
+) -> None:
+    headers = {"authorization": f"Bearer {API_KEYS[0]}"}
+    body = {"prompt": "Count to a thousand:", "max_tokens": 1000, "ignore_eos": True}
+    refused: list[httpx.Response] = []  # of the requests sent to a full queue
+    all_refused = trio.Event()
+
+    async def send(client: httpx.AsyncClient, stream: bool, full: bool = False) -> None:
+        async with client.stream("POST", COMPLETIONS, json={**body, "stream": stream}) as r:
+            if full:
+                await r.aread()
+                refused.append(r)
+                if len(refused) == 4:
+                    all_refused.set()
+                return
+            if r.status_code != 429:
+                await trio.sleep_forever()  # cancelled at the end: the request is aborted
+
+    limits = httpx.Limits(max_connections=None)
+    async with (
+        httpx.AsyncClient(base_url=server.url, headers=headers, timeout=120, limits=limits) as c,
+        trio.open_nursery() as nursery,
+    ):
+        # fill the queue: 16 running (--max-num-seqs), MAX_WAITING waiting; none of them ends
+        # for a while (1000 tokens each)
+        with trio.fail_after(120):  # no bound: the queue never fills
+            while await _queue(c) != (16, MAX_WAITING):
+                nursery.start_soon(send, c, False)
+                await trio.sleep(0.2)
+        for stream in (False, True, False, True):
+            nursery.start_soon(send, c, stream, True)
+        with trio.fail_after(60):
+            await all_refused.wait()
+        nursery.cancel_scope.cancel()
+    for response in refused:
+        # a stream too: its status waits for its first chunk, so a refusal is a plain 429
+        error = expect_error(response, 429, param=None)
+        assert error["type"] == "RateLimitError"
+        assert int(response.headers["retry-after"]) >= 1
+        assert f"{MAX_WAITING} requests are waiting" in error["message"]
+
+
+def test_health_is_503_while_the_engine_core_makes_no_step_and_200_after(
+    server: Server, anonymous: httpx.Client
+) -> None:
+    assert anonymous.get("/health").status_code == 200
+    pid = server.engine_pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 60
+        while (status := anonymous.get("/health").status_code) == 200:
+            assert time.monotonic() < deadline, "/health stayed 200 for a stopped engine core"
+            time.sleep(0.5)
+        assert status == 503
+        body = anonymous.get("/health")
+        error = expect_error(body, 503, param=None)
+        assert "engine core" in error["message"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while anonymous.get("/health").status_code != 200:
+        assert time.monotonic() < deadline, "/health stayed 503 after the engine core went on"
+        time.sleep(0.2)
+
+
+def test_after_every_hostile_request_the_server_is_healthy_and_idle(
+    client: httpx.Client, anonymous: httpx.Client
+) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        values = metric_values(client)
+        idle = (
+            values["triode:num_requests_running"],
+            values["triode:num_requests_waiting"],
+            values["triode:kv_cache_usage_perc"],
+        )
+        if idle == (0, 0, 0):
+            break
+        assert time.monotonic() < deadline, f"not idle: running, waiting, KV usage {idle}"
+        time.sleep(0.2)
+    assert anonymous.get("/health").status_code == 200
+    assert client.post(CHAT, json=BASE[CHAT]).status_code == 200
