@@ -30,7 +30,7 @@ from .kv_shm import shared_cache
 from .kv_transport import KVServer
 
 # threads loading at once on a rank: up to the admitted loads, at most this many
-MAX_LOADER_THREADS = 16
+MAX_LOADER_THREADS = 8
 
 
 class KVConnectorWorker:

@@ -38,6 +38,7 @@ import msgspec
 import torch
 import zmq
 
+from triode.wire.kv_seal import MAX_CLOCK_SKEW
 from triode.wire.kv_transfer import (
     DONE,
     READ,
@@ -57,8 +58,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # a KVRequest names block ids, a reply's header is small: anything larger is hostile
 MAX_REQUEST_BYTES = 1 << 20
 # seconds a request is good for either side of its timestamp: the clocks of a deployment's
-# hosts may disagree, and a reader re-signs every attempt
-REPLAY_WINDOW = 30.0
+# hosts may disagree as much as its seals allow, and a reader re-signs every attempt
+REPLAY_WINDOW = float(MAX_CLOCK_SKEW)
 _POLL_MS = 50  # how often the server looks at its stop flag
 _KEY_DOMAIN = b"triode/kv-request/v1"
 _PRUNE_AT = 4096  # seen MACs kept before the expired ones are dropped

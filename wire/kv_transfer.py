@@ -5,8 +5,9 @@ Disaggregated prefill, pulled by the decode side: the prefill instance keeps a f
 request's blocks and *exposes* them on each rank's KV server; the decode instance's rank r asks
 the prefill's rank r for them (`KVRequest` READ), copies them into its own blocks, and says DONE,
 after which the prefill frees them. With the TCP transport the blocks travel in the reply as one
-frame each; with shared memory the reply names the prefill rank's cache (a memfd, reachable as
-`/proc/<pid>/fd/<fd>` on the same host) and the reader copies straight out of it.
+frame each; with shared memory the reply names the unix socket where the prefill rank hands an
+authenticated reader on the same host its cache (a memfd, over SCM_RIGHTS), and the reader
+copies straight out of it. Every `KVRequest` is signed with the deployment's secret.
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ EXTRA_DEFAULTS: dict[str, Any] = {
 class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`--kv-transfer-config`, in vLLM's spelling. `kv_port` 0 binds each rank's KV server on
     any free port; otherwise rank r binds `kv_port + r`. `kv_connector_extra_config` takes
-    `transport`, `load_timeout`, `hold_timeout`, `max_hold_fraction` and `secret_file`, which
-    every instance needs: the instances of a deployment share its secret, which seals the
-    params they hand on (see `EXTRA_DEFAULTS` and `triode.wire.kv_seal`)."""
+    `transport`, `load_timeout`, `hold_timeout`, `max_hold_fraction`, `max_concurrent_loads`
+    and `secret_file`, which every instance needs: the instances of a deployment share its
+    secret, which seals the params they hand on and signs their KV requests (see
+    `EXTRA_DEFAULTS` and `triode.wire.kv_seal`)."""
 
     kv_connector: str
     kv_role: str
