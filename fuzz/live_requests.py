@@ -93,7 +93,46 @@ OUT_OF_RANGE: list[tuple[str, Any]] = [
     ("tokens", [2**31]), ("tokens", [-1]), ("tokens", list(range(100000))),
     ("cache_salt", ""), ("cache_salt", "x" * 257), ("cache_salt", "x" * 100000),
     ("cache_salt", 7), ("cache_salt", ["a"]), ("cache_salt", {"a": "b"}), ("cache_salt", "\ud800"),
+    # the edges of the caps on what one request may cost: just past them, and at them
+    ("stop", [f"s{i}" for i in range(65)]), ("stop", ["y" * 256] * 64), ("stop", "z" * 257),
+    ("logit_bias", {str(i): 1 for i in range(301)}),
+    ("logit_bias", {str(i): -1 for i in range(300)}),
+    ("stop_token_ids", [7] * 100_000), ("allowed_token_ids", [1, 2] * 50_000),
+    ("allowed_token_ids", [1] * ((1 << 18) + 1)), ("prompt", ["a"] * 2049), ("n", 128),
+    ("top_logprobs", 20), ("logprobs", 20),
+    ("guided_json", "[" * 100_000), ("guided_json", '{"a": ' * 5000 + "1" + "}" * 5000),
+    ("guided_json", lambda: {"type": "object", "x": _nested(130)}),
+    ("structured_outputs", {"json": "{" * 50_000}),
+    ("response_format", lambda: {"type": "json_schema",
+                                 "json_schema": {"name": "x", "schema": _nested(130)}}),
+    ("messages", [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+      "function": {"name": "f", "arguments": "[" * 100_000}}]}]),
+    ("prompt_embeds", lambda: _saved_tensor(expanded=True)),
+    ("prompt_embeds", lambda: [_saved_tensor(expanded=False)] * 40),  # 12 MB, 9 MB decoded
 ]  # fmt: skip
+
+
+def _nested(depth: int) -> dict[str, Any]:
+    """An object `depth` deep: within the body decoder's limit, past the one on schemas."""
+    value: dict[str, Any] = {}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
+
+
+def _saved_tensor(*, expanded: bool) -> str:
+    """A `torch.save`d prompt of 2000 positions of SmolLM2's width, base64: an expanded view of
+    one row (3.9 KB that would be 4.6 MB), or 100 real rows (230 KB). torch is imported here,
+    on the first such plan only."""
+    import io
+
+    import torch
+
+    row = torch.zeros(1, 576)
+    tensor = row.expand(2000, 576) if expanded else torch.randn(100, 576)
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
 
 
 @dataclass
@@ -366,7 +405,7 @@ class HttpMutator:
             data = self._encode(body)
         elif roll < 0.6:
             name, value = rng.choice(OUT_OF_RANGE)
-            body[name] = value
+            body[name] = value() if callable(value) else value
             data = self._encode(body)
         else:
             data = self._garble(self._encode(body))
