@@ -30,6 +30,9 @@ from .errors import ProtocolError
 
 KEY_CHARS = 40  # a 32-byte Curve key in Z85
 MAX_FILE_BYTES = 4096  # what load reads at most: one key line, with room for whitespace
+# a sealed store value (the executor's addresses: ~300 bytes); anyone may write the store, so a
+# value past this is refused before its MAC is computed
+MAX_SEALED_BYTES = 64 << 10
 _MAC = hashlib.sha256
 _MAC_BYTES = _MAC().digest_size
 _STORE_CONTEXT = b"triode cluster store values v1"
@@ -139,6 +142,8 @@ class ClusterKey:
     def open(self, name: str, sealed: bytes) -> bytes:
         """The value of `seal(name, value)`. Raises ProtocolError for anything else (another
         key's value, a value changed in the store, one sealed with another cluster key)."""
+        if len(sealed) > MAX_SEALED_BYTES:
+            raise ProtocolError(f"the store's {name!r} holds {len(sealed)} bytes, not a value")
         mac, value = sealed[:_MAC_BYTES], sealed[_MAC_BYTES:]
         if len(mac) != _MAC_BYTES or not hmac.compare_digest(mac, self._mac(name, value)):
             raise ProtocolError(f"the store's {name!r} is not sealed with this cluster's key")

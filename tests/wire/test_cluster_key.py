@@ -13,6 +13,7 @@ import zmq
 from triode.wire import ProtocolError
 from triode.wire.cluster_key import (
     MAX_FILE_BYTES,
+    MAX_SEALED_BYTES,
     ClusterGate,
     ClusterKey,
     ClusterKeyError,
@@ -98,6 +99,7 @@ def test_a_sealed_store_value_opens_only_unchanged_under_its_name_and_key() -> N
         ("triode/cluster", sealed, other),
         ("triode/cluster", b"", key),
         ("triode/cluster", b'{"result": "tcp://evil:1"}', key),
+        ("triode/cluster", b"x" * (MAX_SEALED_BYTES + 1), key),  # refused before hashing
     ]:
         with pytest.raises(ProtocolError):
             by.open(name, value)
