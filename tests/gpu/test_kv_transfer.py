@@ -28,7 +28,7 @@ from triode.actors.kv_connector import KVConnectorScheduler
 from triode.actors.scheduler import Scheduler, SchedulerConfig
 from triode.gpu.kv_connector import FinishedTransfers
 from triode.gpu.kv_loader import KVLoader
-from triode.gpu.kv_shm import HandoffError, receive_cache, shared_cache
+from triode.gpu.kv_shm import MAX_FRAME_BYTES, HandoffError, receive_cache, shared_cache
 from triode.gpu.kv_transport import MAX_REQUEST_BYTES, KVServer, RequestAuth
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.testing import build_tiny_model
@@ -527,6 +527,14 @@ def test_the_handoff_gives_the_cache_fd_only_to_an_authenticated_reader_of_expos
         ]:
             reply, fds = _handoff(server.handoff.path, request)
             assert reply.status in ("refused", "unknown") and fds == []
+        # the largest frame it reads is MAX_FRAME_BYTES: a larger length is refused unread
+        errors = server.protocol_errors
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.settimeout(10)
+            connection.connect(server.handoff.path)
+            connection.sendall((MAX_FRAME_BYTES + 1).to_bytes(4, "little"))
+            assert connection.recv(16) == b""  # closed, nothing sent
+        _until(lambda: server.protocol_errors == errors + 1)
         reply, fds = _handoff(server.handoff.path, auth.sign(_request(transport="shm")))
         assert reply.status == "ok" and len(fds) == 1
         info = os.fstat(fds[0])
@@ -588,7 +596,7 @@ def test_a_reader_maps_no_memory_a_peer_names(silent: Any, tmp_path: Path) -> No
     bait_socket.listen(1)
     bait_socket.setblocking(False)
     producer = silent()
-    loader = KVLoader(0, target, timeout=20.0, secret=SECRET)
+    loader = KVLoader(0, target, timeout=5.0, secret=SECRET)
     geometry = loader.geometry
     size = cache_bytes = target.numel() * 4
     refs = [
@@ -604,9 +612,9 @@ def test_a_reader_maps_no_memory_a_peer_names(silent: Any, tmp_path: Path) -> No
             reply = KVReply(request.nonce, "ok", geometry=geometry, shm=ref)
             producer.socket.send_multipart([identity, msgspec.msgpack.encode(reply)])
             _until(lambda: loader.in_flight == 0)
+            assert torch.equal(target, before), f"{ref} was mapped"
             assert loader.take() == ([], [f"d{i}"])
         assert loader.protocol_errors == len(refs)
-        assert torch.equal(target, before)
         with pytest.raises(BlockingIOError):
             bait_socket.accept()  # nobody connected to the socket in the open directory
     finally:
