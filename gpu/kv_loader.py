@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # how often a waiting load looks at its cancellation
 _RETRY = (0.002, 0.05)  # a reader's first and longest pause before asking again
+HANDOFF_TIMEOUT = 5.0  # seconds a shared-memory hand-off may take
 
 
 class _Job:
@@ -282,7 +283,8 @@ class KVLoader:
         if min(ids) < 0 or max(ids) >= ref.num_blocks:
             raise TransferError("block ids outside the prefill's cache", protocol=True)
         request = self.auth.sign(self._request(job.load, READ, ids))
-        deadline = time.monotonic() + job.remaining(self.timeout)
+        # bounded apart from the load's deadline: the hand-off answers at once or not at all
+        deadline = time.monotonic() + min(job.remaining(self.timeout), HANDOFF_TIMEOUT)
         try:
             answer, fd = receive_cache(ref.path, msgspec.msgpack.encode(request), size, deadline)
         except HandoffError as e:
