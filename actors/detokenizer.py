@@ -4,6 +4,10 @@ One `IncrementalDetokenizer` per request turns token ids into text as they arriv
 `DecodeStream`, primed with the prompt so the first output token gets its leading space right),
 finds stop strings in the new text only, and holds back the last `len(longest stop) - 1`
 characters of streamed text, since they might be the start of a stop string.
+
+It keeps only the text not handed out yet and the tail of what was, never the whole output:
+a step costs what its new text and the longest stop string cost, however long the output grows
+(appending each step to the whole text made a 131k-token answer cost ~17 s of copying).
 """
 
 from __future__ import annotations
@@ -31,14 +35,12 @@ class IncrementalDetokenizer:
         self._prompt_tail = prompt_token_ids[-_PRIME_TOKENS:]
         self._stream = self._new_stream()
         self._stops = params.stop
-        self._hold = (
-            max((len(s) for s in self._stops), default=1) - 1
-            if self._stops and not params.include_stop_str_in_output
-            else 0
-        )
+        # how much text before the new text a stop string may start in
+        self._reach = max((len(s) for s in self._stops), default=1) - 1
+        self._hold = self._reach if self._stops and not params.include_stop_str_in_output else 0
         self._num_tokens = 0
-        self._sent = 0
-        self.text = ""
+        self._unsent = ""  # decoded, not handed out yet (the held-back tail among it)
+        self._sent_tail = ""  # the last `_reach` characters handed out
 
     def _new_stream(self) -> DecodeStream:
         stream = DecodeStream(skip_special_tokens=self._skip_special)
@@ -55,13 +57,15 @@ class IncrementalDetokenizer:
         ids = new_token_ids
         if stop_terminated and not self._params.include_stop_str_in_output:
             ids = ids[:-1]
-        start = len(self.text)
-        for tid in ids:
-            self.text += self._step(tid)
-            self._num_tokens += 1
+        new_from = len(self._sent_tail) + len(self._unsent)
+        if len(ids) == 1:  # a decode step's
+            self._unsent += self._step(ids[0])
+        else:
+            self._unsent += "".join([self._step(tid) for tid in ids])
+        self._num_tokens += len(ids)
         if not self._stops or self._num_tokens <= self._params.min_tokens:
             return None
-        return self._find_stop(start)
+        return self._find_stop(new_from)
 
     def _step(self, token_id: int) -> str:
         try:
@@ -72,20 +76,26 @@ class IncrementalDetokenizer:
             return self._tokenizer.decode([token_id], skip_special_tokens=self._skip_special)
 
     def _find_stop(self, new_from: int) -> str | None:
+        """The first stop string that ends in the new text (from `new_from` of the sent tail
+        and the unsent text); the text is cut at it."""
+        text = self._sent_tail + self._unsent
         best: tuple[int, str] | None = None
         for stop in self._stops:
-            at = self.text.find(stop, max(0, new_from - len(stop) + 1))
+            at = text.find(stop, max(0, new_from - len(stop) + 1))
             if at != -1 and (best is None or at < best[0]):
                 best = (at, stop)
         if best is None:
             return None
         at, stop = best
-        self.text = self.text[: at + len(stop) if self._params.include_stop_str_in_output else at]
+        cut = at + len(stop) if self._params.include_stop_str_in_output else at
+        # what was sent is never cut: a stop string starts past it unless it is sent too
+        self._unsent = text[len(self._sent_tail) : max(cut, len(self._sent_tail))]
         return stop
 
     def delta(self, finished: bool) -> str:
         """Text not yet handed out; while unfinished, minus the held-back tail."""
-        end = len(self.text) if finished else max(self._sent, len(self.text) - self._hold)
-        out = self.text[self._sent : end]
-        self._sent = end
+        end = len(self._unsent) if finished else max(0, len(self._unsent) - self._hold)
+        out, self._unsent = self._unsent[:end], self._unsent[end:]
+        if self._reach and out:
+            self._sent_tail = (self._sent_tail + out)[-self._reach :]
         return out

@@ -376,7 +376,11 @@ class _Run:
             IncrementalDetokenizer(engine.tokenizer, context, p) for p in child_params
         ]
         self._stopped: list[str] = []
-        self._marks = [(0, 0, 0)] * params.n  # (text, token ids, logprobs) already handed out
+        # each completion's text in the pieces it came in, joined when handed out: appending
+        # each step's piece to one string would copy the whole text every step
+        self._texts: list[list[str]] = [[] for _ in range(params.n)]
+        # (text pieces, token ids, logprobs) already handed out
+        self._marks = [(0, 0, 0)] * params.n
         self._prompt_mark = 0
 
     async def start(self, client: EngineCoreClient) -> None:
@@ -429,7 +433,8 @@ class _Run:
         elif out.finish_reason is not None:
             completion.finish_reason = str(out.finish_reason)
             completion.stop_reason = out.stop_reason
-        completion.text += detok.delta(completion.finished)
+        if piece := detok.delta(completion.finished):
+            self._texts[i].append(piece)
 
     def stopped_by_string(self) -> list[str]:
         stopped, self._stopped = self._stopped, []
@@ -443,7 +448,7 @@ class _Run:
         completions = [
             CompletionOutput(
                 c.index,
-                c.text[text:],
+                "".join(self._texts[c.index][text:]),
                 c.token_ids[tokens:],
                 c.finish_reason,
                 c.stop_reason,
@@ -456,7 +461,8 @@ class _Run:
             prompt_logprobs = prompt_logprobs[self._prompt_mark if delta else 0 :]
         if delta:
             self._marks = [
-                (len(c.text), len(c.token_ids), len(c.logprobs or ())) for c in out.outputs
+                (len(self._texts[c.index]), len(c.token_ids), len(c.logprobs or ()))
+                for c in out.outputs
             ]
             self._prompt_mark = len(out.prompt_logprobs or ())
         return RequestOutput(

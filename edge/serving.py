@@ -101,22 +101,27 @@ class _Prompt:
     first_token: float | None = None
     last_token: float | None = None
     inter_token: list[float] = field(default_factory=list)
+    # each choice's text in the pieces it came in, until `join_text`: appending each delta to
+    # one string would copy the whole text every step
+    pieces: list[list[str]] = field(default_factory=list)
 
     def take(self, out: RequestOutput) -> None:
-        """Fold a delta output into the cumulative state."""
+        """Fold a delta output into the cumulative state (the text: `join_text`)."""
         if not self.choices:
             self.choices = [
                 CompletionOutput(c.index, logprobs=None if c.logprobs is None else [])
                 for c in out.outputs
             ]
+            self.pieces = [[] for _ in out.outputs]
         self.num_cached_tokens = out.num_cached_tokens
         if out.kv_transfer_params is not None:
             self.kv_transfer_params = out.kv_transfer_params
         if out.prompt_logprobs:
             self.prompt_logprobs += out.prompt_logprobs
         new_tokens = 0
-        for mine, delta in zip(self.choices, out.outputs, strict=True):
-            mine.text += delta.text
+        for mine, pieces, delta in zip(self.choices, self.pieces, out.outputs, strict=True):
+            if delta.text:
+                pieces.append(delta.text)
             mine.token_ids += delta.token_ids
             new_tokens += len(delta.token_ids)
             if delta.logprobs is not None and mine.logprobs is not None:
@@ -129,6 +134,11 @@ class _Prompt:
             elif self.last_token is not None:
                 self.inter_token.append((now - self.last_token) / new_tokens)
             self.last_token = now
+
+    def join_text(self) -> None:
+        """Give each choice its whole text."""
+        for mine, pieces in zip(self.choices, self.pieces, strict=True):
+            mine.text = "".join(pieces)
 
     @property
     def num_generated(self) -> int:
@@ -529,6 +539,8 @@ class Serving:
                             c.finish_reason = c.finish_reason or "stop"
                         self._observe(prompt)
             nursery.cancel_scope.cancel()
+        for prompt in prompts:
+            prompt.join_text()
         if request.disconnected:
             raise ClientDisconnected
         if failure is not None:
