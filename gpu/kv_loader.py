@@ -181,7 +181,10 @@ class KVLoader:
         try:
             # connected first, so that a load past its deadline or aborted before it started
             # still tells the prefill DONE
-            socket.connect(load.remote_endpoints[self.rank])
+            try:
+                socket.connect(load.remote_endpoints[self.rank])
+            except zmq.ZMQError as e:
+                raise TransferError(f"cannot connect to the prefill rank: {e}") from e
             job.remaining(self.timeout)
             reply, payload = self._ask(socket, job, READ, load.remote_block_ids)
             self._copy_in(job, reply, payload)
