@@ -299,6 +299,9 @@ class SchedulerStats(msgspec.Struct, **_HOT):
     prompt_tokens_transferred: int = 0  # prompt positions loaded from another instance
     kv_load_failures: int = 0  # loads that failed or timed out (the prompt recomputed)
     kv_protocol_errors: int = 0  # KV transfer messages refused as malformed
+    # kv_transfer_params refused: not sealed by this deployment, altered, expired, or made for
+    # another prompt (the request computed its prompt, or held no blocks)
+    kv_params_refused: int = 0
 
 
 class UtilityCall(msgspec.Struct, **_HOT):
@@ -327,9 +330,6 @@ class EngineCoreOutputs(msgspec.Struct, **_HOT):
     scheduler_stats: SchedulerStats | None = None
     utility_output: UtilityOutput | None = None
     finished_requests: list[str] | None = None
-    # kv_transfer_params refused: not sealed by this deployment, altered, expired, or made for
-    # another prompt (the request computed its prompt, or held no blocks)
-    kv_params_refused: int = 0
     seq: int = 0
     timestamp: float = 0.0
 
