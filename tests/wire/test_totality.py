@@ -442,6 +442,7 @@ DEFAULT_REQUEST = {
     "priority": 0,
     "kv_transfer_params": None,
     "prompt_embeds": None,
+    "cache_salt": None,
 }
 _SHM = "triode_tensor_" + "ab" * 16
 
