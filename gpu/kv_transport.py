@@ -55,8 +55,10 @@ from .kv_shm import CacheHandoff
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# a KVRequest names block ids, a reply's header is small: anything larger is hostile
+# a KVRequest names block ids, a reply's header is small: anything larger is hostile, refused
+# and counted up to CUT_BYTES, past which ZMQ drops the sender before buffering the frame
 MAX_REQUEST_BYTES = 1 << 20
+CUT_BYTES = 2 * MAX_REQUEST_BYTES
 # seconds a request is good for either side of its timestamp: the clocks of a deployment's
 # hosts may disagree as much as its seals allow, and a reader re-signs every attempt
 REPLAY_WINDOW = float(MAX_CLOCK_SKEW)
@@ -147,7 +149,8 @@ class KVServer:
 
     Who can reach it: anyone who can reach `bind` (the config's `kv_ip`, loopback by default);
     what it does for them: nothing before the request's MAC checks out. The largest input it
-    takes is a frame of `MAX_REQUEST_BYTES` (ZMQ cuts a peer that sends more); the largest
+    reads is a frame of `CUT_BYTES` (ZMQ cuts a peer that sends more), refused past
+    `MAX_REQUEST_BYTES` without being decoded; the largest
     answer, the blocks of one exposed request, goes only to a request that checks out.
     """
 
@@ -177,7 +180,7 @@ class KVServer:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, CUT_BYTES)
         self._socket.bind(bind)
         self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._decoder = msgspec.msgpack.Decoder(KVRequest)
@@ -236,6 +239,8 @@ class KVServer:
     def _answer(self, frames: list[zmq.Frame]) -> tuple[KVReply, list[memoryview]]:
         if len(frames) != 1:
             return self._undecodable(f"{len(frames)} frames, not 1"), []
+        if len(frames[0].buffer) > MAX_REQUEST_BYTES:
+            return self._undecodable(f"a frame of more than {MAX_REQUEST_BYTES} bytes"), []
         try:
             request = self._decoder.decode(frames[0].buffer)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:

@@ -29,7 +29,7 @@ from triode.actors.scheduler import Scheduler, SchedulerConfig
 from triode.gpu.kv_connector import FinishedTransfers
 from triode.gpu.kv_loader import KVLoader
 from triode.gpu.kv_shm import MAX_FRAME_BYTES, HandoffError, receive_cache, shared_cache
-from triode.gpu.kv_transport import MAX_REQUEST_BYTES, KVServer, RequestAuth
+from triode.gpu.kv_transport import CUT_BYTES, MAX_REQUEST_BYTES, KVServer, RequestAuth
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.testing import build_tiny_model
 from triode.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
@@ -434,7 +434,7 @@ def test_the_kv_server_refuses_and_counts_every_hostile_request_and_serves_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Each hostile shape sent to a live server is answered "refused" and counted; the thread
-    lives on, through a frame past the size bound and an error while answering, and then
+    lives on, through a frame past the cut and an error while answering, and then
     serves a good read."""
     cache, _ = _cache()
     server = KVServer("tcp://127.0.0.1:*", cache, engine_id="engine", secret=SECRET)
@@ -449,6 +449,11 @@ def test_the_kv_server_refuses_and_counts_every_hostile_request_and_serves_on(
         "undecodable": [b"\xc1garbage"],
         "not a request": [msgspec.msgpack.encode({"op": "read"})],
         "two frames": [msgspec.msgpack.encode(auth.sign(_request())), b"x"],
+        "oversized": [  # signed, and well-formed but for its size
+            msgspec.msgpack.encode(
+                auth.sign(msgspec.structs.replace(_request(), request_id="r" * MAX_REQUEST_BYTES))
+            )
+        ],
         "unsigned": [msgspec.msgpack.encode(_request())],
         "foreign MAC": [msgspec.msgpack.encode(RequestAuth(b"t" * 32).sign(_request()))],
         "replayed": [replayed],
@@ -472,11 +477,11 @@ def test_the_kv_server_refuses_and_counts_every_hostile_request_and_serves_on(
             reply, payload = _ask(dealer, frames)
             assert (reply.status, payload) == ("refused", []), shape
             assert server.protocol_errors == i, shape
-        # past the size bound: ZMQ cuts the peer before the frame is buffered
+        # past the cut: ZMQ drops the peer before the frame is buffered
         big = context.socket(zmq.DEALER)
         big.setsockopt(zmq.LINGER, 0)
         big.connect(server.endpoint)
-        big.send(b"\x00" * (MAX_REQUEST_BYTES + 1))
+        big.send(b"\x00" * (CUT_BYTES + 1))
         assert not big.poll(500)
         big.close()
         # an error while answering is a refused request, not a dead thread
