@@ -93,6 +93,20 @@ OUT_OF_RANGE: list[tuple[str, Any]] = [
     ("tokens", [2**31]), ("tokens", [-1]), ("tokens", list(range(100000))),
     ("cache_salt", ""), ("cache_salt", "x" * 257), ("cache_salt", "x" * 100000),
     ("cache_salt", 7), ("cache_salt", ["a"]), ("cache_salt", {"a": "b"}), ("cache_salt", "\ud800"),
+    # kv_transfer_params a client forges: unsealed, with a made-up seal, odd JSON in them
+    ("kv_transfer_params", {"do_remote_decode": True}),
+    ("kv_transfer_params", {"do_remote_decode": True, "seal": "0" * 64, "nonce": "n",
+                            "issued_at": 0, "expires_at": 2**62}),
+    ("kv_transfer_params", lambda: _remote_prefill(seal="f" * 64)),
+    ("kv_transfer_params", lambda: _remote_prefill()),
+    ("kv_transfer_params", lambda: _remote_prefill(remote_num_tokens=2**64)),
+    ("kv_transfer_params", lambda: _remote_prefill(remote_block_ids=list(range(200_000)))),
+    ("kv_transfer_params", lambda: _remote_prefill(remote_block_ids=[{"a": [1]}])),
+    ("kv_transfer_params", lambda: _remote_prefill(remote_endpoints=["tcp://169.254.169.254:1"])),
+    ("kv_transfer_params", lambda: _remote_prefill(transport="shm", extra=_nested(200))),
+    ("kv_transfer_params", {"do_remote_decode": True, "do_remote_prefill": True}),
+    ("kv_transfer_params", {"do_remote_prefill": "yes"}), ("kv_transfer_params", [1]),
+    ("kv_transfer_params", {str(i): i for i in range(100)}),
     # the edges of the caps on what one request may cost: just past them, and at them
     ("stop", [f"s{i}" for i in range(65)]), ("stop", ["y" * 256] * 64), ("stop", "z" * 257),
     ("logit_bias", {str(i): 1 for i in range(301)}),
@@ -110,6 +124,17 @@ OUT_OF_RANGE: list[tuple[str, Any]] = [
     ("prompt_embeds", lambda: _saved_tensor(expanded=True)),
     ("prompt_embeds", lambda: [_saved_tensor(expanded=False)] * 40),  # 12 MB, 9 MB decoded
 ]  # fmt: skip
+
+
+def _remote_prefill(**fields: Any) -> dict[str, Any]:
+    """A decode request's params as a prefill would make them, but not sealed by one."""
+    return {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "e",
+        "remote_request_id": "r", "remote_block_ids": [0, 1], "remote_host": "127.0.0.1",
+        "remote_port": 1, "remote_endpoints": ["tcp://127.0.0.1:1"], "remote_num_tokens": 20,
+        "remote_secret": "s", "tp_size": 1, "pp_size": 1, "block_size": 16, "transport": "tcp",
+        "prompt_digest": "0" * 64, "issued_at": 0, "expires_at": 2**62, **fields,
+    }  # fmt: skip
 
 
 def _nested(depth: int) -> dict[str, Any]:
