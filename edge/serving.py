@@ -165,7 +165,9 @@ class Serving:
         if problem is not None:
             raise validation_error(ValueError(problem))
 
-    def check_choices(self, req: CompletionRequest, num_prompts: int) -> None:
+    def check_choices(
+        self, req: ChatCompletionRequest | CompletionRequest, num_prompts: int
+    ) -> None:
         """A 400 for a request of more generations (prompts x n) than the server takes in one
         (`Settings.max_choices_per_request`)."""
         limit, n = self.settings.max_choices_per_request, req.n or 1
@@ -214,6 +216,7 @@ class Serving:
         req = decode_request(body, ChatCompletionRequest)
         self.check_model(req.model)
         check_engine_alive(self.engine)
+        self.check_choices(req, 1)
         messages = msgspec.to_builtins(req.messages)
         tools = _ChatTools.of(req, messages)
         template_kwargs = req.chat_template_kwargs

@@ -120,6 +120,9 @@ def test_prompts_times_n_past_the_cap_is_a_400_naming_n_or_prompt() -> None:
     with pytest.raises(APIError) as caught:
         serving.check_choices(_completion(), 9)
     assert caught.value.param == "prompt"
+    with pytest.raises(APIError) as caught:
+        serving.check_choices(_chat(n=9), 1)
+    assert caught.value.param == "n"
 
 
 def _volume(serving: Serving, req: Any, prompts: int = 1, prompt_len: int = 4) -> None:
