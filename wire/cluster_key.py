@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import stat
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ import zmq
 from zmq.utils import z85
 
 from .errors import ProtocolError
+from .private_file import read_private_file
 
 KEY_CHARS = 40  # a 32-byte Curve key in Z85
 MAX_FILE_BYTES = 4096  # what load reads at most: one key line, with room for whitespace
@@ -72,26 +72,9 @@ class ClusterKey:
     def load(cls, path: str | os.PathLike[str]) -> ClusterKey:
         """The key in `path`. Raises ClusterKeyError, naming the file, when it cannot be read,
         is not a regular file, may be read or written by group or others, or holds no key."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
-        except OSError as e:
-            raise ClusterKeyError(f"cluster key file {path}: {e.strerror}; {MAKE_ONE}") from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise ClusterKeyError(f"cluster key file {path} is not a regular file")
-            if info.st_mode & 0o077:
-                mode = stat.S_IMODE(info.st_mode)
-                raise ClusterKeyError(
-                    f"cluster key file {path} is open to others (mode {mode:04o}): chmod 600 {path}"
-                )
-            text = b""
-            while len(text) <= MAX_FILE_BYTES and (more := os.read(fd, MAX_FILE_BYTES + 1)):
-                text += more
-        finally:
-            os.close(fd)
-        if len(text) > MAX_FILE_BYTES:
-            raise ClusterKeyError(f"cluster key file {path}: not a cluster key (too long)")
+        text = read_private_file(
+            path, limit=MAX_FILE_BYTES, what="cluster key file", how=MAKE_ONE, error=ClusterKeyError
+        )
         try:
             return cls.from_secret(text)
         except ClusterKeyError as e:

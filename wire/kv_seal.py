@@ -19,13 +19,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import stat
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import numpy as np
+
+from .private_file import read_private_file
 
 # How to make a secret file; every refusal of one says it.
 SECRET_RECIPE = (
@@ -71,27 +72,10 @@ def read_secret(path: str | os.PathLike[str]) -> bytes:
     content is shorter than `MIN_SECRET_BYTES` or longer than `MAX_SECRET_BYTES`.
     """
     how = f"make one with: {SECRET_RECIPE}"
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
-    except OSError as e:
-        raise SecretFileError(f"secret file {path}: {e.strerror}; {how}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise SecretFileError(f"secret file {path} is not a regular file; {how}")
-        if info.st_mode & 0o077:
-            raise SecretFileError(
-                f"secret file {path} is accessible by group or others "
-                f"(mode {stat.S_IMODE(info.st_mode):o}); chmod 600 {path}"
-            )
-        if info.st_uid not in (os.geteuid(), 0):
-            raise SecretFileError(f"secret file {path} belongs to another user; {how}")
-        data = os.read(fd, MAX_SECRET_BYTES + 1)
-    finally:
-        os.close(fd)
+    data = read_private_file(
+        path, limit=MAX_SECRET_BYTES, what="secret file", how=how, error=SecretFileError
+    )
     secret = data.strip()
-    if len(data) > MAX_SECRET_BYTES:
-        raise SecretFileError(f"secret file {path} is over {MAX_SECRET_BYTES} bytes; {how}")
     if len(secret) < MIN_SECRET_BYTES:
         raise SecretFileError(
             f"secret file {path} holds {len(secret)} bytes, at least {MIN_SECRET_BYTES} are "

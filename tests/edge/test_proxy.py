@@ -508,7 +508,7 @@ def test_the_proxy_needs_the_deployments_secret(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"triode proxy: secret file {loose} is accessible by group or others (mode 644); "
+        f"triode proxy: secret file {loose} is accessible by group or others (mode 0644); "
         f"chmod 600 {loose}"
     ]
 

@@ -56,12 +56,12 @@ def test_the_python_one_liner_makes_a_key_file(tmp_path: Path) -> None:
     ("text", "mode", "says"),
     [
         (None, 0o600, "No such file"),
-        (b"x" * 40, 0o644, "open to others (mode 0644): chmod 600"),
-        (b"x" * 40, 0o620, "open to others"),
+        (b"x" * 40, 0o644, "accessible by group or others (mode 0644); chmod 600"),
+        (b"x" * 40, 0o620, "accessible by group or others"),
         (b"", 0o600, "not a cluster key"),
         (b"too short", 0o600, "not a cluster key"),
         (b"\x00" * 40, 0o600, "not a cluster key"),
-        (b" " * (MAX_FILE_BYTES + 1), 0o600, "too long"),
+        (b" " * (MAX_FILE_BYTES + 1), 0o600, f"is over {MAX_FILE_BYTES} bytes"),
     ],
 )
 def test_a_bad_key_file_is_one_clear_error(
