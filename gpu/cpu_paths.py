@@ -4,6 +4,7 @@ blocked layout, and the fused C kernels handed to the modules that take them."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,7 +63,21 @@ _PACK_BATCH_HINT = 64
 def cpu_weight_packing_supported(dtype: torch.dtype) -> bool:
     """oneDNN's prepacked linear for this dtype on this CPU: bfloat16 where the CPU computes
     in it natively. float32 stays on the plain path that the reference comparisons pin."""
-    return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    return dtype == torch.bfloat16 and _bfloat16_packing()
+
+
+@functools.cache
+def _bfloat16_packing() -> bool:
+    """Whether oneDNN reorders bfloat16 weights on this CPU: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, which an AVX2-only CPU lacks (it refuses there), so one tiny weight is
+    tried once."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        pack_cpu_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,11 @@ from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
 from triode.gpu import cpu_kernels, int4
-from triode.gpu.cpu_paths import pack_cpu_weights, share_row_paths
+from triode.gpu.cpu_paths import (
+    cpu_weight_packing_supported,
+    pack_cpu_weights,
+    share_row_paths,
+)
 from triode.gpu.int4 import (
     INT4_MAX_ROWS,
     INT4_MAX_ROWS_BESIDE_AMX,
@@ -156,7 +160,9 @@ def test_int4_weight_of_the_wrong_shape_is_refused() -> None:
         layer.attach_int4(_random_weight(96, 128))
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+@pytest.mark.skipif(
+    not cpu_weight_packing_supported(torch.bfloat16), reason="no bfloat16 oneDNN packing here"
+)
 def test_packed_bfloat16_projections_equal_plain_ones_and_release_the_plain_weight() -> None:
     model = torch.nn.Sequential(ColumnParallelLinear(64, 96, bias=True), RowParallelLinear(96, 64))
     model = model.bfloat16()

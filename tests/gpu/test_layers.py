@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from triode.gpu import layers
 from triode.gpu.attention import Attention, AttentionMetadata, DecodeGroup, PrefillChunk
+from triode.gpu.cpu_paths import cpu_weight_packing_supported
 from triode.gpu.layers import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -200,7 +201,9 @@ def test_paged_attention_over_shuffled_blocks_matches_plain_attention(
     torch.testing.assert_close(out, expected.reshape(-1, heads * dim))
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+@pytest.mark.skipif(
+    not cpu_weight_packing_supported(torch.bfloat16), reason="no bfloat16 oneDNN packing here"
+)
 def test_padded_dense_products_give_a_row_the_same_bits_at_any_row_count() -> None:
     # what a prompt's tail computed after a prefix-cache hit needs to match a full prefill
     from triode.gpu.cpu_paths import pack_cpu_weights, share_row_paths
