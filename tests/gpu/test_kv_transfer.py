@@ -221,19 +221,7 @@ def test_a_bad_payload_is_a_counted_protocol_error_and_the_decode_recomputes(
     port = server.bind_to_random_port("tcp://127.0.0.1")
     consumer = _Instance(tiny, "kv_consumer", load_timeout=2.0)
     try:
-        params = {
-            "do_remote_prefill": True,
-            "remote_engine_id": "fake",
-            "remote_request_id": "p",
-            "remote_block_ids": [0, 1, 2],
-            "remote_endpoints": [f"tcp://127.0.0.1:{port}"],
-            "remote_num_tokens": len(PROMPT),
-            "remote_secret": "s",
-            "tp_size": 1,
-            "pp_size": 1,
-            "block_size": 16,
-            "transport": "tcp",
-        }
+        params = _remote_params(f"tcp://127.0.0.1:{port}")
         consumer.add("d", _sealed(consumer, params), MAX_TOKENS)
         consumer.step()  # the load starts
         assert server.poll(5000)
