@@ -82,7 +82,7 @@ bench-vllm: setup $(VLLM_VENV)/bin/vllm
 # NCCL collectives, gloo for comparison, and tensor-parallel greedy decoding on this machine's
 # GPUs; without a GPU it says so and succeeds.
 device-check: setup
-	$(PY) -m triode.gpu.device_check
+	$(PY) -m triode.gpu.checks.device
 
 # Every fuzz harness for FUZZ_SECONDS each; FUZZ_ARGS="--atheris" uses libFuzzer (the fuzz
 # extra). A failing input lands in fuzz/crashes/.

@@ -20,8 +20,8 @@ import signal
 import trio
 
 from .config import EngineArgs
+from .core.multiproc import WorkerGroup, worker_options
 from .model_env import model_process_env
-from .multiproc import WorkerGroup, worker_options
 
 log = logging.getLogger(__name__)
 

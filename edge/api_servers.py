@@ -40,10 +40,11 @@ from triode.actors import Child, ChildContext, EngineArgs, open_child
 from triode.actors.engine import connect_engine
 from triode.actors.launcher import EngineCoreEndpoint, open_engine_cores
 
-from .app import Settings, open_app
+from .app import open_app
 from .auth import ApiKeys
 from .metrics import MULTIPROC_DIR_ENV
 from .server import BACKLOG, serve_asgi
+from .settings import Settings
 
 log = logging.getLogger("triode.serve")
 

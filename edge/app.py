@@ -3,7 +3,8 @@
 No framework: `App.__call__` takes raw ASGI messages. The path a request is routed on is the
 scope's path with the root path removed, and the authentication decision is taken on that same
 string, so no handler under `/v1` is reachable through a path the key check did not see.
-Generation endpoints live in `serving.py`, the Responses API in `responses.py`.
+Generation endpoints live in `completions/`, the Responses API in `responses/`, what the
+app is started with in `settings.py`.
 
 Routes are exact paths, or paths with one `{response_id}` segment (`[^/]+`, matched on the same
 string as the key check); the segment reaches the handler as `scope["path_params"]`.
@@ -15,7 +16,6 @@ import contextlib
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from importlib.metadata import version
 
 import msgspec
@@ -23,7 +23,17 @@ import trio
 
 from triode.actors import Engine, EngineDeadError
 
-from .auth import UNAUTHORIZED_HEADERS, ApiKeys, paths_without_key, requires_auth
+from .auth import UNAUTHORIZED_HEADERS, paths_without_key, requires_auth
+from .completions.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    decode_request,
+)
+from .completions.serving import Serving
 from .errors import APIError, validation_error
 from .health import HealthProbe
 from .http import (
@@ -38,57 +48,14 @@ from .http import (
     respond_json,
 )
 from .metrics import Metrics
-from .protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-    decode_request,
-)
-from .responses import Responses
-from .serving import Serving
-from .tenancy import Isolation
+from .responses.serving import Responses
+from .settings import Settings
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[["App", Request], Awaitable[None]]
 
 STATS_TIMEOUT = 1.0
-
-
-@dataclass
-class Settings:
-    """How the app serves: the names it answers to, its keys, limits and CORS origins."""
-
-    served_model_names: list[str]
-    api_keys: ApiKeys = field(default_factory=lambda: ApiKeys(()))
-    max_body_size: int = 16 << 20
-    allowed_origins: list[str] = field(default_factory=list)
-    keepalive_interval: float = 15.0
-    # the Responses API: MCP tool servers, and how long and how often the model may use them
-    tool_servers: list[str] = field(default_factory=list)
-    allow_request_tool_servers: bool = False
-    tool_call_timeout: float = 30.0
-    max_tool_turns: int = 8
-    max_stored_responses: int = 1000
-    # "key": requests share cached prefix blocks only with requests under the same API key
-    prefix_cache_isolation: Isolation = "none"
-    # caps on what one request may cost (edge/serving.py): its choices (prompts x n), the
-    # logprob entries of a whole answer, and its prompt_embeds' bytes (once per choice)
-    max_choices_per_request: int = 2048
-    max_logprob_entries: int = 1 << 20
-    max_prompt_embeds_bytes: int = 256 << 20
-    # /health is 503 once the engine core has made no step for this long with work pending
-    health_stall_timeout: float = 60.0
-    # /metrics behind the key too (it is open for scrapers by default)
-    metrics_require_key: bool = False
-    # background responses running or queued at once (429 past it); seconds a stored one lives
-    max_background_responses: int = 32
-    response_ttl: float = 3600.0
-    # request-named MCP servers may be on loopback, private or link-local addresses
-    allow_private_tool_servers: bool = False
 
 
 class App:

@@ -26,8 +26,9 @@ from typing import Any
 from triode.actors import open_engine
 from triode.actors.asyncio import Bridge, open_bridge
 
-from .app import Settings, open_app
+from .app import open_app
 from .http import Message, Receive, Scope, Send
+from .settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -12,15 +12,15 @@ from importlib.metadata import version
 
 BENCHMARKS = {
     "wire": "triode.wire.bench",
-    "throughput": "triode.edge.bench_throughput",
-    "serve": "triode.edge.bench_serve",
-    "ab": "triode.edge.bench_ab",
-    "frontend": "triode.edge.bench_frontend",
-    "vllm": "triode.edge.bench_vllm",
-    "structured": "triode.edge.bench_structured",
-    "collectives": "triode.gpu.bench_collectives",
-    "step": "triode.gpu.bench_step",
-    "kv-transfer": "triode.gpu.bench_kv_transfer",
+    "throughput": "triode.edge.bench.throughput",
+    "serve": "triode.edge.bench.serve",
+    "ab": "triode.edge.bench.ab",
+    "frontend": "triode.edge.bench.frontend",
+    "vllm": "triode.edge.bench.vllm",
+    "structured": "triode.edge.bench.structured",
+    "collectives": "triode.gpu.bench.collectives",
+    "step": "triode.gpu.bench.step",
+    "kv-transfer": "triode.gpu.bench.kv_transfer",
 }
 
 
@@ -285,10 +285,10 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     from triode.actors.config import parse_size
 
-    from .app import Settings
     from .auth import ApiKeys, keys_from
-    from .mcp_tools import parse_tool_server_specs
     from .server import ServeOptions, serve
+    from .settings import Settings
+    from .tools.mcp import parse_tool_server_specs
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -23,7 +23,8 @@ from hypercorn.trio.tcp_server import TCPServer
 
 from triode.actors import open_engine
 
-from .app import Settings, open_app
+from .app import open_app
+from .settings import Settings
 
 log = logging.getLogger("triode.serve")
 # Connections the kernel queues for accept: a burst of clients connecting at once (hypercorn's

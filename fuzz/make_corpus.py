@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from triode.edge.protocol import (
+from triode.edge.completions.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
@@ -33,7 +33,7 @@ from triode.edge.protocol import (
     TokenizeRequest,
     UsageInfo,
 )
-from triode.edge.responses_protocol import ResponsesRequest
+from triode.edge.responses.protocol import ResponsesRequest
 from triode.edge.sse import DONE, KEEPALIVE, event
 from triode.wire import (
     PROTOCOL_VERSION,

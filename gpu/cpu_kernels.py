@@ -29,10 +29,9 @@ from .loader import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("paged_attention.c", "fused_ops.c", "int4_amx.c")
-)
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("simd.h", "bf16.h"))
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = tuple(KERNELS / name for name in ("paged_attention.c", "fused_ops.c", "int4_amx.c"))
+HEADERS = tuple(KERNELS / name for name in ("simd.h", "bf16.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 Kernel = Callable[..., torch.Tensor]

@@ -84,7 +84,7 @@ def tiny_random() -> Path:
     Its vocabulary is the default model's when that was converted before the first build (a
     realistic tokenizer for benchmarks), else a byte-level one; delete the directory to rebuild.
     """
-    from .testing import build_tiny_model
+    from .tiny_model import build_tiny_model
 
     def build(tmp: Path) -> None:
         build_tiny_model(tmp, hidden_size=64, num_layers=2, max_position_embeddings=2048)

@@ -10,7 +10,8 @@ from typing import Any
 import msgspec
 import trio
 
-from triode.edge.app import App, Settings
+from triode.edge.app import App
+from triode.edge.settings import Settings
 
 
 class StubIntake:

@@ -27,9 +27,7 @@ from typing import Any
 import msgspec
 
 from triode.actors.engine import split_params
-from triode.edge.errors import APIError, error_body
-from triode.edge.http import ClientDisconnected, Request
-from triode.edge.protocol import (
+from triode.edge.completions.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -40,15 +38,17 @@ from triode.edge.protocol import (
     decode_request,
     sampling_params,
 )
-from triode.edge.responses_protocol import (
+from triode.edge.completions.serving import Serving
+from triode.edge.completions.structured import structured_from_text_format
+from triode.edge.errors import APIError, error_body
+from triode.edge.http import ClientDisconnected, Request
+from triode.edge.responses.protocol import (
     ResponsesRequest,
     decode_responses_request,
     input_messages,
     mcp_tool_specs,
 )
-from triode.edge.serving import Serving
-from triode.edge.structured import structured_from_text_format
-from triode.edge.tools import parse_tool_choice, parse_tools
+from triode.edge.tools.choice import parse_tool_choice, parse_tools
 from triode.wire import (
     Encoder,
     EngineCoreRequest,

@@ -19,7 +19,7 @@ from collections import Counter
 
 import numpy as np
 
-from triode.actors.scheduler import Scheduler, SchedulerConfig
+from triode.actors.core.scheduler import Scheduler, SchedulerConfig
 from triode.wire import (
     EngineCoreOutputs,
     EngineCoreRequest,

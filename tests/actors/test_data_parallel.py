@@ -19,7 +19,7 @@ PROMPTS = [[5 + i, 17, 42, 9 + i, 100, 3] for i in range(8)]
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from triode.gpu.testing import build_tiny_model
+    from triode.gpu.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("dp") / "tiny", num_layers=2)
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from triode.actors.kv_cache import (
+from triode.actors.core.kv_cache import (
     BlockPool,
     KVCacheManager,
     embeds_salt,
     hash_block_tokens,
     salt_root,
 )
-from triode.actors.request import Request
+from triode.actors.core.request import Request
 from triode.wire import SamplingParams
 
 

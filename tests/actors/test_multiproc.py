@@ -17,7 +17,7 @@ import trio
 from processes import alive, listening_sockets
 
 from triode.actors.config import EngineArgs
-from triode.actors.multiproc import WorkerDied, open_multiproc_executor
+from triode.actors.core.multiproc import WorkerDied, open_multiproc_executor
 from triode.wire import (
     NewRequestData,
     SamplingParams,
@@ -33,7 +33,7 @@ PROMPT = [5, 17, 42, 9, 100, 3, 77]
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from triode.gpu.testing import build_tiny_model
+    from triode.gpu.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("multiproc") / "tiny", num_layers=4)
 

@@ -38,7 +38,7 @@ def before() -> Iterator[set[str]]:
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from triode.gpu.testing import build_tiny_model
+    from triode.gpu.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("embeds") / "tiny", num_layers=2)
 

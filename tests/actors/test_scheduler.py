@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from triode.actors.request import RequestStatus
-from triode.actors.scheduler import Scheduler, SchedulerConfig
+from triode.actors.core.request import RequestStatus
+from triode.actors.core.scheduler import Scheduler, SchedulerConfig
 from triode.wire import (
     EngineCoreOutput,
     EngineCoreRequest,

@@ -19,8 +19,8 @@ from triode.edge.api_servers import (
     settings_from_builtins,
     settings_to_builtins,
 )
-from triode.edge.app import Settings
 from triode.edge.auth import ApiKeys
+from triode.edge.settings import Settings
 
 CHILD_TARGETS = Path(__file__).parents[1] / "actors"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from triode.edge.bench_ab import (
+from triode.edge.bench.ab import (
     check_source,
     compare,
     format_rows,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from triode.edge.bench_frontend import format_table, parse_args, vllm_shaped
+from triode.edge.bench.frontend import format_table, parse_args, vllm_shaped
 
 
 def test_the_vllm_shaped_model_has_wider_heads_and_the_same_weights(tmp_path: Path) -> None:

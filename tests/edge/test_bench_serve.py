@@ -19,7 +19,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 from processes import alive
 
-from triode.edge.bench_serve import (
+from triode.edge.bench.serve import (
     RequestResult,
     format_comparison,
     free_port,

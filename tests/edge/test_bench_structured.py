@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from triode.edge import bench_structured
+from triode.edge.bench import structured as bench_structured
 
 TINY = (
     {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},

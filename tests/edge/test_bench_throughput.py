@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from triode.edge.bench_throughput import Agreement, Greedy, _table, agreement
+from triode.edge.bench.throughput import Agreement, Greedy, _table, agreement
 
 
 def test_agreement_names_where_texts_part_and_float32s_margin_there() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from triode.edge.bench_vllm import command_for, format_table, parse_args
+from triode.edge.bench.vllm import command_for, format_table, parse_args
 
 
 def _row(server: str, streams: int, throughput: float, ttft: float) -> dict[str, object]:

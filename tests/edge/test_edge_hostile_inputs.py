@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from triode.edge.auth import ApiKeys
+from triode.edge.completions.protocol import ChatCompletionRequest, decode_request, sampling_params
 from triode.edge.errors import APIError
 from triode.edge.http import Request
-from triode.edge.protocol import ChatCompletionRequest, decode_request, sampling_params
 from triode.edge.sse import SSEParser
 from triode.wire import (
     Encoder,

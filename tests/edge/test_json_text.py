@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from triode.edge import json_text
+from triode.edge.completions.protocol import ChatCompletionRequest, decode_request
+from triode.edge.completions.structured import structured_outputs_of
 from triode.edge.errors import APIError
-from triode.edge.protocol import ChatCompletionRequest, decode_request
-from triode.edge.responses_protocol import input_messages
-from triode.edge.structured import structured_outputs_of
-from triode.edge.tools import check_tool_messages, parse_tools, prepare_messages
+from triode.edge.responses.protocol import input_messages
+from triode.edge.tools.choice import check_tool_messages, parse_tools, prepare_messages
 
 DEPTH = json_text.MAX_DEPTH
 
@@ -110,7 +110,7 @@ def test_arguments_that_are_not_json_are_still_passed_on_as_text() -> None:
     messages = [{"role": "assistant", "tool_calls": [call]}]
     check_tool_messages(messages)
     tools = parse_tools([{"type": "function", "function": {"name": "f"}}])
-    from triode.edge.tools import parse_tool_choice
+    from triode.edge.tools.choice import parse_tool_choice
 
     prepared, _ = prepare_messages(
         messages, tools, parse_tool_choice(None, tools), renders_tools=True

@@ -16,20 +16,20 @@ import trio
 from mcp.types import Tool
 from mcp_server import MCPServerProcess, Transport, free_port, kill, running_mcp_server
 
-from triode.edge import destinations
-from triode.edge.destinations import refusal
-from triode.edge.mcp_answers import (
+from triode.edge.tools import destinations
+from triode.edge.tools.destinations import refusal
+from triode.edge.tools.mcp import (
+    ToolServerError,
+    ToolServers,
+    ToolServerUnavailable,
+    parse_tool_server_specs,
+)
+from triode.edge.tools.mcp_answers import (
     MAX_DESCRIPTION,
     MAX_OUTPUT_CHARS,
     MAX_SCHEMA_BYTES,
     MAX_TOOLS,
     offered_tools,
-)
-from triode.edge.mcp_tools import (
-    ToolServerError,
-    ToolServers,
-    ToolServerUnavailable,
-    parse_tool_server_specs,
 )
 
 TOOLS = {"add", "get_weather", "slow", "fail"}

@@ -16,13 +16,13 @@ import msgspec
 import pytest
 import torch
 
-from triode.edge.app import Settings
+from triode.edge.completions.prompt_embeds import decode_prompt_embeds
+from triode.edge.completions.protocol import CompletionRequest, decode_request
+from triode.edge.completions.serving import Serving
 from triode.edge.errors import APIError
 from triode.edge.http import Request
 from triode.edge.metrics import Metrics
-from triode.edge.prompt_embeds import decode_prompt_embeds
-from triode.edge.protocol import CompletionRequest, decode_request
-from triode.edge.serving import Serving
+from triode.edge.settings import Settings
 
 HIDDEN = 8
 MAX_MODEL_LEN = 64

@@ -13,8 +13,7 @@ import pytest
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from triode.edge.errors import APIError
-from triode.edge.protocol import (
+from triode.edge.completions.protocol import (
     MAX_CACHE_SALT,
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -43,6 +42,7 @@ from triode.edge.protocol import (
     decode_request,
     sampling_params,
 )
+from triode.edge.errors import APIError
 
 USER = {"role": "user", "content": "Hello"}
 

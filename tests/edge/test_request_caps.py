@@ -9,16 +9,16 @@ from typing import Any
 import msgspec
 import pytest
 
-from triode.edge.app import Settings
-from triode.edge.errors import APIError
-from triode.edge.metrics import Metrics
-from triode.edge.protocol import (
+from triode.edge.completions.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     decode_request,
     sampling_params,
 )
-from triode.edge.serving import Serving, _Prompt
+from triode.edge.completions.serving import Serving, _Prompt
+from triode.edge.errors import APIError
+from triode.edge.metrics import Metrics
+from triode.edge.settings import Settings
 from triode.wire import SamplingParams
 from triode.wire.messages import MAX_LOGIT_BIAS, MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS
 

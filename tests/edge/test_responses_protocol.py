@@ -16,8 +16,8 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
 from triode.edge.errors import APIError
-from triode.edge.responses_output import ResponseBuilder
-from triode.edge.responses_protocol import (
+from triode.edge.responses.output import ResponseBuilder
+from triode.edge.responses.protocol import (
     MAX_INSTRUCTIONS,
     McpListTools,
     McpToolInfo,
@@ -28,7 +28,7 @@ from triode.edge.responses_protocol import (
     mcp_tool_specs,
     output_text,
 )
-from triode.edge.responses_store import ResponseStore, StoredResponse
+from triode.edge.responses.store import ResponseStore, StoredResponse
 from triode.edge.sse import SSEParser
 
 
@@ -90,7 +90,7 @@ def test_a_missing_input_and_invalid_json_are_400s() -> None:
 
 
 def test_cache_salt_is_a_bounded_non_empty_string_or_a_400_naming_it() -> None:
-    from triode.edge.protocol import MAX_CACHE_SALT
+    from triode.edge.completions.protocol import MAX_CACHE_SALT
 
     assert _decode().cache_salt is None
     assert _decode(cache_salt="x" * MAX_CACHE_SALT).cache_salt == "x" * MAX_CACHE_SALT
@@ -574,8 +574,8 @@ def _offered(label: str, *names: str) -> tuple[Any, list[McpToolInfo]]:
 
 
 def test_mcp_tools_keep_their_names_unless_two_tools_share_one() -> None:
-    from triode.edge.responses_plan import _mcp_functions
-    from triode.edge.tools import FunctionTool
+    from triode.edge.responses.plan import _mcp_functions
+    from triode.edge.tools.choice import FunctionTool
 
     weather = FunctionTool(name="get_weather", description="", parameters={}, strict=False)
     offered = [_offered("a", "add", "echo"), _offered("b", "echo", "get_weather")]
@@ -589,7 +589,7 @@ def test_mcp_tools_keep_their_names_unless_two_tools_share_one() -> None:
 
 
 def test_an_mcp_tool_choice_names_one_tool_or_requires_one_of_a_server() -> None:
-    from triode.edge.responses_plan import _mcp_functions, _tool_choice
+    from triode.edge.responses.plan import _mcp_functions, _tool_choice
 
     tools, routes, names = _mcp_functions([], [_offered("a", "add"), _offered("b", "mul")])
 
@@ -609,7 +609,7 @@ def test_an_mcp_tool_choice_names_one_tool_or_requires_one_of_a_server() -> None
 
 
 def test_a_tool_choice_only_a_down_server_could_meet_is_no_choice() -> None:
-    from triode.edge.responses_plan import _mcp_functions, _tool_choice
+    from triode.edge.responses.plan import _mcp_functions, _tool_choice
 
     tools, routes, names = _mcp_functions([], [_offered("down")])
 

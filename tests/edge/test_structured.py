@@ -9,13 +9,17 @@ from typing import Any
 import pytest
 import trio
 
-from triode.edge.errors import APIError
-from triode.edge.protocol import ChatCompletionRequest, CompletionRequest, decode_request
-from triode.edge.structured import (
+from triode.edge.completions.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_request,
+)
+from triode.edge.completions.structured import (
     check_structured,
     structured_from_text_format,
     structured_outputs_of,
 )
+from triode.edge.errors import APIError
 from triode.wire import StructuredOutputsParams as SO
 
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}

@@ -14,9 +14,9 @@ import llguidance
 import pytest
 
 from triode.actors.chat_template import ChatTemplate
-from triode.actors.structured_output import check_grammar
+from triode.actors.core.structured_output import check_grammar
 from triode.edge.errors import APIError
-from triode.edge.tool_calls import (
+from triode.edge.tools.calls import (
     ContentDelta,
     ToolCall,
     ToolCallDelta,
@@ -24,7 +24,7 @@ from triode.edge.tool_calls import (
     call_grammar,
     parse_tool_calls,
 )
-from triode.edge.tools import (
+from triode.edge.tools.choice import (
     FunctionTool,
     ToolChoice,
     check_tool_messages,

@@ -8,7 +8,7 @@ import multiprocessing
 import pytest
 
 from triode.edge.cli import BENCHMARKS
-from triode.gpu import bench_collectives
+from triode.gpu.bench import collectives as bench_collectives
 
 pytestmark = pytest.mark.slow
 
@@ -54,4 +54,4 @@ def test_every_row_is_measured_with_positive_latencies(capsys: pytest.CaptureFix
 
 
 def test_cli_names_the_benchmark() -> None:
-    assert BENCHMARKS["collectives"] == "triode.gpu.bench_collectives"
+    assert BENCHMARKS["collectives"] == "triode.gpu.bench.collectives"

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from triode.gpu.bench_step import flops_per_token
+from triode.gpu.bench.step import flops_per_token
 
 
 def test_flops_per_token_count_every_projection_the_head_and_attention() -> None:
@@ -23,7 +23,7 @@ def test_flops_per_token_count_every_projection_the_head_and_attention() -> None
 
 
 def test_a_short_run_prints_a_row_per_batch_size(tmp_path: Path) -> None:
-    from triode.gpu.testing import build_tiny_model
+    from triode.gpu.tiny_model import build_tiny_model
 
     model = build_tiny_model(tmp_path / "tiny")
     done = subprocess.run(

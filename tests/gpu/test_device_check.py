@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from triode.gpu.collective_check import check_collectives
+from triode.gpu.checks.collective import check_collectives
+from triode.gpu.checks.parallel import MAX_TOKENS, Decoded, compare
 from triode.gpu.local_group import Rank, RankError, run_ranks
-from triode.gpu.parallel_check import MAX_TOKENS, Decoded, compare
-from triode.gpu.testing import build_uneven_tiny_model
+from triode.gpu.tiny_model import build_uneven_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +68,7 @@ def test_ranks_past_the_timeout_are_killed() -> None:
 def _device_check(*args: str) -> subprocess.CompletedProcess[str]:
     env = os.environ | {"CUDA_VISIBLE_DEVICES": ""}  # no GPU, even on a machine with one
     return subprocess.run(
-        [sys.executable, "-m", "triode.gpu.device_check", *args],
+        [sys.executable, "-m", "triode.gpu.checks.device", *args],
         env=env,
         capture_output=True,
         text=True,

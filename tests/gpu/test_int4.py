@@ -261,7 +261,7 @@ def test_int4_bfloat16_model_predicts_like_float32(smollm2: Path, copies: int) -
 def test_quantization_none_and_models_without_4_bit_weights_run_dense(
     smollm2: Path, tmp_path: Path
 ) -> None:
-    from triode.gpu.testing import build_tiny_model
+    from triode.gpu.tiny_model import build_tiny_model
 
     options = {"kv_cache_memory": 16 << 20, "max_model_len": 128, "num_threads": 1}
     assert (

@@ -24,14 +24,14 @@ import torch
 import zmq
 from kv_secret import secret_file
 
-from triode.actors.kv_connector import KVConnectorScheduler
-from triode.actors.scheduler import Scheduler, SchedulerConfig
+from triode.actors.core.kv_connector import KVConnectorScheduler
+from triode.actors.core.scheduler import Scheduler, SchedulerConfig
 from triode.gpu.kv_connector import FinishedTransfers
 from triode.gpu.kv_loader import KVLoader
 from triode.gpu.kv_shm import MAX_FRAME_BYTES, HandoffError, receive_cache, shared_cache
 from triode.gpu.kv_transport import CUT_BYTES, MAX_REQUEST_BYTES, KVServer, RequestAuth
 from triode.gpu.model_runner import ModelRunner
-from triode.gpu.testing import build_tiny_model
+from triode.gpu.tiny_model import build_tiny_model
 from triode.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
 from triode.wire.kv_seal import prompt_digest, seal, seal_remote_decode
 from triode.wire.kv_transfer import (

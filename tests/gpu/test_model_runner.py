@@ -15,7 +15,7 @@ import torch
 from triode.gpu import model_runner
 from triode.gpu.attention import AttentionMetadata, PrefillChunk
 from triode.gpu.model_runner import ModelRunner
-from triode.gpu.testing import build_tiny_model
+from triode.gpu.tiny_model import build_tiny_model
 from triode.wire import (
     Logprobs,
     NewRequestData,

@@ -136,7 +136,7 @@ def _assert_same(expected: list[object], got: list[object]) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from triode.gpu.testing import build_tiny_model, build_uneven_tiny_model
+    from triode.gpu.tiny_model import build_tiny_model, build_uneven_tiny_model
 
     root = tmp_path_factory.mktemp("parallel-models")
     return {

@@ -18,12 +18,12 @@ import torch
 import trio
 
 from triode.actors.config import EngineArgs
-from triode.actors.executor import InProcessExecutor
-from triode.actors.scheduler import Scheduler, SchedulerConfig
-from triode.actors.structured_output import StructuredOutputManager, check_grammar, grammar_of
+from triode.actors.core.executor import InProcessExecutor
+from triode.actors.core.scheduler import Scheduler, SchedulerConfig
+from triode.actors.core.structured_output import StructuredOutputManager, check_grammar, grammar_of
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.sampler import apply_token_bitmask
-from triode.gpu.testing import build_tiny_model
+from triode.gpu.tiny_model import build_tiny_model
 from triode.wire import EngineCoreOutput, EngineCoreRequest, SamplingParams
 from triode.wire import StructuredOutputsParams as SO
 

@@ -24,8 +24,8 @@ from starlette.routing import Route
 
 from triode.actors import SamplingParams
 from triode.actors.asyncio import open_engine
-from triode.edge.app import Settings
 from triode.edge.asyncio_app import AsyncioASGI, create_app
+from triode.edge.settings import Settings
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 from server import Server, free_port, running_server
 
-from triode.edge.mcp_tools import ToolServers
+from triode.edge.tools.mcp import ToolServers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mcp_server import running_mcp_server

@@ -1,0 +1,172 @@
+"""The one door from the actors into `triode.gpu`: where the model runs.
+
+The scheduler hands each step's `SchedulerOutput` to an executor and gets a `ModelRunnerOutput`
+back. In a world of one (tensor x pipeline parallel size 1, backend `inproc`) the model runs in
+this process, on one dedicated thread; otherwise (`mp`) in one worker process per rank
+(`multiproc.py`), which this process starts and supervises.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Protocol
+
+import msgspec
+import trio
+
+from triode.wire import ModelRunnerOutput, SchedulerOutput
+
+from ..config import EngineArgs
+
+log = logging.getLogger(__name__)
+
+# Fills a step's grammar bitmask in place (`Scheduler.fill_bitmask`).
+FillBitmask = Callable[[SchedulerOutput], None]
+
+
+class Executor(Protocol):
+    model_dir: Path
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_id: int | None
+    extra_eos_token_ids: list[int]
+    vocab_size: int
+    hidden_size: int  # what a prompt's embeddings must have per position
+    dtype: str
+    protocol_errors: int  # broadcast messages the workers could not decode
+    # how many steps may be in flight at once: one per pipeline stage
+    max_concurrent_batches: int
+    worker_pids: list[int]  # this node's model worker processes
+    kv_endpoints: list[str]  # each rank's KV server, with a KV connector; else empty
+
+    async def execute(
+        self, scheduler_output: SchedulerOutput, fill_bitmask: FillBitmask | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step. A step with constrained rows needs `fill_bitmask` run on it before
+        its sampling, which an executor may overlap with the step's forward. A checkpoint;
+        cancelling it leaves the step's effect on the KV cache undefined, which only happens
+        when the engine stops."""
+        ...
+
+    async def submit(
+        self, scheduler_output: SchedulerOutput, fill_bitmask: FillBitmask | None = None
+    ) -> None:
+        """Start a step without waiting for it (only where `max_concurrent_batches` > 1),
+        its grammar bitmask filled first by `fill_bitmask` where it has constrained rows."""
+        ...
+
+    async def receive(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The result of the oldest submitted step, which must be `scheduler_output`."""
+        ...
+
+
+class InProcessExecutor:
+    """Runs the model in this process, on one thread beside the trio loop, a step at a time."""
+
+    protocol_errors = 0
+    max_concurrent_batches = 1
+    worker_pids: list[int] = []  # the model runs in this process
+
+    def __init__(self, args: EngineArgs) -> None:
+        from triode.gpu.model_runner import ModelRunner
+
+        started = time.perf_counter()
+        log.info("loading %s (dtype %s)", args.model or "the default model", args.dtype)
+        self._runner = ModelRunner.from_engine_args(msgspec.to_builtins(args))
+        self.model_dir = self._runner.model_dir
+        self.num_kv_blocks = self._runner.num_kv_blocks
+        self.block_size = self._runner.block_size
+        self.max_model_len = self._runner.max_model_len
+        self.eos_token_id = self._runner.eos_token_id
+        self.extra_eos_token_ids = self._runner.extra_eos_token_ids
+        self.vocab_size = self._runner.vocab_size
+        self.hidden_size = self._runner.hidden_size
+        self.dtype = str(self._runner.dtype).removeprefix("torch.")
+        self.kv_endpoints = self._runner.kv_endpoints
+        log.info(
+            "model loaded in %.1fs: %s%s, %d KV blocks of %d tokens",
+            time.perf_counter() - started,
+            self.dtype,
+            f" ({self._runner.int4_projections} projections in 4 bits for small steps)"
+            if self._runner.int4_projections
+            else "",
+            self.num_kv_blocks,
+            self.block_size,
+        )
+
+        self._thread = trio.CapacityLimiter(1)
+        self._filler = trio.CapacityLimiter(1)
+        self._overlap_bitmask = self._runner.device.type != "cpu"
+
+    async def execute(
+        self, scheduler_output: SchedulerOutput, fill_bitmask: FillBitmask | None = None
+    ) -> ModelRunnerOutput:
+        """The step on the model's thread. A grammar bitmask is filled on another thread: on
+        an accelerator while the step's forward runs (the runner waits for it only when it is
+        about to sample); on CPU first, since the forward's threads already take every core
+        the model was given and a fill beside them measured no faster."""
+        if not scheduler_output.grammar_request_ids:
+            fill_bitmask = None
+        if fill_bitmask is not None and self._overlap_bitmask:
+            return await self._execute_beside_fill(scheduler_output, fill_bitmask)
+        if fill_bitmask is not None:
+            await trio.to_thread.run_sync(fill_bitmask, scheduler_output, limiter=self._filler)
+        return await trio.to_thread.run_sync(
+            self._runner.execute, scheduler_output, limiter=self._thread
+        )
+
+    async def _execute_beside_fill(
+        self, scheduler_output: SchedulerOutput, fill_bitmask: FillBitmask
+    ) -> ModelRunnerOutput:
+        filled: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def fill() -> None:
+            try:
+                fill_bitmask(scheduler_output)
+            except BaseException as e:  # the runner raises it, where it waits
+                filled.set_exception(e)
+            else:
+                filled.set_result(None)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(trio.to_thread.run_sync, fill, limiter=self._filler))
+            return await trio.to_thread.run_sync(
+                self._runner.execute, scheduler_output, filled.result, limiter=self._thread
+            )
+
+    async def submit(
+        self, scheduler_output: SchedulerOutput, fill_bitmask: FillBitmask | None = None
+    ) -> None:
+        raise RuntimeError("the in-process executor runs one step at a time: call execute")
+
+    async def receive(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        raise RuntimeError("the in-process executor runs one step at a time: call execute")
+
+    def shutdown(self) -> None:
+        self._runner.shutdown()
+        self._runner = None  # type: ignore[assignment]
+
+
+@asynccontextmanager
+async def open_executor(args: EngineArgs) -> AsyncIterator[Executor]:
+    """The executor `args` ask for, ready to execute. Leaving the block stops it (and its
+    worker processes). With workers, one that dies or fails cancels the block and raises
+    `WorkerDied` (in an exception group), having killed the other ranks."""
+    if args.executor_backend == "inproc":
+        executor = await trio.to_thread.run_sync(InProcessExecutor, args, abandon_on_cancel=True)
+        try:
+            yield executor
+        finally:
+            executor.shutdown()
+        return
+    from .multiproc import open_multiproc_executor
+
+    async with open_multiproc_executor(args) as multiproc:
+        yield multiproc

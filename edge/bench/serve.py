@@ -1,0 +1,649 @@
+"""`triode bench serve`: an OpenAI-compatible server under load, measured from the client side.
+
+Streams `POST /v1/completions` (`ignore_eos`, greedy, exactly `--output-len` tokens) for
+`--num-prompts` synthetic prompts at `--max-concurrency` streams and, optionally, Poisson arrivals
+at `--request-rate`, and reports request and token throughput, time to first token (TTFT), time
+per output token after the first (TPOT), inter-token latency (ITL) and end-to-end latency.
+
+`--compare-offline` starts `triode serve` itself, measures it, stops it, and only then runs the
+same workload through the engine in this process (`open_engine`, no HTTP), so the two never share
+the CPUs; it prints both side by side with the cost of serving over the offline engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+import msgspec
+import numpy as np
+import trio
+
+from triode.actors import Engine, RequestError, SamplingParams, open_engine
+from triode.wire.ports import free_port
+
+from ..sse import SSEParser
+
+# Common words that BPE vocabularies hold as one token each (with their leading space), so a
+# prompt of N words is about N tokens.
+WORDS = """
+the of and to in is was for on that with as by at from his her they this which or had not are
+but have one all were when there been has more their time will would who so out up into can
+said new like some could then them other than first only its also after two over these many
+may well made year back before way water long little very just any where most through man day
+good people state great three under high last such city house world part small school might
+end still life while both home same work because found must between each old even place
+""".split()
+WARMUP_PROMPT = "Hello, my name is"
+TARGET_OVERHEAD_PCT = 10.0
+TARGET_CONCURRENCY = 32
+
+
+def synthetic_prompts(n: int, input_len: int, seed: int) -> list[str]:
+    """`n` prompts of `input_len` words drawn from `WORDS` (about as many tokens), the same
+    for the same seed."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choices(WORDS, k=input_len)) for _ in range(n)]
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it; times in seconds from sending it."""
+
+    ok: bool = False
+    ttft: float = math.nan
+    latency: float = math.nan
+    itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    error: str = ""
+
+
+def summarize(results: Sequence[RequestResult], duration: float) -> dict[str, Any]:
+    """Throughputs over `duration` and the mean/median/p99 latencies, in milliseconds, of the
+    successful requests; failed ones are only counted and their errors listed."""
+    ok = [r for r in results if r.ok]
+    inputs = sum(r.prompt_tokens for r in ok)
+    outputs = sum(r.output_tokens for r in ok)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    summary: dict[str, Any] = {
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "duration_s": duration,
+        "total_input_tokens": inputs,
+        "total_output_tokens": outputs,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": outputs / duration,
+        "total_token_throughput": (inputs + outputs) / duration,
+    }
+    for name, values in (
+        ("ttft", [r.ttft for r in ok]),
+        ("tpot", tpots),
+        ("itl", [x for r in ok for x in r.itl]),
+        ("e2el", [r.latency for r in ok]),
+    ):
+        for stat, value in _stats(values).items():
+            summary[f"{stat}_{name}_ms"] = value * 1e3
+    summary["errors"] = [r.error for r in results if not r.ok]
+    return summary
+
+
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": math.nan, "median": math.nan, "p99": math.nan}
+    array = np.asarray(values, dtype=np.float64)
+    return {
+        "mean": float(array.mean()),
+        "median": float(np.percentile(array, 50)),
+        "p99": float(np.percentile(array, 99)),
+    }
+
+
+async def _drive(
+    prompts: Sequence[str],
+    one: Callable[[str], Awaitable[RequestResult]],
+    max_concurrency: int,
+    request_rate: float,
+    seed: int,
+) -> tuple[list[RequestResult], float]:
+    """Run `one` on every prompt, at most `max_concurrency` at a time, arriving as a Poisson
+    process of `request_rate` per second (all at once if infinite); the results and the time."""
+    if max_concurrency < 1:
+        raise ValueError("max_concurrency must be >= 1")
+    limiter = trio.CapacityLimiter(max_concurrency)
+    rng = random.Random(seed)
+    results = [RequestResult() for _ in prompts]
+
+    async def run(i: int, prompt: str) -> None:
+        async with limiter:
+            results[i] = await one(prompt)
+
+    start = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for i, prompt in enumerate(prompts):
+            if i and math.isfinite(request_rate):
+                await trio.sleep(rng.expovariate(request_rate))
+            nursery.start_soon(run, i, prompt)
+    return results, time.perf_counter() - start
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class _Choice(msgspec.Struct):
+    text: str = ""
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] = msgspec.field(default_factory=list)
+    usage: _Usage | None = None
+    error: Any = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+# seconds an idle connection stays in the client's pool
+KEEPALIVE_EXPIRY = 2.0
+
+
+async def run_benchmark(
+    base_url: str,
+    *,
+    model: str | None,
+    prompts: list[str],
+    output_len: int,
+    max_concurrency: int,
+    request_rate: float = math.inf,
+    api_key: str | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Stream a completion for each prompt from the server at `base_url` and summarize.
+
+    `model` None is the first model the server lists. One short warm-up request goes first and
+    is not measured. Returns `summarize`'s dict plus `base_url`, `model` and the per-request
+    `requests`. Failed requests are counted, not raised; raises `RuntimeError` if the warm-up
+    fails and `httpx.HTTPError` if the server cannot be reached. Cancelling it abandons the
+    requests in flight (the server sees the connections close)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    # An idle connection is dropped here well before servers drop it (uvicorn and hypercorn
+    # after 5 s, httpx's own default too): reusing one as the server closes it fails the request.
+    limits = httpx.Limits(
+        max_connections=max_concurrency + 1,
+        max_keepalive_connections=None,
+        keepalive_expiry=KEEPALIVE_EXPIRY,
+    )
+    timeout = httpx.Timeout(30.0, read=None, pool=None)
+    async with httpx.AsyncClient(
+        base_url=base_url, headers=headers, limits=limits, timeout=timeout
+    ) as client:
+        if model is None:
+            model = await first_model_id(client)
+
+        def one(prompt: str, max_tokens: int = output_len) -> Awaitable[RequestResult]:
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            return stream_completion(client, body)
+
+        warmup = await one(WARMUP_PROMPT, min(output_len, 4))
+        if not warmup.ok:
+            raise RuntimeError(f"the warm-up request failed: {warmup.error}")
+        results, duration = await _drive(prompts, one, max_concurrency, request_rate, seed)
+    summary = summarize(results, duration)
+    return {
+        "base_url": base_url,
+        "model": model,
+        **summary,
+        "requests": [asdict(r) for r in results],
+    }
+
+
+async def first_model_id(client: httpx.AsyncClient) -> str:
+    """The first id `GET /v1/models` lists. Raises `httpx.HTTPStatusError` on an error status."""
+    response = await client.get("/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
+    """`POST /v1/completions` with `body` (which asks for a stream with usage), timed.
+
+    TTFT is up to the first chunk with a choice; each later one adds one ITL per token
+    it carries (one unless the server sends usage with every chunk); the token counts are the
+    final usage chunk's. Any failure, including a stream without usage or `[DONE]`, is returned
+    as an error, never raised.
+    """
+    timer = _StreamTimer()
+    parser = SSEParser()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                return timer.fail(f"HTTP {response.status_code}: {text[:500]}")
+            async with aclosing(response.aiter_bytes()) as data:
+                async for received in data:
+                    for payload in parser.feed(received):
+                        timer.take(payload)
+                    if timer.result.error:
+                        return timer.result
+    except (httpx.HTTPError, msgspec.DecodeError) as e:
+        return timer.fail(f"{type(e).__name__}: {e}")
+    return timer.finish()
+
+
+class _StreamTimer:
+    """Times one stream's events into a `RequestResult`."""
+
+    def __init__(self) -> None:
+        self.result = RequestResult()
+        self.start = self.last = time.perf_counter()
+        self.tokens_at_last: int | None = None  # completion tokens as of the last text, if known
+        self.done = False
+
+    def take(self, payload: bytes) -> None:
+        """One event's data; raises `msgspec.DecodeError` if it is not a completion chunk."""
+        now = time.perf_counter()
+        if payload == b"[DONE]":
+            self.done = True
+            return
+        chunk = _decode_chunk(payload)
+        if chunk.error is not None:
+            self.fail(f"error event: {json.dumps(chunk.error)[:500]}")
+            return
+        result, usage = self.result, chunk.usage
+        if chunk.choices:  # a chunk carries new tokens (their text may be empty) or the end
+            if math.isnan(result.ttft):
+                result.ttft = now - self.start
+            else:
+                n = 1
+                if usage is not None and self.tokens_at_last is not None:
+                    n = max(1, usage.completion_tokens - self.tokens_at_last)
+                result.itl.extend([(now - self.last) / n] * n)
+            self.last = now
+            self.tokens_at_last = None if usage is None else usage.completion_tokens
+        if usage is not None:
+            result.prompt_tokens = usage.prompt_tokens
+            result.output_tokens = usage.completion_tokens
+
+    def fail(self, error: str) -> RequestResult:
+        self.result.error = error
+        return self.result
+
+    def finish(self) -> RequestResult:
+        self.result.latency = time.perf_counter() - self.start
+        if not self.done:
+            return self.fail("the stream ended without [DONE]")
+        if self.result.output_tokens == 0:
+            return self.fail("the stream carried no usage with completion tokens")
+        self.result.ok = True
+        return self.result
+
+
+async def run_offline(
+    model: str | None,
+    *,
+    prompts: list[str],
+    output_len: int,
+    max_concurrency: int,
+    request_rate: float = math.inf,
+    seed: int = 0,
+    **engine_args: Any,
+) -> dict[str, Any]:
+    """The same workload as `run_benchmark`, through `open_engine(model, **engine_args)` in
+    this process: the engine without HTTP. Returns the same dict, with the model directory as
+    `model` and no `base_url`; raises what `open_engine` raises."""
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    async with open_engine(model, **engine_args) as engine:
+        warmup = SamplingParams(max_tokens=min(output_len, 4), temperature=0, ignore_eos=True)
+        if not (result := await _generate(engine, WARMUP_PROMPT, warmup)).ok:
+            raise RuntimeError(f"the warm-up request failed: {result.error}")
+        one = partial(_generate, engine, params=params)
+        results, duration = await _drive(prompts, one, max_concurrency, request_rate, seed)
+        summary = summarize(results, duration)
+        return {"model": str(engine.model_dir), **summary, "requests": [asdict(r) for r in results]}
+
+
+async def _generate(engine: Engine, prompt: str, params: SamplingParams) -> RequestResult:
+    result = RequestResult()
+    start = last = time.perf_counter()
+    try:
+        async for out in engine.generate(prompt, params):
+            now = time.perf_counter()
+            result.prompt_tokens = len(out.prompt_token_ids)
+            tokens = len(out.outputs[0].token_ids)
+            new = tokens - result.output_tokens
+            if new > 0:
+                if result.output_tokens == 0:
+                    result.ttft = now - start
+                else:
+                    result.itl.extend([(now - last) / new] * new)
+                last = now
+                result.output_tokens = tokens
+    except RequestError as e:
+        result.error = f"RequestError: {e}"
+        return result
+    result.latency = time.perf_counter() - start
+    result.ok = True
+    return result
+
+
+def serve_command(
+    model: str | None, port: int, *, dtype: str | None = None, max_num_seqs: int | None = None
+) -> list[str]:
+    """The `triode serve` command line for `model` (None: the default model) on `port`."""
+    command = [sys.executable, "-m", "triode.edge.cli", "serve"]
+    command += [] if model is None else [model]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
+    command += [] if dtype is None else ["--dtype", dtype]
+    command += [] if max_num_seqs is None else ["--max-num-seqs", str(max_num_seqs)]
+    return command
+
+
+@asynccontextmanager
+async def open_server(
+    command: list[str],
+    base_url: str,
+    *,
+    ready_timeout: float = 300.0,
+    stop_timeout: float = 30.0,
+    env: dict[str, str] | None = None,
+) -> AsyncIterator[trio.Process]:
+    """Run the server `command` until `GET {base_url}/health` answers 200, then yield it.
+
+    The server runs in a process group of its own. Leaving the block sends it SIGINT, waits
+    `stop_timeout` seconds for it to drain and exit, then kills it and whatever of its group is
+    left (a server's children that outlived it). Raises `RuntimeError` (with the end of the
+    server's output) if it exits before it is ready and `TimeoutError` if it is not ready within
+    `ready_timeout` seconds. `env` adds environment variables.
+    """
+    with tempfile.TemporaryFile() as log:
+        process = await trio.lowlevel.open_process(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+        try:
+            await _wait_until_healthy(process, base_url, ready_timeout, log)
+            yield process
+        finally:
+            with trio.CancelScope(shield=True):
+                await _stop(process, stop_timeout)
+
+
+async def _wait_until_healthy(
+    process: trio.Process, base_url: str, within: float, log: IO[bytes]
+) -> None:
+    async with httpx.AsyncClient(base_url=base_url, timeout=5.0) as client:
+        with trio.move_on_after(within):
+            while process.returncode is None:
+                try:
+                    if (await client.get("/health")).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass  # not listening yet
+                await trio.sleep(0.5)
+            raise RuntimeError(
+                f"the server exited with status {process.returncode} before it was ready:\n"
+                + _tail(log)
+            )
+    raise TimeoutError(f"the server was not ready after {within:g} s:\n" + _tail(log))
+
+
+def _tail(log: IO[bytes], size: int = 4000) -> str:
+    log.seek(0, os.SEEK_END)
+    log.seek(max(0, log.tell() - size))
+    return log.read().decode(errors="replace")
+
+
+async def _stop(process: trio.Process, grace: float) -> None:
+    process.send_signal(signal.SIGINT)
+    with trio.move_on_after(grace):
+        await process.wait()
+        # and its children, which may outlive it by their own clean-up (shared memory, ...)
+        while _group_alive(process.pid):  # noqa: ASYNC110 - other processes: we can only poll
+            await trio.sleep(0.1)
+    if process.returncode is None:
+        process.kill()
+        await process.wait()
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # the group is the server's: it leads it
+    except ProcessLookupError:
+        pass  # nothing of it is left
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def format_report(summary: dict[str, Any], title: str = "Serving benchmark") -> str:
+    lines = [f"{f' {title} ':=^52}"]
+    rows: list[tuple[str, Any]] = [
+        ("Successful requests", summary["completed"]),
+        ("Failed requests", summary["failed"]),
+        ("Duration (s)", summary["duration_s"]),
+        ("Total input tokens", summary["total_input_tokens"]),
+        ("Total output tokens", summary["total_output_tokens"]),
+        ("Request throughput (req/s)", summary["request_throughput"]),
+        ("Output token throughput (tok/s)", summary["output_throughput"]),
+        ("Total token throughput (tok/s)", summary["total_token_throughput"]),
+    ]
+    for name, label in (
+        ("ttft", "Time to first token"),
+        ("tpot", "Time per output token (excl. 1st)"),
+        ("itl", "Inter-token latency"),
+        ("e2el", "End-to-end latency"),
+    ):
+        rows.append((f"-- {label} --", None))
+        rows += [(f"{stat.title()} {name.upper()} (ms)", summary[f"{stat}_{name}_ms"])
+                 for stat in ("mean", "median", "p99")]  # fmt: skip
+    if "edge_cpu_s" in summary:
+        rows += [
+            ("-- CPU (launched server) --", None),
+            ("Edge process CPU (s)", summary["edge_cpu_s"]),
+            ("Engine process CPU (s)", summary["engine_cpu_s"]),
+            ("Output tokens per edge CPU-second", summary["output_tokens_per_edge_cpu_s"]),
+        ]
+    for label, value in rows:
+        lines.append(f"{label:^52}" if value is None else f"{label:<38}{_cell(value):>14}")
+    errors = summary["errors"]
+    if errors:
+        lines.append(f"first error: {errors[0]}")
+    lines.append("=" * 52)
+    return "\n".join(lines)
+
+
+def format_comparison(serving: dict[str, Any], offline: dict[str, Any], concurrency: int) -> str:
+    rows = [
+        ("Output token throughput (tok/s)", "output_throughput"),
+        ("Request throughput (req/s)", "request_throughput"),
+        *[(f"{s.title()} {n.upper()} (ms)", f"{s}_{n}_ms")
+          for n in ("ttft", "tpot", "itl") for s in ("mean", "median", "p99")],
+        ("Mean E2EL (ms)", "mean_e2el_ms"),
+    ]  # fmt: skip
+    lines = [f"{'':34}{'serving':>12}{'offline':>12}{'ratio':>9}"]
+    for label, key in rows:
+        a, b = serving[key], offline[key]
+        ratio = a / b if b else math.nan
+        lines.append(f"{label:34}{_cell(a):>12}{_cell(b):>12}{_cell(ratio, 'x'):>9}")
+    ratio, overhead = overhead_of(serving, offline)
+    verdict = "MET" if overhead <= TARGET_OVERHEAD_PCT else "NOT MET"
+    lines.append(
+        f"serving / offline output tok/s: {ratio:.3f}; serving overhead {overhead:.1f}% at "
+        f"{concurrency} concurrent streams (target <= {TARGET_OVERHEAD_PCT:g}% at "
+        f"{TARGET_CONCURRENCY}) {verdict}"
+    )
+    return "\n".join(lines)
+
+
+def overhead_of(serving: dict[str, Any], offline: dict[str, Any]) -> tuple[float, float]:
+    """(serving / offline output tokens/s, the percentage of throughput serving costs)."""
+    offline_tok_s = offline["output_throughput"]
+    ratio = serving["output_throughput"] / offline_tok_s if offline_tok_s else math.nan
+    return ratio, (1.0 - ratio) * 100.0
+
+
+def _cell(value: float, suffix: str = "") -> str:
+    if isinstance(value, int):
+        return str(value)
+    return "-" if math.isnan(value) else f"{value:.2f}{suffix}"
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, with `launch` (whether to start a server) and `launch_model` (its model,
+    None for the default one) worked out from `--launch`, `--tiny` and `--compare-offline`."""
+    parser = argparse.ArgumentParser(
+        prog="triode bench serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--base-url", help="the server to measure (http://127.0.0.1:8000)")
+    parser.add_argument("--model", help="the served model name (the first of GET /v1/models)")
+    parser.add_argument(
+        "--api-key", default=os.environ.get("TRIODE_API_KEY"), help="(default: TRIODE_API_KEY)"
+    )
+    parser.add_argument("--num-prompts", type=int, default=200)
+    parser.add_argument("--input-len", type=int, default=128, help="prompt length in words")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-concurrency", type=int, default=TARGET_CONCURRENCY)
+    parser.add_argument(
+        "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="also write every result here")
+    parser.add_argument(
+        "--launch",
+        nargs="?",
+        const="",
+        metavar="MODEL",
+        help="start `triode serve MODEL` (no MODEL: the default model) and measure it",
+    )
+    parser.add_argument("--tiny", action="store_true", help="short for --launch tiny-random")
+    parser.add_argument(
+        "--compare-offline",
+        action="store_true",
+        help="then run the same workload through the engine without HTTP (launches a server)",
+    )
+    parser.add_argument("--dtype", help="for the launched server and the offline engine")
+    parser.add_argument("--max-num-seqs", type=int, help="likewise")
+    args = parser.parse_args(argv)
+
+    if args.tiny:
+        if args.launch is not None:
+            parser.error("--tiny is --launch tiny-random: give one of them")
+        args.launch = "tiny-random"
+    if args.compare_offline and args.launch is None:
+        args.launch = ""
+    if args.launch is not None and args.base_url is not None:
+        parser.error("--base-url measures a running server; --launch starts one")
+    for name in ("num_prompts", "input_len", "output_len", "max_concurrency"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.request_rate > 0:
+        parser.error("--request-rate must be > 0")
+    args.launch_model = args.launch or None
+    args.launch = args.launch is not None
+    if not args.launch:
+        args.base_url = args.base_url or "http://127.0.0.1:8000"
+    return args
+
+
+async def _measure_serving(args: argparse.Namespace, workload: dict[str, Any]) -> dict[str, Any]:
+    measure = partial(run_benchmark, model=args.model, api_key=args.api_key, **workload)
+    if not args.launch:
+        return await measure(args.base_url)
+    port = free_port()
+    command = serve_command(
+        args.launch_model, port, dtype=args.dtype, max_num_seqs=args.max_num_seqs
+    )
+    print(f"starting {' '.join(command[1:])}", file=sys.stderr)
+    base_url = f"http://127.0.0.1:{port}"
+    async with open_server(command, base_url) as server:
+        before = _cpu_seconds(server.pid)
+        result = await measure(base_url)
+        after = _cpu_seconds(server.pid)
+    # CPU time of the edge process alone (HTTP, SSE, detokenization, ZMQ) and of the engine
+    edge, engine = (b - a for a, b in zip(before, after, strict=True))
+    result["edge_cpu_s"], result["engine_cpu_s"] = edge, engine
+    result["output_tokens_per_edge_cpu_s"] = result["total_output_tokens"] / edge if edge else 0
+    return result
+
+
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user + system CPU seconds of `pid`, of its child processes), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def of(p: int | str) -> float:
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick
+
+    children = [c for t in Path(f"/proc/{pid}/task").iterdir()
+                for c in (t / "children").read_text().split()]  # fmt: skip
+    return of(pid), sum(of(c) for c in children)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    workload: dict[str, Any] = {
+        "prompts": synthetic_prompts(args.num_prompts, args.input_len, args.seed),
+        "output_len": args.output_len,
+        "max_concurrency": args.max_concurrency,
+        "request_rate": args.request_rate,
+        "seed": args.seed,
+    }
+    config = {k: v for k, v in vars(args).items() if k not in ("api_key", "json")}
+    report: dict[str, Any] = {"config": {**config, "json": str(args.json)}}
+    report["serving"] = serving = trio.run(_measure_serving, args, workload)
+    print(format_report(serving))
+    if args.compare_offline:
+        engine_args = {
+            k: v for k in ("dtype", "max_num_seqs") if (v := getattr(args, k)) is not None
+        }
+        offline = trio.run(partial(run_offline, args.launch_model, **workload, **engine_args))
+        print(format_report(offline, "Offline engine"))
+        print(format_comparison(serving, offline, args.max_concurrency))
+        ratio, overhead = overhead_of(serving, offline)
+        report.update(offline=offline, ratio=ratio, overhead_pct=overhead)
+    if args.json:
+        args.json.write_text(json.dumps(_json_safe(report), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""`triode bench step`: one decode step of the model runner at several batch sizes, timed and
+profiled in this process, with the machine's own matmul peak beside it.
+
+For each batch size N it prefills N requests of `--prompt-len` random tokens, decodes them to
+`--context` tokens, then times `--steps` more decode steps (each `ModelRunner.execute` whole:
+preparing the batch, the forward, the logits and sampling). It prints milliseconds per step,
+output tokens per second, and the arithmetic rate those tokens mean (2 FLOPs per weight of each
+projection and of the LM head per token, plus attention's 4 per cached token and head dimension)
+against the rate of one large bfloat16 (or float32) matmul on the same threads: how far the step
+is from what the matmul units give.
+
+`--profile` adds torch.profiler's table of where one batch size's steps went, operator by
+operator (self CPU time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from triode.wire import NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
+
+from ..model_runner import ModelRunner
+
+GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+
+
+class Batch:
+    """N requests decoding together, their blocks handed out in order."""
+
+    def __init__(self, runner: ModelRunner, n: int, prompt_len: int, seed: int) -> None:
+        self.runner, self.step_count = runner, 0
+        rng = random.Random(seed)
+        vocab = runner.vocab_size
+        self.tokens = {f"r{i}": [rng.randrange(vocab) for _ in range(prompt_len)] for i in range(n)}
+        self.computed = dict.fromkeys(self.tokens, 0)
+        self.blocks: dict[str, list[int]] = {r: [] for r in self.tokens}
+        self.free = list(range(runner.num_kv_blocks))
+        self.announced: set[str] = set()
+
+    def step(self) -> None:
+        bs, budget = self.runner.block_size, self.runner.max_num_batched_tokens
+        scheduled = []
+        for request_id, tokens in self.tokens.items():
+            begin, end = self.computed[request_id], len(tokens)
+            if end - begin > budget:
+                break  # prompts wait for a later step, as a scheduler keeps them
+            budget -= end - begin
+            blocks = self.blocks[request_id]
+            while len(blocks) * bs < end:
+                blocks.append(self.free.pop(0))
+            new = None
+            if request_id not in self.announced:
+                new = NewRequestData(list(tokens), GREEDY)
+                self.announced.add(request_id)
+            scheduled.append(
+                ScheduledRequest(request_id, tokens[begin:end], begin, list(blocks), new=new)
+            )
+        out = self.runner.execute(SchedulerOutput(self.step_count, scheduled))
+        self.step_count += 1
+        for r in scheduled:
+            self.computed[r.request_id] += len(r.token_ids)
+        for result in out.results:
+            if self.computed[result.request_id] == len(self.tokens[result.request_id]):
+                self.tokens[result.request_id].append(result.token_id)
+
+    def finish(self) -> None:
+        ids = list(self.tokens)
+        self.runner.execute(SchedulerOutput(self.step_count, [], finished_request_ids=ids))
+
+
+def flops_per_token(runner: ModelRunner, context: int) -> float:
+    """2 per projection weight (LM head included) plus attention's QK and PV products."""
+    config = runner.config
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+    q = config.num_attention_heads * head_dim
+    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * config.intermediate_size
+    weights = layers * per_layer + config.vocab_size * hidden
+    attention = layers * 4 * context * q
+    return 2.0 * weights + attention
+
+
+def matmul_peak(dtype: torch.dtype, size: int = 2048, repeat: int = 5) -> float:
+    """FLOP/s of a [size, size] x [size, size] matmul in `dtype`, best of `repeat`."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best
+
+
+def time_steps(runner: ModelRunner, n: int, args: argparse.Namespace) -> float:
+    """Seconds per decode step of `n` requests at `args.context` tokens of context."""
+    batch = Batch(runner, n, args.prompt_len, args.seed)
+    while min(batch.computed.values()) < args.context:
+        batch.step()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        batch.step()
+    elapsed = (time.perf_counter() - start) / args.steps
+    batch.finish()
+    return elapsed
+
+
+def profile_steps(runner: ModelRunner, n: int, args: argparse.Namespace) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = Batch(runner, n, args.prompt_len, args.seed)
+    while min(batch.computed.values()) < args.context:
+        batch.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            batch.step()
+    batch.finish()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="triode bench step",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", help="a model directory or .gguf (default: the default model)")
+    parser.add_argument("--batch-sizes", default="1,8,32,64", help="comma-separated")
+    parser.add_argument("--prompt-len", type=int, default=37)
+    parser.add_argument("--context", type=int, default=100, help="tokens before the timed steps")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--profile", type=int, metavar="N", help="profile the steps of N requests")
+    parser.add_argument("--rows", type=int, default=25, help="rows of the profile table")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    args.sizes = [int(n) for n in args.batch_sizes.split(",")]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from ..loader import resolve_model
+
+    largest = max([*args.sizes, args.profile or 0])
+    model_dir = resolve_model(Path(args.model) if args.model else None)
+    tokens = max(largest * (args.context + args.steps + 32), args.max_model_len)
+    runner = ModelRunner(
+        model_dir,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_memory=_kv_bytes(model_dir, tokens),
+        max_model_len=args.max_model_len,
+        max_num_seqs=max(256, largest),
+    )
+    peak = matmul_peak(runner.dtype)
+    flops = flops_per_token(runner, args.context)
+    print(
+        f"{runner.model_dir.name}: {runner.dtype}, {runner.int4_projections} int4 projections, "
+        f"{torch.get_num_threads()} threads; {flops / 1e9:.3f} GFLOP per token at "
+        f"{args.context} tokens of context; {runner.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s"
+    )
+    print("| batch | ms per step | tok/s | GFLOP/s | of peak |")
+    print("|---|---|---|---|---|")
+    for n in args.sizes:
+        seconds = time_steps(runner, n, args)
+        rate = n / seconds
+        print(
+            f"| {n} | {seconds * 1e3:.1f} | {rate:,.0f} | {rate * flops / 1e9:.0f} | "
+            f"{rate * flops / peak:.0%} |"
+        )
+    if args.profile:
+        print(profile_steps(runner, args.profile, args))
+
+
+def _kv_bytes(model_dir: Path, tokens: int) -> int:
+    """Room for `tokens` tokens of float32 K and V in every layer, twice over."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads
+    )
+    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
+    return 2 * tokens * per_token
+
+
+if __name__ == "__main__":
+    main()

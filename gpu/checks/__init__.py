@@ -1,0 +1,3 @@
+"""Checks of a machine's devices and collectives: NCCL and gloo collectives, tensor-parallel
+decoding, run by `make device-check`.
+"""
