@@ -31,7 +31,8 @@ import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from triode.edge.bench.serve import free_port, open_server, serve_command
+from triode.edge.bench.server_process import open_server, serve_command
+from triode.wire.ports import free_port
 
 from .live import (
     DEFAULT_API_KEY,

@@ -33,7 +33,8 @@ import trio
 
 from triode.wire.ports import free_port
 
-from .serve import open_server, run_benchmark, serve_command, synthetic_prompts
+from .serve import run_benchmark, synthetic_prompts
+from .server_process import open_server, serve_command
 
 PACKAGES = ("wire", "actors", "gpu", "edge", "fuzz")
 SIDES = ("baseline", "current")

@@ -30,7 +30,10 @@ from typing import Any
 
 import trio
 
-from .serve import free_port, open_server, run_benchmark, serve_command, synthetic_prompts
+from triode.wire.ports import free_port
+
+from .serve import run_benchmark, synthetic_prompts
+from .server_process import open_server, serve_command
 
 # vLLM's processes name themselves (`/proc/PID/comm`); its API servers are `VLLM::APIServer`,
 # or the main process itself when there is one

@@ -17,17 +17,14 @@ import json
 import math
 import os
 import random
-import signal
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import httpx
 import msgspec
@@ -38,6 +35,14 @@ from triode.actors import Engine, RequestError, SamplingParams, open_engine
 from triode.wire.ports import free_port
 
 from ..sse import SSEParser
+from .serve_report import (
+    TARGET_CONCURRENCY,
+    format_comparison,
+    format_report,
+    json_safe,
+    overhead_of,
+)
+from .server_process import open_server, serve_command
 
 # Common words that BPE vocabularies hold as one token each (with their leading space), so a
 # prompt of N words is about N tokens.
@@ -50,8 +55,6 @@ good people state great three under high last such city house world part small s
 end still life while both home same work because found must between each old even place
 """.split()
 WARMUP_PROMPT = "Hello, my name is"
-TARGET_OVERHEAD_PCT = 10.0
-TARGET_CONCURRENCY = 32
 
 
 def synthetic_prompts(n: int, input_len: int, seed: int) -> list[str]:
@@ -349,183 +352,6 @@ async def _generate(engine: Engine, prompt: str, params: SamplingParams) -> Requ
     return result
 
 
-def serve_command(
-    model: str | None, port: int, *, dtype: str | None = None, max_num_seqs: int | None = None
-) -> list[str]:
-    """The `triode serve` command line for `model` (None: the default model) on `port`."""
-    command = [sys.executable, "-m", "triode.edge.cli", "serve"]
-    command += [] if model is None else [model]
-    command += ["--host", "127.0.0.1", "--port", str(port)]
-    command += [] if dtype is None else ["--dtype", dtype]
-    command += [] if max_num_seqs is None else ["--max-num-seqs", str(max_num_seqs)]
-    return command
-
-
-@asynccontextmanager
-async def open_server(
-    command: list[str],
-    base_url: str,
-    *,
-    ready_timeout: float = 300.0,
-    stop_timeout: float = 30.0,
-    env: dict[str, str] | None = None,
-) -> AsyncIterator[trio.Process]:
-    """Run the server `command` until `GET {base_url}/health` answers 200, then yield it.
-
-    The server runs in a process group of its own. Leaving the block sends it SIGINT, waits
-    `stop_timeout` seconds for it to drain and exit, then kills it and whatever of its group is
-    left (a server's children that outlived it). Raises `RuntimeError` (with the end of the
-    server's output) if it exits before it is ready and `TimeoutError` if it is not ready within
-    `ready_timeout` seconds. `env` adds environment variables.
-    """
-    with tempfile.TemporaryFile() as log:
-        process = await trio.lowlevel.open_process(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-        try:
-            await _wait_until_healthy(process, base_url, ready_timeout, log)
-            yield process
-        finally:
-            with trio.CancelScope(shield=True):
-                await _stop(process, stop_timeout)
-
-
-async def _wait_until_healthy(
-    process: trio.Process, base_url: str, within: float, log: IO[bytes]
-) -> None:
-    async with httpx.AsyncClient(base_url=base_url, timeout=5.0) as client:
-        with trio.move_on_after(within):
-            while process.returncode is None:
-                try:
-                    if (await client.get("/health")).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass  # not listening yet
-                await trio.sleep(0.5)
-            raise RuntimeError(
-                f"the server exited with status {process.returncode} before it was ready:\n"
-                + _tail(log)
-            )
-    raise TimeoutError(f"the server was not ready after {within:g} s:\n" + _tail(log))
-
-
-def _tail(log: IO[bytes], size: int = 4000) -> str:
-    log.seek(0, os.SEEK_END)
-    log.seek(max(0, log.tell() - size))
-    return log.read().decode(errors="replace")
-
-
-async def _stop(process: trio.Process, grace: float) -> None:
-    process.send_signal(signal.SIGINT)
-    with trio.move_on_after(grace):
-        await process.wait()
-        # and its children, which may outlive it by their own clean-up (shared memory, ...)
-        while _group_alive(process.pid):  # noqa: ASYNC110 - other processes: we can only poll
-            await trio.sleep(0.1)
-    if process.returncode is None:
-        process.kill()
-        await process.wait()
-    try:
-        os.killpg(process.pid, signal.SIGKILL)  # the group is the server's: it leads it
-    except ProcessLookupError:
-        pass  # nothing of it is left
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def format_report(summary: dict[str, Any], title: str = "Serving benchmark") -> str:
-    lines = [f"{f' {title} ':=^52}"]
-    rows: list[tuple[str, Any]] = [
-        ("Successful requests", summary["completed"]),
-        ("Failed requests", summary["failed"]),
-        ("Duration (s)", summary["duration_s"]),
-        ("Total input tokens", summary["total_input_tokens"]),
-        ("Total output tokens", summary["total_output_tokens"]),
-        ("Request throughput (req/s)", summary["request_throughput"]),
-        ("Output token throughput (tok/s)", summary["output_throughput"]),
-        ("Total token throughput (tok/s)", summary["total_token_throughput"]),
-    ]
-    for name, label in (
-        ("ttft", "Time to first token"),
-        ("tpot", "Time per output token (excl. 1st)"),
-        ("itl", "Inter-token latency"),
-        ("e2el", "End-to-end latency"),
-    ):
-        rows.append((f"-- {label} --", None))
-        rows += [(f"{stat.title()} {name.upper()} (ms)", summary[f"{stat}_{name}_ms"])
-                 for stat in ("mean", "median", "p99")]  # fmt: skip
-    if "edge_cpu_s" in summary:
-        rows += [
-            ("-- CPU (launched server) --", None),
-            ("Edge process CPU (s)", summary["edge_cpu_s"]),
-            ("Engine process CPU (s)", summary["engine_cpu_s"]),
-            ("Output tokens per edge CPU-second", summary["output_tokens_per_edge_cpu_s"]),
-        ]
-    for label, value in rows:
-        lines.append(f"{label:^52}" if value is None else f"{label:<38}{_cell(value):>14}")
-    errors = summary["errors"]
-    if errors:
-        lines.append(f"first error: {errors[0]}")
-    lines.append("=" * 52)
-    return "\n".join(lines)
-
-
-def format_comparison(serving: dict[str, Any], offline: dict[str, Any], concurrency: int) -> str:
-    rows = [
-        ("Output token throughput (tok/s)", "output_throughput"),
-        ("Request throughput (req/s)", "request_throughput"),
-        *[(f"{s.title()} {n.upper()} (ms)", f"{s}_{n}_ms")
-          for n in ("ttft", "tpot", "itl") for s in ("mean", "median", "p99")],
-        ("Mean E2EL (ms)", "mean_e2el_ms"),
-    ]  # fmt: skip
-    lines = [f"{'':34}{'serving':>12}{'offline':>12}{'ratio':>9}"]
-    for label, key in rows:
-        a, b = serving[key], offline[key]
-        ratio = a / b if b else math.nan
-        lines.append(f"{label:34}{_cell(a):>12}{_cell(b):>12}{_cell(ratio, 'x'):>9}")
-    ratio, overhead = overhead_of(serving, offline)
-    verdict = "MET" if overhead <= TARGET_OVERHEAD_PCT else "NOT MET"
-    lines.append(
-        f"serving / offline output tok/s: {ratio:.3f}; serving overhead {overhead:.1f}% at "
-        f"{concurrency} concurrent streams (target <= {TARGET_OVERHEAD_PCT:g}% at "
-        f"{TARGET_CONCURRENCY}) {verdict}"
-    )
-    return "\n".join(lines)
-
-
-def overhead_of(serving: dict[str, Any], offline: dict[str, Any]) -> tuple[float, float]:
-    """(serving / offline output tokens/s, the percentage of throughput serving costs)."""
-    offline_tok_s = offline["output_throughput"]
-    ratio = serving["output_throughput"] / offline_tok_s if offline_tok_s else math.nan
-    return ratio, (1.0 - ratio) * 100.0
-
-
-def _cell(value: float, suffix: str = "") -> str:
-    if isinstance(value, int):
-        return str(value)
-    return "-" if math.isnan(value) else f"{value:.2f}{suffix}"
-
-
-def _json_safe(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, with `launch` (whether to start a server) and `launch_model` (its model,
     None for the default one) worked out from `--launch`, `--tiny` and `--compare-offline`."""
@@ -642,7 +468,7 @@ def main(argv: list[str] | None = None) -> None:
         ratio, overhead = overhead_of(serving, offline)
         report.update(offline=offline, ratio=ratio, overhead_pct=overhead)
     if args.json:
-        args.json.write_text(json.dumps(_json_safe(report), indent=2))
+        args.json.write_text(json.dumps(json_safe(report), indent=2))
 
 
 if __name__ == "__main__":

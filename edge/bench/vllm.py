@@ -25,8 +25,11 @@ from typing import Any
 
 import trio
 
+from triode.wire.ports import free_port
+
 from .frontend import VLLM_SERVE, cpu_model, model_dir
-from .serve import free_port, open_server, run_benchmark, serve_command, synthetic_prompts
+from .serve import run_benchmark, synthetic_prompts
+from .server_process import open_server, serve_command
 
 SERVERS = ("vllm", "triode")
 

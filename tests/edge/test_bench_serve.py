@@ -21,18 +21,16 @@ from processes import alive
 
 from triode.edge.bench.serve import (
     RequestResult,
-    format_comparison,
-    free_port,
     main,
-    open_server,
-    overhead_of,
     parse_args,
     run_benchmark,
-    serve_command,
     stream_completion,
     summarize,
     synthetic_prompts,
 )
+from triode.edge.bench.serve_report import format_comparison, overhead_of
+from triode.edge.bench.server_process import open_server, serve_command
+from triode.wire.ports import free_port
 
 
 def test_synthetic_prompts_are_the_same_for_the_same_seed() -> None:

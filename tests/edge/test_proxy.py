@@ -27,10 +27,10 @@ from hypercorn.trio import serve
 from kv_secret import secret_file
 
 from triode.edge.auth import ApiKeys
-from triode.edge.bench.serve import free_port
 from triode.edge.cli import build_parser
 from triode.edge.proxy import PREFILL_KV_PARAMS, ProxyOptions, base_url, serve_proxy
 from triode.wire.kv_seal import verify_remote_decode
+from triode.wire.ports import free_port
 
 WORDS = ["Hello", " from", " the", " decode"]
 SECRET = b"0123456789abcdef" * 4  # the deployment's
