@@ -41,9 +41,9 @@ from triode.actors.engine import connect_engine
 from triode.actors.launcher import EngineCoreEndpoint, open_engine_cores
 
 from .app import open_app
+from .asgi_server import BACKLOG, serve_asgi
 from .auth import ApiKeys
 from .metrics import MULTIPROC_DIR_ENV
-from .server import BACKLOG, serve_asgi
 from .settings import Settings
 
 log = logging.getLogger("triode.serve")

@@ -37,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from triode.wire.kv_seal import MIN_SECRET_BYTES, SECRET_RECIPE, seal_remote_decode
 
 from .app import _allow, _lifespan, _method_not_allowed, routed_path
+from .asgi_server import serve_asgi
 from .auth import UNAUTHORIZED_HEADERS, ApiKeys, requires_auth
 from .errors import APIError, validation_error
 from .http import (
@@ -51,7 +52,6 @@ from .http import (
     respond,
     respond_error,
 )
-from .server import serve_asgi
 
 log = logging.getLogger("triode.proxy")
 
