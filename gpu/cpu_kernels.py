@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .loader import cache_dir
+from .cache_paths import kernels_dir
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +241,7 @@ def _build() -> Path:
     for part in (*parts, " ".join(FLAGS).encode(), _cpu_flags()):
         key.update(part)
         key.update(b"\0")
-    out = cache_dir() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    out = kernels_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -30,12 +30,11 @@ import numpy as np
 import torch
 
 from . import cpu_kernels
+from .cache_paths import INT4_DIR, INT4_FILE
 
 log = logging.getLogger(__name__)
 
 GROUP = 32  # inputs per block: GGUF's Q4 block and the kernel's group size
-INT4_DIR = "int4"  # under a converted model directory
-INT4_FILE = "weights.safetensors"
 # the most decode rows torch's kernel takes: up to 8 without AMX; beside AMX, which is faster
 # from 3 rows on (SmolLM2 decode steps, 2 cores: 8 rows 17.3 ms against 23.9, 4 rows 15.6
 # against 16.6, 2 rows 15.0 against 14.7), up to 2

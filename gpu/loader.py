@@ -3,9 +3,9 @@ the random-weight `tiny-random` model built once.
 
 The model runner reads only Hugging Face directories (config.json, *.safetensors, tokenizer
 files). A GGUF file is dequantized through transformers into such a directory under
-`$TRIODE_CACHE/converted/`, keyed by the file's path, size and mtime (and the layout version
-of the directory), so a replaced file converts again and an unchanged one resolves in
-milliseconds. The directory also keeps the file's 4-bit projections as they were stored
+`$TRIODE_CACHE/converted/` (`cache_paths`), keyed by the file's path, size and mtime (and the
+layout version of the directory), so a replaced file converts again and an unchanged one
+resolves in milliseconds. The directory also keeps the file's 4-bit projections as they were stored
 (`int4/`, see `int4.py`). The name `tiny-random` is a two-layer Llama
 with random weights under `$TRIODE_CACHE/tiny-random/`: the model costs next to nothing, so a
 benchmark of it measures everything around the model. Both are written into a temporary
@@ -15,7 +15,6 @@ of a race throws its copy away.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -23,19 +22,17 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from .cache_paths import (
+    INT4_DIR,
+    INT4_FILE,
+    TINY_RANDOM,
+    converted_dir,
+    default_gguf,
+    tiny_random_dir,
+)
+from .tiny_model import build_tiny_model
+
 log = logging.getLogger(__name__)
-
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY_RANDOM = "tiny-random"
-_CONVERTED_LAYOUT = 2  # 2: with int4/
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TRIODE_CACHE") or Path.home() / ".cache" / "triode")
-
-
-def default_gguf() -> Path:
-    return cache_dir() / "models" / DEFAULT_GGUF
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> Path:
@@ -63,15 +60,6 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
     raise FileNotFoundError(f"{model}: not a model directory or a .gguf file")
 
 
-def converted_dir(gguf: Path) -> Path:
-    """Where `gguf` converts to; a new file at the same path gets a new directory."""
-    gguf = gguf.resolve()
-    stat = gguf.stat()
-    source = f"{_CONVERTED_LAYOUT}\0{gguf}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    key = hashlib.sha256(source.encode()).hexdigest()
-    return cache_dir() / "converted" / f"{gguf.stem}-{key[:12]}"
-
-
 def convert_gguf(gguf: Path) -> Path:
     """Convert `gguf` to a Hugging Face directory unless that was done before; return it."""
     gguf = gguf.resolve()
@@ -84,12 +72,11 @@ def tiny_random() -> Path:
     Its vocabulary is the default model's when that was converted before the first build (a
     realistic tokenizer for benchmarks), else a byte-level one; delete the directory to rebuild.
     """
-    from .tiny_model import build_tiny_model
 
     def build(tmp: Path) -> None:
         build_tiny_model(tmp, hidden_size=64, num_layers=2, max_position_embeddings=2048)
 
-    return _build_once(cache_dir() / TINY_RANDOM, build)
+    return _build_once(tiny_random_dir(), build)
 
 
 def _build_once(out: Path, write: Callable[[Path], None]) -> Path:
@@ -120,12 +107,14 @@ def _write_hf_dir(gguf: Path, out: Path) -> None:
     meta-device skeleton of the model instead of `from_pretrained(gguf_file=...)`, which would
     need `accelerate`, materialise the model twice and refuse to save it.
     """
+    # torch and transformers (and int4, which imports torch) only for a conversion: resolving
+    # a model converted before takes milliseconds, without them
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from .int4 import INT4_DIR, INT4_FILE, extract_gguf_int4
+    from .int4 import extract_gguf_int4
 
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     with torch.device("meta"):
