@@ -18,7 +18,6 @@ runs, taking turns) and their ratio."""
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import statistics
 import sys
@@ -27,238 +26,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import llguidance
-import llguidance.numpy
 import numpy as np
 import trio
 from tokenizers import Tokenizer
 
 from triode.actors import Engine, SamplingParams, open_engine
-from triode.actors.core.structured_output import grammar_of
 from triode.wire import StructuredOutputsParams
 
-_DATE = {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}
-_STRINGS = {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 8}
-
-
-def _object(properties: dict[str, Any]) -> dict[str, Any]:
-    """A closed object whose properties are all required (so instances list them in order)."""
-    return {
-        "type": "object",
-        "properties": properties,
-        "required": list(properties),
-        "additionalProperties": False,
-    }
-
-
-SMALL = _object(
-    {"name": {"type": "string"}, "age": {"type": "integer"}, "email": {"type": "string"},
-     "active": {"type": "boolean"}}
-)  # fmt: skip
-SMALL_INSTANCE = {"name": "Ada Lovelace", "age": 36, "email": "ada@example.com", "active": True}
-
-_ITEM = _object(
-    {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
-     "quantity": {"type": "integer", "minimum": 1, "maximum": 99},
-     "price_cents": {"type": "integer", "minimum": 0},
-     "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 5}}
-)  # fmt: skip
-NESTED = _object(
-    {"order_id": {"type": "string", "pattern": "^ORD-[0-9]{6}$"},
-     "status": {"enum": ["pending", "paid", "shipped", "delivered", "cancelled"]},
-     "customer": _object(
-         {"name": {"type": "string", "minLength": 1, "maxLength": 64},
-          "tier": {"enum": ["free", "pro", "enterprise"]},
-          "age": {"type": "integer", "minimum": 18, "maximum": 120}}),
-     "items": {"type": "array", "items": _ITEM, "minItems": 1, "maxItems": 20},
-     "shipping": _object(
-         {"country": {"type": "string", "pattern": "^[A-Z]{2}$"},
-          "postcode": {"type": "string", "pattern": "^[0-9]{5}$"},
-          "express": {"type": "boolean"}})}
-)  # fmt: skip
-NESTED_INSTANCE = {
-    "order_id": "ORD-004217", "status": "shipped",
-    "customer": {"name": "Grace Hopper", "tier": "enterprise", "age": 45},
-    "items": [
-        {"sku": "KEY-0042", "quantity": 2, "price_cents": 1999, "tags": ["usb", "black"]},
-        {"sku": "MSE-1100", "quantity": 1, "price_cents": 2450, "tags": []},
-        {"sku": "CBL-0007", "quantity": 12, "price_cents": 399, "tags": ["usb-c", "1m", "gift"]},
-    ],
-    "shipping": {"country": "DE", "postcode": "10115", "express": False},
-}  # fmt: skip
-
-_REF = {name: {"$ref": f"#/$defs/{name}"} for name in ("date", "money", "address", "contact",
-                                                       "person")}  # fmt: skip
-LARGE = _object(
-    {"id": {"type": "integer", "minimum": 1}, "name": {"type": "string", "maxLength": 80},
-     "created": _REF["date"], "updated": _REF["date"], "owner": _REF["person"],
-     "billing_address": _REF["address"], "shipping_address": _REF["address"],
-     "balance": _REF["money"], "credit_limit": _REF["money"],
-     "status": {"enum": ["active", "suspended", "closed"]},
-     "tier": {"enum": ["free", "pro", "enterprise"]}, "score": {"type": "number"},
-     "rating": {"type": "integer", "minimum": 1, "maximum": 5}, "verified": {"type": "boolean"},
-     "newsletter": {"type": "boolean"}, "tags": _STRINGS,
-     "notes": {"type": "string", "maxLength": 200},
-     "locale": {"type": "string", "pattern": "^[a-z]{2}-[A-Z]{2}$"},
-     "timezone": {"type": "string"}, "referrer": _REF["person"],
-     "emergency_contact": _REF["contact"], "age": {"type": "integer", "minimum": 0,
-                                                   "maximum": 150},
-     "height_cm": {"type": "number"}, "weight_kg": {"type": "number"},
-     "languages": {"type": "array", "items": {"enum": ["en", "de", "fr", "es", "ja"]}},
-     "last_login": _REF["date"], "login_count": {"type": "integer", "minimum": 0},
-     "preferences": _object({"theme": {"enum": ["light", "dark"]},
-                             "font_size": {"type": "integer", "minimum": 8, "maximum": 32}}),
-     "invoices": {"type": "array", "maxItems": 10, "items": _object(
-         {"number": {"type": "string", "pattern": "^INV-[0-9]{5}$"}, "total": _REF["money"],
-          "date": _REF["date"]})},
-     "website": {"type": "string"}}
-) | {"$defs": {
-    "date": _DATE,
-    "money": _object({"amount_cents": {"type": "integer", "minimum": 0},
-                      "currency": {"enum": ["EUR", "USD", "GBP", "JPY"]}}),
-    "address": _object({"street": {"type": "string"}, "city": {"type": "string"},
-                        "postcode": {"type": "string", "pattern": "^[0-9A-Z ]{3,10}$"},
-                        "country": {"type": "string", "pattern": "^[A-Z]{2}$"}}),
-    "contact": _object({"email": {"type": "string", "pattern": "^[^@]+@[^@]+$"},
-                        "phone": {"type": "string", "pattern": "^\\+[0-9]{6,15}$"}}),
-    "person": _object({"name": {"type": "string"}, "contact": _REF["contact"],
-                       "address": _REF["address"]}),
-}}  # fmt: skip
-_ADDRESS = {"street": "Unter den Linden 6", "city": "Berlin", "postcode": "10117", "country": "DE"}
-_CONTACT = {"email": "ada@example.com", "phone": "+4930123456"}
-_PERSON = {"name": "Ada Lovelace", "contact": _CONTACT, "address": _ADDRESS}
-LARGE_INSTANCE = {
-    "id": 1815, "name": "Analytical Engines Ltd", "created": "2024-01-15",
-    "updated": "2025-06-30", "owner": _PERSON, "billing_address": _ADDRESS,
-    "shipping_address": {"street": "1 Main St", "city": "Boston", "postcode": "02108",
-                         "country": "US"},
-    "balance": {"amount_cents": 125000, "currency": "EUR"},
-    "credit_limit": {"amount_cents": 500000, "currency": "EUR"}, "status": "active",
-    "tier": "pro", "score": 87.25, "rating": 4, "verified": True, "newsletter": False,
-    "tags": ["priority", "b2b", "emea"], "notes": "Prefers invoices by email.",
-    "locale": "en-GB", "timezone": "Europe/London",
-    "referrer": {"name": "Charles Babbage", "contact": {"email": "cb@example.org",
-                 "phone": "+441234567890"}, "address": _ADDRESS},
-    "emergency_contact": _CONTACT, "age": 36, "height_cm": 165.5, "weight_kg": 58.0,
-    "languages": ["en", "fr"], "last_login": "2025-07-01", "login_count": 342,
-    "preferences": {"theme": "dark", "font_size": 14},
-    "invoices": [
-        {"number": "INV-00017", "total": {"amount_cents": 9900, "currency": "EUR"},
-         "date": "2025-05-01"},
-        {"number": "INV-00018", "total": {"amount_cents": 12900, "currency": "EUR"},
-         "date": "2025-06-01"},
-    ],
-    "website": "https://example.com",
-}  # fmt: skip
-
-# Part 2's constraint: valid outputs hold at least 200 strings, so none ends within 128 tokens.
-SERVE_SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 200}
-SERVE_INSTANCE = ["sea", "trains", "autumn", "chess"] * 50
-
-SCHEMAS: dict[str, tuple[dict[str, Any], Any]] = {
-    "small": (SMALL, SMALL_INSTANCE),
-    "nested": (NESTED, NESTED_INSTANCE),
-    "large": (LARGE, LARGE_INSTANCE),
-    "served": (SERVE_SCHEMA, SERVE_INSTANCE),
-}
-
-# The JSON that triode's grammars accept: compact separators (see `structured_output`).
-_SEPARATORS = (",", ":")
-
-
-class ModelFiles(NamedTuple):
-    """What a grammar engine needs of a model: its tokenizer and its logits' width."""
-
-    dir: Path
-    vocab_size: int
-    eos_ids: list[int]
-
-    @property
-    def tokenizer_file(self) -> Path:
-        return self.dir / "tokenizer.json"
-
-    @classmethod
-    def of_engine(cls, engine: Engine) -> ModelFiles:
-        eos = [engine.eos_token_id, *engine.extra_eos_token_ids]
-        return cls(engine.model_dir, engine.vocab_size, [t for t in eos if t is not None])
-
-    @classmethod
-    def of_dir(cls, model_dir: Path) -> ModelFiles:
-        config = json.loads((model_dir / "config.json").read_text())
-        eos = config.get("eos_token_id")
-        eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        return cls(model_dir, config["vocab_size"], eos_ids)
-
-
-class _Llguidance:
-    def __init__(self, model: ModelFiles, threads: int | None) -> None:
-        self.name = f"llguidance {importlib.metadata.version('llguidance')}"
-        self.words = (model.vocab_size + 31) // 32
-        start = time.perf_counter()
-        self.tokenizer = llguidance.LLTokenizer(
-            model.tokenizer_file.read_text(), n_vocab=model.vocab_size, eos_token=model.eos_ids
-        )
-        self.setup_s = time.perf_counter() - start
-        self.executor = llguidance.LLExecutor(threads)
-
-    def compile(self, schema: str) -> llguidance.LLMatcher:
-        grammar = grammar_of(StructuredOutputsParams(json=schema))
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"{self.name}: {matcher.get_error()}")
-        return matcher
-
-    def matchers(self, compiled: llguidance.LLMatcher, n: int) -> list[llguidance.LLMatcher]:
-        return [compiled.deep_copy() for _ in range(n)]
-
-    def fill(self, matchers: list[llguidance.LLMatcher], mask: np.ndarray) -> None:
-        if len(matchers) == 1:
-            llguidance.numpy.fill_next_token_bitmask(matchers[0], mask, 0)
-        else:
-            pairs = [(m, i) for i, m in enumerate(matchers)]
-            llguidance.numpy.fill_next_token_bitmask_par(self.executor, pairs, mask)
-
-    def accept(self, matcher: llguidance.LLMatcher, token: int) -> bool:
-        return matcher.consume_token(token)
-
-
-class _Xgrammar:
-    def __init__(self, model: ModelFiles, threads: int | None) -> None:
-        import xgrammar
-        from transformers import AutoTokenizer
-
-        self.xgr = xgrammar
-        self.name = f"xgrammar {importlib.metadata.version('xgrammar')}"
-        self.words = (model.vocab_size + 31) // 32
-        start = time.perf_counter()
-        hf = AutoTokenizer.from_pretrained(model.dir)
-        info = xgrammar.TokenizerInfo.from_huggingface(
-            hf, vocab_size=model.vocab_size, stop_token_ids=model.eos_ids
-        )
-        self.compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
-        self.setup_s = time.perf_counter() - start
-        self.batch = xgrammar.BatchGrammarMatcher(threads or "auto")
-
-    def compile(self, schema: str) -> Any:
-        return self.compiler.compile_json_schema(
-            schema, any_whitespace=False, separators=_SEPARATORS
-        )
-
-    def matchers(self, compiled: Any, n: int) -> list[Any]:
-        return [self.xgr.GrammarMatcher(compiled) for _ in range(n)]
-
-    def fill(self, matchers: list[Any], mask: np.ndarray) -> None:
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(mask, 0)
-        else:
-            self.batch.batch_fill_next_token_bitmask(matchers, mask)
-
-    def accept(self, matcher: Any, token: int) -> bool:
-        return matcher.accept_token(token)
-
-
-GrammarEngine = _Llguidance | _Xgrammar
-ENGINES: dict[str, type[GrammarEngine]] = {"llguidance": _Llguidance, "xgrammar": _Xgrammar}
+from .grammar_engines import ENGINES, SEPARATORS, GrammarEngine, ModelFiles
+from .structured_schemas import SCHEMAS, SERVE_SCHEMA
 
 
 class SchemaResult(NamedTuple):
@@ -327,7 +103,7 @@ def bench_engines(model: ModelFiles, args: argparse.Namespace) -> list[EngineRes
     tokenizer = Tokenizer.from_file(str(model.tokenizer_file))
     walks = {
         name: tokenizer.encode(
-            json.dumps(SCHEMAS[name][1], separators=_SEPARATORS), add_special_tokens=False
+            json.dumps(SCHEMAS[name][1], separators=SEPARATORS), add_special_tokens=False
         ).ids
         for name in args.schemas
     }
