@@ -36,7 +36,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 
 from triode.wire.kv_seal import MIN_SECRET_BYTES, SECRET_RECIPE, seal_remote_decode
 
-from .app import _allow, _lifespan, _method_not_allowed, routed_path
 from .asgi_server import serve_asgi
 from .auth import UNAUTHORIZED_HEADERS, ApiKeys, requires_auth
 from .errors import APIError, validation_error
@@ -52,6 +51,8 @@ from .http import (
     respond,
     respond_error,
 )
+from .routing import allow, lifespan, method_not_allowed, routed_path
+from .upstream import Instances, base_url, describe
 
 log = logging.getLogger("triode.proxy")
 
@@ -107,47 +108,6 @@ class ProxyOptions:
         self.decode = [base_url(url) for url in self.decode]
 
 
-def base_url(url: str) -> str:
-    """`url` as the base the API paths go under: no trailing `/` or `/v1`.
-
-    Raises `ValueError` for anything but an http(s) URL with a host.
-    """
-    base = url.strip().rstrip("/").removesuffix("/v1").rstrip("/")
-    try:
-        parsed = httpx.URL(base)
-    except httpx.InvalidURL as e:
-        raise ValueError(f"{url!r} is not a URL: {e}") from None
-    if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise ValueError(f"{url!r} is not an http(s) URL with a host, like http://127.0.0.1:8100")
-    return base
-
-
-class _Instances:
-    """The instances of one kind, taken in turn."""
-
-    def __init__(self, kind: str, urls: list[str]) -> None:
-        self.kind = kind
-        self.urls = urls
-        self._next = 0
-        self._unreachable: set[str] = set()
-
-    def in_turn(self) -> list[str]:
-        """Every instance, the one whose turn it is first; each call moves the turn on by one."""
-        start = self._next
-        self._next = (start + 1) % len(self.urls)
-        return self.urls[start:] + self.urls[:start]
-
-    def refused(self, url: str, error: httpx.HTTPError) -> None:
-        if url not in self._unreachable:
-            self._unreachable.add(url)
-            log.warning("%s instance %s is unreachable: %s", self.kind, url, _describe(error))
-
-    def reached(self, url: str) -> None:
-        if url in self._unreachable:
-            self._unreachable.discard(url)
-            log.info("%s instance %s is reachable again", self.kind, url)
-
-
 class _Metrics:
     """The proxy's own counters, in a registry of their own."""
 
@@ -179,8 +139,8 @@ class Proxy:
     def __init__(self, options: ProxyOptions, client: httpx.AsyncClient) -> None:
         self.options = options
         self.client = client
-        self.prefill = _Instances("prefill", options.prefill)
-        self.decode = _Instances("decode", options.decode)
+        self.prefill = Instances("prefill", options.prefill)
+        self.decode = Instances("decode", options.decode)
         self.metrics = _Metrics()
         self._not_producers: set[str] = set()  # prefill instances already warned about
 
@@ -188,7 +148,7 @@ class Proxy:
         if scope["type"] == "http":
             await self._http(scope, receive, send)
         elif scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = routed_path(scope)
@@ -214,7 +174,7 @@ class Proxy:
             if methods is None:
                 raise APIError(404, f"no route for {request.path}")
             if request.method == "OPTIONS":
-                await respond(request.send, 204, b"", headers=[(b"allow", _allow(methods))])
+                await respond(request.send, 204, b"", headers=[(b"allow", allow(methods))])
                 return
             keys = self.options.api_keys
             if (
@@ -225,7 +185,7 @@ class Proxy:
                 raise APIError(401, "invalid or missing API key")
             handler = methods.get(request.method)
             if handler is None:
-                raise _method_not_allowed(request.method, methods)
+                raise method_not_allowed(request.method, methods)
             await handler(self, request)
         except APIError as e:
             if request.started:  # mid-response: ending it abruptly is all that is left
@@ -234,7 +194,7 @@ class Proxy:
             if e.status == 401:
                 headers = UNAUTHORIZED_HEADERS
             elif e.status == 405 and methods is not None:
-                headers = [(b"allow", _allow(methods))]
+                headers = [(b"allow", allow(methods))]
             elif e.status == 413:  # hypercorn closes a connection whose body was left unread
                 headers = [(b"connection", b"close")]
             await respond_error(request.send, e, headers)
@@ -341,7 +301,7 @@ class Proxy:
     async def _relay(
         self,
         request: Request,
-        instances: _Instances,
+        instances: Instances,
         method: str,
         headers: Headers,
         body: bytes | None = None,
@@ -374,7 +334,7 @@ class Proxy:
 
     async def _open(
         self,
-        instances: _Instances,
+        instances: Instances,
         method: str,
         path: str,
         headers: Headers,
@@ -396,7 +356,7 @@ class Proxy:
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 self.metrics.upstream_failures.labels(instances.kind).inc()
                 instances.refused(url, e)
-                refusals.append(f"{url} ({_describe(e)})")
+                refusals.append(f"{url} ({describe(e)})")
                 continue
             except httpx.HTTPError as e:
                 raise self._failed(instances, url, e) from e
@@ -404,14 +364,14 @@ class Proxy:
             return url, response
         raise APIError(502, f"no {instances.kind} instance reachable: {', '.join(refusals)}")
 
-    def _failed(self, instances: _Instances, url: str, error: httpx.HTTPError) -> APIError:
+    def _failed(self, instances: Instances, url: str, error: httpx.HTTPError) -> APIError:
         self.metrics.upstream_failures.labels(instances.kind).inc()
-        log.warning("%s instance %s failed: %s", instances.kind, url, _describe(error))
+        log.warning("%s instance %s failed: %s", instances.kind, url, describe(error))
         if isinstance(error, httpx.TimeoutException):
             return APIError(
-                504, f"the {instances.kind} instance {url} timed out: {_describe(error)}"
+                504, f"the {instances.kind} instance {url} timed out: {describe(error)}"
             )
-        return APIError(502, f"the {instances.kind} instance {url} failed: {_describe(error)}")
+        return APIError(502, f"the {instances.kind} instance {url} failed: {describe(error)}")
 
     def _headers(self, request: Request) -> Headers:
         """The headers toward an instance: JSON, uncompressed, with the backend key, or the
@@ -497,7 +457,3 @@ def _json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise APIError(400, "the request body must be a JSON object")
     return value
-
-
-def _describe(error: httpx.HTTPError) -> str:
-    return str(error) or type(error).__name__

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import re
 
-from triode.edge.app import ROUTES, match_route, routed_path
+from triode.edge.app import ROUTES, match_route
 from triode.edge.auth import OPEN_PATHS, ApiKeys, requires_auth
+from triode.edge.routing import routed_path
 
 from .source import ByteSource
 

@@ -28,7 +28,8 @@ from kv_secret import secret_file
 
 from triode.edge.auth import ApiKeys
 from triode.edge.cli import build_parser
-from triode.edge.proxy import PREFILL_KV_PARAMS, ProxyOptions, base_url, serve_proxy
+from triode.edge.proxy import PREFILL_KV_PARAMS, ProxyOptions, serve_proxy
+from triode.edge.upstream import base_url
 from triode.wire.kv_seal import verify_remote_decode
 from triode.wire.ports import free_port
 
