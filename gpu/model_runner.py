@@ -42,14 +42,9 @@ from .cpu_paths import (
 from .kv_connector import FinishedTransfers, KVConnectorWorker
 from .llama import head_dim, model_class
 from .loader import resolve_model
-from .sampler import (
-    Sampler,
-    SamplerOutput,
-    SamplingState,
-    apply_token_bitmask,
-    compute_logprobs,
-    plain_greedy,
-)
+from .logits_processing import apply_token_bitmask
+from .sampler import Sampler, SamplerOutput, compute_logprobs, plain_greedy
+from .sampling_state import SamplingState
 
 # what steps with prompt tokens pad their dense products to (see cpu_paths.RowPaths.dense_min)
 DENSE_MIN_ROWS = 64

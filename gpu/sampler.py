@@ -3,7 +3,8 @@
 Semantics follow vLLM V1. Logprobs describe the raw model distribution. The logits are then
 processed in this order: allowed_token_ids, logit_bias, min_tokens, penalties (repetition over
 prompt + output, presence and frequency over output), then greedy argmax or temperature, top-k,
-top-p, min-p and an exponential race.
+top-p, min-p and an exponential race. The processing is in `logits_processing`, each request's
+state in `sampling_state`.
 
 The race picks argmax(p_i / q_i) with q_i ~ Exp(1), which draws token i with probability p_i.
 It runs in log space, argmax(logit_i / T - log q_i), so it needs no softmax and survives rows
@@ -25,10 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from triode.wire.messages import Logprobs, SamplingParams
+from triode.wire.messages import Logprobs
 
-# Below this temperature a request is greedy: dividing by it would overflow float32 logits.
-_GREEDY_TEMPERATURE = 1e-5
+from .logits_processing import needs_processing, process_logits
+from .sampling_state import SamplingState
 
 # top-p without top-k first looks for the nucleus among this many best tokens and only widens
 # (x16 each time, up to a full sort) for rows whose candidates hold less than top_p of the mass:
@@ -37,88 +38,6 @@ _FIRST_CANDIDATES = 256
 _WIDEN = 16
 # A topk wider than 1/_SORT_FROM of the vocabulary costs as much as a full sort.
 _SORT_FROM = 4
-
-
-class SamplingState:
-    """One request's sampling state, kept by the model runner from first sight until it finishes.
-
-    Everything that does not change between steps (allowed ids, biases, the ids min_tokens holds
-    back, the prompt for the repetition penalty) becomes an array once here, not on every step;
-    the allowed ids become a mask over the vocabulary, so a step costs the same however many
-    of them a request names.
-    Append each sampled token with `append`, never to `output_token_ids` directly: penalties
-    read a numpy mirror of the output that `append` keeps.
-
-    Raises ValueError when a token id in the parameters is outside the vocabulary.
-    """
-
-    def __init__(
-        self,
-        params: SamplingParams,
-        prompt_token_ids: list[int],
-        eos_token_id: int | None,
-        vocab_size: int,
-    ) -> None:
-        self.params = params
-        self.prompt_token_ids = prompt_token_ids
-        self.eos_token_id = eos_token_id
-        self.vocab_size = vocab_size
-        self.output_token_ids: list[int] = []
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
-
-        # top_k == 1 keeps only the argmax, whatever the temperature: sample it as greedy. A
-        # top_k that spans the vocabulary keeps everything: turn it off (0).
-        self.top_k = params.top_k if params.top_k < vocab_size else 0
-        self.greedy = params.temperature < _GREEDY_TEMPERATURE or self.top_k == 1
-        self.truncates = not self.greedy and (self.top_k > 0 or params.top_p < 1.0)
-        self.uses_min_p = not self.greedy and params.min_p > 0.0
-
-        self.allowed_mask: torch.Tensor | None = None  # bool [vocab_size]
-        if params.allowed_token_ids is not None:
-            allowed = self._ids("allowed_token_ids", params.allowed_token_ids)
-            self.allowed_mask = torch.zeros(vocab_size, dtype=torch.bool, device="cpu")
-            self.allowed_mask[torch.from_numpy(allowed)] = True
-        self.logit_bias: tuple[np.ndarray, np.ndarray] | None = None  # ids, values
-        if params.logit_bias:
-            values = np.fromiter(params.logit_bias.values(), dtype=np.float32)
-            self.logit_bias = (self._ids("logit_bias", list(params.logit_bias)), values)
-        # min_tokens holds back every id that would stop the request, as vLLM does: the stop ids,
-        # and EOS unless it is ignored. An id outside the vocabulary can never be sampled anyway.
-        stop_ids = set(params.stop_token_ids)
-        if eos_token_id is not None and not params.ignore_eos:
-            stop_ids.add(eos_token_id)
-        stop_ids = {t for t in stop_ids if t < vocab_size}
-        self.min_tokens_ids: np.ndarray | None = None
-        if params.min_tokens > 0 and stop_ids:
-            self.min_tokens_ids = np.array(sorted(stop_ids), dtype=np.int64)
-
-        self.repetition = params.repetition_penalty != 1.0
-        self.penalized = (
-            self.repetition or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-        )
-        self.prompt_ids = np.asarray(prompt_token_ids, dtype=np.int64) if self.repetition else None
-        self._outputs = np.empty(16 if self.penalized else 0, dtype=np.int64)
-
-    def append(self, token_id: int) -> None:
-        """Record a sampled token (the runner calls this once per step that sampled)."""
-        if self.penalized:
-            n = len(self.output_token_ids)
-            if n == len(self._outputs):
-                self._outputs = np.resize(self._outputs, 2 * n)
-            self._outputs[n] = token_id
-        self.output_token_ids.append(token_id)
-
-    @property
-    def output_ids(self) -> np.ndarray:
-        """The output so far as int64 (a view: valid until the next `append`)."""
-        return self._outputs[: len(self.output_token_ids)]
-
-    def _ids(self, field: str, ids: list[int]) -> np.ndarray:
-        if any(t >= self.vocab_size for t in ids):
-            raise ValueError(f"{field}: token ids must be < vocabulary size {self.vocab_size}")
-        return np.array(ids, dtype=np.int64)
 
 
 @dataclass
@@ -154,7 +73,7 @@ class Sampler:
         lp_rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(_take(x, lp_rows), dim=-1) if lp_rows else None
 
-        if any(_needs_processing(s) for s in states):
+        if any(needs_processing(s) for s in states):
             owned = x is not logits and x.is_contiguous()
             x = process_logits(
                 x if owned else x.clone(memory_format=torch.contiguous_format), states
@@ -192,105 +111,6 @@ def compute_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, num_top: in
     The runner uses this for prompt logprobs too: row i's target is prompt token i + 1.
     """
     return _gather_logprobs(torch.log_softmax(logits.float(), dim=-1), target_ids, num_top)
-
-
-def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
-    """Disallow, in place, the tokens a structured output's grammar does not allow next.
-
-    Row j of `bitmask` (int32 [len(rows), ceil(V / 32)], bit t of word w allowing token
-    32 w + t) constrains `logits[rows[j]]`; the runner applies it before sampling, so logprobs
-    describe the constrained distribution, as in vLLM. On CPU float32 logits (where the runner
-    samples) it works on the floats' bits, a fourth of `masked_fill_`'s time.
-    """
-    if len(rows) != len(bitmask):
-        raise ValueError(f"{len(bitmask)} bitmask rows for {len(rows)} constrained rows")
-    vocab = logits.shape[1]
-    # little-endian words: byte k of row j holds tokens 8k..8k+7, lowest bit first
-    words = np.ascontiguousarray(bitmask, dtype="<i4")
-    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    every_row = rows == list(range(len(logits)))
-    index = None if every_row else torch.tensor(rows, device=logits.device)
-    target = logits if index is None else logits[index]
-    if target.device.type == "cpu" and target.dtype == torch.float32 and target.is_contiguous():
-        _refuse_bits(target.numpy(), bits)
-    else:
-        refused = torch.from_numpy(bits).to(target.device) == 0
-        target.masked_fill_(refused, -math.inf)
-    if index is not None:
-        logits[index] = target
-
-
-_MINUS_INF_BITS = np.array(-np.inf, dtype=np.float32).view(np.int32)
-
-
-def _refuse_bits(values: np.ndarray, allowed: np.ndarray) -> None:
-    # -inf where `allowed` (0/1 bytes) is 0: value & keep | ~keep & bits(-inf), keep all ones
-    # or all zeros
-    as_ints = values.view(np.int32)
-    keep = allowed.astype(np.int32)
-    np.negative(keep, out=keep)
-    np.bitwise_and(as_ints, keep, out=as_ints)
-    np.invert(keep, out=keep)
-    np.bitwise_and(keep, _MINUS_INF_BITS, out=keep)
-    np.bitwise_or(as_ints, keep, out=as_ints)
-
-
-def process_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """Apply allowed_token_ids, logit_bias, min_tokens and penalties to `logits`, in place.
-
-    `logits` must be contiguous float32. Each stage touches only the rows that use it: the
-    allowed ids through their rows' masks, the biases and min_tokens through one batched scatter
-    over the concatenated per-row ids; penalties touch only the tokens that occurred. Returns
-    `logits`.
-    """
-    allowed = [(i, s.allowed_mask) for i, s in enumerate(states) if s.allowed_mask is not None]
-    if allowed:
-        rows = torch.tensor([i for i, _ in allowed])
-        keep = torch.stack([mask for _, mask in allowed]).to(logits.device)
-        logits[rows] = logits[rows].masked_fill_(~keep, -math.inf)
-
-    biased = [(i, s.logit_bias) for i, s in enumerate(states) if s.logit_bias is not None]
-    if biased:
-        values = torch.from_numpy(np.concatenate([bias for _, (_, bias) in biased]))
-        values = values.to(logits.device)
-        logits.index_put_(_pairs([(i, ids) for i, (ids, _) in biased]), values, accumulate=True)
-
-    held = [
-        (i, s.min_tokens_ids)
-        for i, s in enumerate(states)
-        if s.min_tokens_ids is not None and len(s.output_token_ids) < s.params.min_tokens
-    ]
-    if held:
-        logits[_pairs(held)] = -math.inf
-
-    penalized = [i for i, s in enumerate(states) if s.penalized]
-    if penalized:
-        _penalize(logits, penalized, [states[i] for i in penalized])
-    return logits
-
-
-def _penalize(logits: torch.Tensor, rows: list[int], states: list[SamplingState]) -> None:
-    """Repetition (HF), presence and frequency (OpenAI) penalties, in place.
-
-    Works on the (row, token) pairs that occurred, as flat indices `row * vocab + token`, so the
-    cost follows the length of the histories rather than rows x vocabulary.
-    """
-    n, vocab = logits.shape
-    flat = logits.view(-1)
-    output = _flat(_pairs([(r, s.output_ids) for r, s in zip(rows, states, strict=True)]), vocab)
-    if any(s.repetition for s in states):
-        prompts = [(r, s.prompt_ids) for r, s in zip(rows, states, strict=True)]
-        prompt = _flat(_pairs([(r, ids) for r, ids in prompts if ids is not None]), vocab)
-        seen = torch.cat([prompt, output]).unique()
-        penalty = _per_row(n, rows, [s.params.repetition_penalty for s in states], 1.0)
-        values, penalty = flat[seen], penalty[seen // vocab]
-        flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
-
-    pairs, counts = output.unique(return_counts=True)
-    row = pairs // vocab
-    frequency = _per_row(n, rows, [s.params.frequency_penalty for s in states], 0.0)[row]
-    presence = _per_row(n, rows, [s.params.presence_penalty for s in states], 0.0)[row]
-    flat[pairs] -= counts * frequency + presence
 
 
 def _sample_plain(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
@@ -472,16 +292,7 @@ def _gather_logprobs(logprobs: torch.Tensor, target_ids: torch.Tensor, num_top: 
 def plain_greedy(states: list[SamplingState]) -> bool:
     """Whether every row takes its argmax and reports nothing else: no logprobs, and nothing
     that changes the logits first."""
-    return all(s.greedy and s.params.logprobs is None and not _needs_processing(s) for s in states)
-
-
-def _needs_processing(state: SamplingState) -> bool:
-    return (
-        state.allowed_mask is not None
-        or state.logit_bias is not None
-        or state.min_tokens_ids is not None
-        or state.penalized
-    )
+    return all(s.greedy and s.params.logprobs is None and not needs_processing(s) for s in states)
 
 
 def _take(x: torch.Tensor, rows: list[int] | torch.Tensor) -> torch.Tensor:
@@ -497,27 +308,6 @@ def _merge(x: torch.Tensor, rows: list[int], values: torch.Tensor) -> torch.Tens
         return values
     x[torch.tensor(rows)] = values
     return x
-
-
-def _pairs(rows_ids: list[tuple[int, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index tensors (row of each id, id) for per-row id arrays, ready for advanced indexing."""
-    lengths = [len(ids) for _, ids in rows_ids]
-    rows = np.repeat(np.array([r for r, _ in rows_ids], dtype=np.int64), lengths)
-    ids = np.concatenate([ids for _, ids in rows_ids])
-    device = torch.get_default_device()
-    return torch.from_numpy(rows).to(device), torch.from_numpy(ids).to(device)
-
-
-def _flat(index: tuple[torch.Tensor, torch.Tensor], vocab: int) -> torch.Tensor:
-    rows, ids = index
-    return rows * vocab + ids
-
-
-def _per_row(n: int, rows: list[int], values: list[float], default: float) -> torch.Tensor:
-    """A [n] tensor holding `values` at `rows` and `default` elsewhere."""
-    out = torch.full((n,), default)
-    out[rows] = torch.tensor(values)
-    return out
 
 
 def _column(values: list[float]) -> torch.Tensor:

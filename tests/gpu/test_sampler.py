@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from triode.gpu.sampler import Sampler, SamplingState, compute_logprobs, process_logits
+from triode.gpu.logits_processing import process_logits
+from triode.gpu.sampler import Sampler, compute_logprobs
+from triode.gpu.sampling_state import SamplingState
 from triode.wire.messages import SamplingParams
 
 VOCAB = 64

@@ -21,8 +21,8 @@ from triode.actors.config import EngineArgs
 from triode.actors.core.executor import InProcessExecutor
 from triode.actors.core.scheduler import Scheduler, SchedulerConfig
 from triode.actors.core.structured_output import StructuredOutputManager, check_grammar, grammar_of
+from triode.gpu.logits_processing import apply_token_bitmask
 from triode.gpu.model_runner import ModelRunner
-from triode.gpu.sampler import apply_token_bitmask
 from triode.gpu.tiny_model import build_tiny_model
 from triode.wire import EngineCoreOutput, EngineCoreRequest, SamplingParams
 from triode.wire import StructuredOutputsParams as SO
