@@ -25,7 +25,7 @@ from .config import EngineArgs
 from .model_env import model_process_env
 from .process import Child, open_child
 
-ENGINE_CORE = "triode.actors.core.engine_core:serve_engine_core"
+ENGINE_CORE = "triode.actors.core.main:serve_engine_core"
 
 
 def ready_timeout() -> float:

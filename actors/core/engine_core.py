@@ -1,32 +1,25 @@
-"""The engine-core process: scheduler actor, input and output edges, the step loop.
+"""The engine core: the scheduler actor's step loop and its input and output edges (the
+process's entry, which builds one, is `main.py`).
 
 Input arrives on a PULL socket (`[type, msgpack, *aux]`), outputs leave on an XPUB socket
-(`[topic, msgpack, *aux]` per client). XPUB rather than PUB because it reports subscriptions:
-an expected client's outputs wait until its SUB is confirmed, so none is published into the
-void (ZMQ's slow-joiner problem), and a client whose subscription ends (its process died) has
-its requests aborted. The forward pass runs off the trio loop
-(on one thread, or in worker processes: `executor.py`), so requests and aborts are taken in while
-the model computes.
+(`[topic, msgpack, *aux]` per client), whose one owner is the publisher (`publisher.py`): a
+client whose subscription ends (its process died) has its requests aborted. The forward pass
+runs off the trio loop (on one thread, or in worker processes: `executor.py`), so requests and
+aborts are taken in while the model computes.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Iterable
-from contextlib import AbstractAsyncContextManager, nullcontext
-from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
 import trio
-import zmq
 
 from triode.wire import (
-    Encoder,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -35,37 +28,22 @@ from triode.wire import (
     InputDecoder,
     ModelRunnerOutput,
     ProtocolError,
-    Ready,
     Recorder,
     SchedulerOutput,
     SchedulerStats,
     Socket,
     UtilityCall,
     UtilityOutput,
-    encode_output,
-    open_recorder,
 )
-from triode.wire.framing import client_of_topic
-from triode.wire.kv_transfer import parse_kv_transfer_config
 
-from ..child import ChildContext
-from ..config import EngineArgs
 from ..prompt_embeds import receive_prompt_embeds
 from ..vocabulary import out_of_vocabulary
-from .executor import Executor, open_executor
-from .kv_connector import KVConnectorScheduler
-from .scheduler import Scheduler, SchedulerConfig
-from .structured_output import StructuredOutputManager
+from .executor import Executor
+from .publisher import Publisher
+from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-# PUB drops at its high-water mark; this is far above what a healthy client lags behind by,
-# and sequence numbers catch the rest.
-OUTPUT_HWM = 100_000
-# How many messages wait for an expected client whose SUB is not confirmed yet (a restarted
-# edge's first request can overtake its subscription); beyond that the oldest drop, and the
-# client sees the gap in its sequence numbers.
-MAX_HELD_OUTPUTS = 10_000
 # How often an engine with several clients, or one of several engines, tells every client its
 # queue lengths (the edges balance requests over engines by them).
 STATS_INTERVAL = 0.05
@@ -113,9 +91,17 @@ class EngineCore:
 
     async def run(self, input_socket: Socket, output_socket: Socket) -> None:
         self._progress_at = trio.current_time()
+        publisher = Publisher(
+            output_socket,
+            self._publisher_inbox,
+            num_clients=self.num_clients,
+            engine_index=self.engine_index,
+            on_unsubscribed=self._orphaned,
+            recorder=self.recorder,
+        )
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._publish, output_socket)
+            nursery.start_soon(publisher.run)
             nursery.start_soon(self._receive, input_socket)
             await self._step_loop()
 
@@ -306,59 +292,15 @@ class EngineCore:
                 result.failure_message = f"{call.method} failed: {type(e).__name__}: {e}"
         await self._outbox.send((call.client_index, EngineCoreOutputs(utility_output=result)))
 
-    async def _publish(self, socket: Socket) -> None:
-        """The XPUB socket's one owner: sends each client's outputs under its topic, and reads
-        the subscriptions the socket reports. A client's topic carries nothing until its SUB
-        is confirmed (messages wait, bounded, until then); a client whose subscription ends
-        (its process died) has its requests aborted, and its topic starts again at sequence 0
-        for whoever subscribes next."""
-        encoder = Encoder()
-        topics = _Topics(self.num_clients)
-        while True:
-            item, frames = await _next_output_or_subscription(self._publisher_inbox, socket)
-            if frames is not None:
-                self._take_subscription(topics, frames[0])
-                for client, outputs in topics.released():
-                    await self._send_output(socket, encoder, topics, client, outputs)
-            if item is not None:
-                client, outputs = item
-                if topics.hold(client, outputs):
-                    continue
-                await self._send_output(socket, encoder, topics, client, outputs)
-
-    async def _send_output(
-        self,
-        socket: Socket,
-        encoder: Encoder,
-        topics: _Topics,
-        client: int,
-        outputs: EngineCoreOutputs,
-    ) -> None:
-        outputs.engine_index = self.engine_index
-        outputs.seq = topics.next_seq(client)
-        outputs.timestamp = time.time()
-        frames = encode_output(encoder, client, outputs)
-        if self.recorder is not None:
-            self.recorder.record("out", frames)
-        await socket.send_multipart(frames)
-
-    def _take_subscription(self, topics: _Topics, event: bytes) -> None:
-        client = client_of_topic(event[1:])
-        if client is None:
-            return
-        if event[:1] == b"\x01":
-            topics.subscribed(client)
-        elif event[:1] == b"\x00":
-            topics.unsubscribed(client)
-            orphans = [
-                r.request_id for r in self.scheduler.requests.values() if r.client_index == client
-            ]
-            if orphans:
-                log.warning(
-                    "client %d unsubscribed; aborting its %d request(s)", client, len(orphans)
-                )
-                self.scheduler.abort_requests(orphans)
-            self._work.set()
+    def _orphaned(self, client: int) -> None:
+        """A client's subscription ended (its process died): its requests are aborted."""
+        orphans = [
+            r.request_id for r in self.scheduler.requests.values() if r.client_index == client
+        ]
+        if orphans:
+            log.warning("client %d unsubscribed; aborting its %d request(s)", client, len(orphans))
+            self.scheduler.abort_requests(orphans)
+        self._work.set()
 
     async def _broadcast_stats(self, stats: SchedulerStats, skip: Iterable[int]) -> None:
         """Every expected client hears the engine's queue lengths at most `STATS_INTERVAL`
@@ -421,169 +363,3 @@ _UTILITIES = {
         "seconds_stalled",
     )
 }
-
-
-class _Topics:
-    """The publisher's view of its clients' topics: sequence numbers, which of the expected
-    clients (0 .. `expected` - 1) are subscribed, and what waits for those that are not. A
-    client outside that range (a tool, a fuzzer) is sent to as it comes."""
-
-    def __init__(self, expected: int) -> None:
-        self.expected = expected
-        self._seqs: dict[int, int] = {}
-        self._subscribed: set[int] = set()
-        self._held: dict[int, deque[EngineCoreOutputs]] = {}
-        self._released: list[tuple[int, EngineCoreOutputs]] = []
-
-    def hold(self, client: int, outputs: EngineCoreOutputs) -> bool:
-        """Keep `outputs` back if its client is expected but not subscribed yet."""
-        if client in self._subscribed or not 0 <= client < self.expected:
-            return False
-        held = self._held.setdefault(client, deque(maxlen=MAX_HELD_OUTPUTS))
-        if len(held) == held.maxlen:
-            self._seqs[client] = self._seqs.get(client, 0) + 1  # the dropped one's number
-        held.append(outputs)
-        return True
-
-    def subscribed(self, client: int) -> None:
-        self._subscribed.add(client)
-        self._released.extend((client, o) for o in self._held.pop(client, ()))
-
-    def unsubscribed(self, client: int) -> None:
-        self._subscribed.discard(client)
-        self._seqs.pop(client, None)
-        self._held.pop(client, None)
-
-    def released(self) -> list[tuple[int, EngineCoreOutputs]]:
-        out, self._released = self._released, []
-        return out
-
-    def next_seq(self, client: int) -> int:
-        seq = self._seqs.get(client, 0)
-        self._seqs[client] = seq + 1
-        return seq
-
-
-async def _next_output_or_subscription(
-    inbox: trio.MemoryReceiveChannel[tuple[int, EngineCoreOutputs]], socket: Socket
-) -> tuple[tuple[int, EngineCoreOutputs] | None, list[bytes] | None]:
-    """The next message to publish, or the next subscription event of the XPUB socket, or
-    both when they come together; whichever is first, without losing the other."""
-    try:
-        return inbox.receive_nowait(), None
-    except trio.WouldBlock:
-        pass
-    item: tuple[int, EngineCoreOutputs] | None = None
-    frames: list[bytes] | None = None
-    async with trio.open_nursery() as nursery:
-
-        async def take_output() -> None:
-            nonlocal item
-            item = await inbox.receive()
-            nursery.cancel_scope.cancel()
-
-        async def take_subscription() -> None:
-            nonlocal frames
-            frames = await socket.recv_multipart(copy=True)
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(take_output)
-        nursery.start_soon(take_subscription)
-    return item, frames
-
-
-async def serve_engine_core(ctx: ChildContext) -> None:
-    """The engine-core actor's entry (`triode.actors.core.engine_core:serve_engine_core`)."""
-    args = msgspec.convert(ctx.options["engine_args"], EngineArgs)
-    if ctx.options.get("cpus"):
-        # one of several data-parallel engines: its share of the cores, which its model
-        # threads (and its workers, who inherit it) size themselves by
-        os.sched_setaffinity(0, ctx.options["cpus"])
-    input_socket = Socket.open(ctx.zmq_context, zmq.PULL, bind=ctx.addresses["input"])
-    output_socket = Socket.open(
-        ctx.zmq_context, zmq.XPUB, bind=ctx.addresses["output"], hwm=OUTPUT_HWM
-    )
-    async with (
-        input_socket,
-        output_socket,
-        _recording(ctx, args) as recorder,
-        open_executor(args) as executor,
-    ):
-        connector = None
-        if args.kv_transfer_config is not None:
-            connector = KVConnectorScheduler(
-                parse_kv_transfer_config(args.kv_transfer_config),
-                block_size=executor.block_size,
-                endpoints=executor.kv_endpoints,
-                tensor_parallel_size=args.tensor_parallel_size,
-                pipeline_parallel_size=args.pipeline_parallel_size,
-            )
-        tokenizer_file = Path(executor.model_dir) / "tokenizer.json"
-        structured = None
-        if tokenizer_file.is_file():
-            eos_ids = [executor.eos_token_id, *executor.extra_eos_token_ids]
-            structured = StructuredOutputManager(
-                tokenizer_file, executor.vocab_size, [t for t in eos_ids if t is not None]
-            )
-        scheduler = Scheduler(
-            SchedulerConfig(
-                num_blocks=executor.num_kv_blocks,
-                block_size=executor.block_size,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_new_prompt_tokens=args.max_new_prompt_tokens,
-                max_model_len=executor.max_model_len,
-                enable_prefix_caching=args.enable_prefix_caching,
-                max_waiting_requests=args.max_waiting_requests,
-            ),
-            connector,
-            structured,
-        )
-        await ctx.ready(
-            Ready(
-                num_kv_blocks=executor.num_kv_blocks,
-                block_size=executor.block_size,
-                # A request can never outgrow the whole cache, whatever the model allows.
-                max_model_len=scheduler.max_len,
-                info={
-                    "model_dir": str(executor.model_dir),
-                    "eos_token_id": executor.eos_token_id,
-                    "extra_eos_token_ids": executor.extra_eos_token_ids,
-                    "vocab_size": executor.vocab_size,
-                    "hidden_size": executor.hidden_size,
-                    "dtype": executor.dtype,
-                    "tensor_parallel_size": args.tensor_parallel_size,
-                    "pipeline_parallel_size": args.pipeline_parallel_size,
-                    "worker_pids": executor.worker_pids,
-                    "kv_endpoints": executor.kv_endpoints,
-                    # where the edges read the secret that the params they take must be
-                    # sealed with: the path only, never the secret
-                    "kv_secret_file": None if connector is None else connector.config.secret_file,
-                },
-            )
-        )
-        core = EngineCore(
-            scheduler,
-            executor,
-            num_clients=ctx.options.get("num_clients", 1),
-            engine_index=ctx.options.get("engine_index", 0),
-            data_parallel_size=args.data_parallel_size,
-            recorder=recorder,
-        )
-        await core.run(input_socket, output_socket)
-
-
-def _recording(ctx: ChildContext, args: EngineArgs) -> AbstractAsyncContextManager[Recorder | None]:
-    """The recording of this engine core's traffic that `--record-wire` asks for, else None.
-    One of several data-parallel engines records into a directory of its own under it."""
-    if args.record_wire is None:
-        return nullcontext()
-    directory = Path(args.record_wire)
-    if args.data_parallel_size > 1:
-        directory /= f"engine-{ctx.options.get('engine_index', 0)}"
-    meta = {
-        "engine_args": ctx.options["engine_args"],
-        "num_clients": ctx.options.get("num_clients", 1),
-        "engine_index": ctx.options.get("engine_index", 0),
-    }
-    return open_recorder(directory, meta)

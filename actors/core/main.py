@@ -1,0 +1,126 @@
+"""The engine-core process's main: `serve_engine_core`, the actor that a server starts (as
+`triode.actors.core.main:serve_engine_core`, `launcher.py`) for each of its engine cores.
+
+It binds the engine core's input (PULL) and output (XPUB) sockets, opens the executor (and with
+it the model, or its worker processes), builds the scheduler with its KV connector and
+structured output manager to fit, says READY with what clients need to know of the model and
+the cache, and runs an `EngineCore` (`engine_core.py`) until it is cancelled.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractAsyncContextManager, nullcontext
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from triode.wire import Ready, Recorder, Socket, open_recorder
+from triode.wire.kv_transfer import parse_kv_transfer_config
+
+from ..child import ChildContext
+from ..config import EngineArgs
+from .engine_core import EngineCore
+from .executor import open_executor
+from .kv_connector import KVConnectorScheduler
+from .publisher import OUTPUT_HWM
+from .scheduler import Scheduler, SchedulerConfig
+from .structured_output import StructuredOutputManager
+
+
+async def serve_engine_core(ctx: ChildContext) -> None:
+    """The engine-core actor's entry (`triode.actors.core.main:serve_engine_core`)."""
+    args = msgspec.convert(ctx.options["engine_args"], EngineArgs)
+    if ctx.options.get("cpus"):
+        # one of several data-parallel engines: its share of the cores, which its model
+        # threads (and its workers, who inherit it) size themselves by
+        os.sched_setaffinity(0, ctx.options["cpus"])
+    input_socket = Socket.open(ctx.zmq_context, zmq.PULL, bind=ctx.addresses["input"])
+    output_socket = Socket.open(
+        ctx.zmq_context, zmq.XPUB, bind=ctx.addresses["output"], hwm=OUTPUT_HWM
+    )
+    async with (
+        input_socket,
+        output_socket,
+        _recording(ctx, args) as recorder,
+        open_executor(args) as executor,
+    ):
+        connector = None
+        if args.kv_transfer_config is not None:
+            connector = KVConnectorScheduler(
+                parse_kv_transfer_config(args.kv_transfer_config),
+                block_size=executor.block_size,
+                endpoints=executor.kv_endpoints,
+                tensor_parallel_size=args.tensor_parallel_size,
+                pipeline_parallel_size=args.pipeline_parallel_size,
+            )
+        tokenizer_file = Path(executor.model_dir) / "tokenizer.json"
+        structured = None
+        if tokenizer_file.is_file():
+            eos_ids = [executor.eos_token_id, *executor.extra_eos_token_ids]
+            structured = StructuredOutputManager(
+                tokenizer_file, executor.vocab_size, [t for t in eos_ids if t is not None]
+            )
+        scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=executor.num_kv_blocks,
+                block_size=executor.block_size,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_new_prompt_tokens=args.max_new_prompt_tokens,
+                max_model_len=executor.max_model_len,
+                enable_prefix_caching=args.enable_prefix_caching,
+                max_waiting_requests=args.max_waiting_requests,
+            ),
+            connector,
+            structured,
+        )
+        await ctx.ready(
+            Ready(
+                num_kv_blocks=executor.num_kv_blocks,
+                block_size=executor.block_size,
+                # A request can never outgrow the whole cache, whatever the model allows.
+                max_model_len=scheduler.max_len,
+                info={
+                    "model_dir": str(executor.model_dir),
+                    "eos_token_id": executor.eos_token_id,
+                    "extra_eos_token_ids": executor.extra_eos_token_ids,
+                    "vocab_size": executor.vocab_size,
+                    "hidden_size": executor.hidden_size,
+                    "dtype": executor.dtype,
+                    "tensor_parallel_size": args.tensor_parallel_size,
+                    "pipeline_parallel_size": args.pipeline_parallel_size,
+                    "worker_pids": executor.worker_pids,
+                    "kv_endpoints": executor.kv_endpoints,
+                    # where the edges read the secret that the params they take must be
+                    # sealed with: the path only, never the secret
+                    "kv_secret_file": None if connector is None else connector.config.secret_file,
+                },
+            )
+        )
+        core = EngineCore(
+            scheduler,
+            executor,
+            num_clients=ctx.options.get("num_clients", 1),
+            engine_index=ctx.options.get("engine_index", 0),
+            data_parallel_size=args.data_parallel_size,
+            recorder=recorder,
+        )
+        await core.run(input_socket, output_socket)
+
+
+def _recording(ctx: ChildContext, args: EngineArgs) -> AbstractAsyncContextManager[Recorder | None]:
+    """The recording of this engine core's traffic that `--record-wire` asks for, else None.
+    One of several data-parallel engines records into a directory of its own under it."""
+    if args.record_wire is None:
+        return nullcontext()
+    directory = Path(args.record_wire)
+    if args.data_parallel_size > 1:
+        directory /= f"engine-{ctx.options.get('engine_index', 0)}"
+    meta = {
+        "engine_args": ctx.options["engine_args"],
+        "num_clients": ctx.options.get("num_clients", 1),
+        "engine_index": ctx.options.get("engine_index", 0),
+    }
+    return open_recorder(directory, meta)
