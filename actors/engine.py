@@ -36,10 +36,10 @@ from triode.wire.messages import MAX_WIRE_CACHE_SALT
 from triode.wire.tensor_ipc import SharedTensor, TensorHandle
 
 from .config import EngineArgs
-from .core.kv_connector import seal_error, transfer_params_error
 from .core_client import EngineCoreClient, EngineDeadError, RequestStream
 from .detokenizer import IncrementalDetokenizer
 from .intake import Intake
+from .kv_params import seal_error, transfer_params_error
 from .launcher import EngineCoreEndpoint, open_engine_cores
 from .outputs import CompletionOutput, RequestOutput, token_logprobs
 from .peer import Peer

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from triode.actors.core.kv_connector import seal_error, transfer_params_error
+from triode.actors.kv_params import seal_error, transfer_params_error
 from triode.wire import kv_seal
 from triode.wire.kv_seal import prompt_digest, seal, seal_remote_decode, verify
 from triode.wire.kv_seal import verify_remote_decode as verify_ask
