@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from triode.fuzz import live_http, live_zmq
-from triode.fuzz.live import LAUNCH_ENV, parse_args
-from triode.fuzz.live_http import check_outcome, needs_key, under_v1
-from triode.fuzz.live_requests import INVALID, UNSURE, VALID, HttpMutator, Plan, Req
-from triode.fuzz.raw_http import Outcome, Responses
+from triode.fuzz.live import http_fuzzer as live_http
+from triode.fuzz.live import zmq_fuzzer as live_zmq
+from triode.fuzz.live.cli import LAUNCH_ENV, parse_args
+from triode.fuzz.live.http_fuzzer import check_outcome, needs_key, under_v1
+from triode.fuzz.live.http_mutator import HttpMutator
+from triode.fuzz.live.http_plan import INVALID, UNSURE, VALID, Plan, Req
+from triode.fuzz.live.raw_http import Outcome, Responses
 from triode.wire import InputDecoder, ProtocolError
 
 SECONDS = 12  # in the suite; `triode fuzz live` runs for as long as it is given

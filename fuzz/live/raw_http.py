@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from .live_requests import Plan
+from .http_plan import Plan
 
 REQUEST_TIMEOUT = 30.0
 _SEND_PIECE = 1 << 20

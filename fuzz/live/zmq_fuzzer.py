@@ -1,7 +1,7 @@
 """The ZMQ side of the live fuzzer: hostile messages straight into an engine core's input socket.
 
 Beside the engine's own client, a second PUSH socket connects to the engine core's input address
-and sends what `ZmqMutator` (`live_messages.py`) draws. Each message is first decoded here with
+and sends what `ZmqMutator` (`zmq_mutator.py`) draws. Each message is first decoded here with
 the engine's own decoder, so the fuzzer knows how many the engine must count as protocol errors,
 which requests it added (to abort them after each round) and which utility calls it must answer.
 
@@ -38,8 +38,9 @@ from triode.wire import (
     topic_for,
 )
 
-from .live import MemoryWatch, Report, Violation, alive, crash_path
-from .live_messages import FUZZ_CLIENT, ZmqMutator
+from .processes import MemoryWatch, alive
+from .report import Report, Violation, crash_path
+from .zmq_mutator import FUZZ_CLIENT, ZmqMutator
 
 # A KV cache this small (256 blocks on tiny-random) makes the fuzzer's requests contend for
 # blocks, so preemption and block reuse run too.

@@ -1,6 +1,6 @@
 """The HTTP side of the live fuzzer: raw, mutated HTTP/1.1 against a running triode server.
 
-What is sent is `HttpMutator`'s business (`live_requests.py`), how it is sent `raw_http.py`'s (as
+What is sent is `HttpMutator`'s business (`http_mutator.py`), how it is sent `raw_http.py`'s (as
 bytes on a plain TCP stream, so nothing on the way normalises them). This module runs the rounds
 and checks the invariants:
 
@@ -34,19 +34,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from triode.edge.bench.server_process import open_server, serve_command
 from triode.wire.ports import free_port
 
-from .live import (
-    DEFAULT_API_KEY,
-    MemoryWatch,
-    Report,
-    Violation,
-    alive,
-    child_pids,
-    crash_path,
-    engine_flags,
-    launch_model,
-)
-from .live_requests import INVALID, VALID, HttpMutator, Plan
+from .cli import DEFAULT_API_KEY, engine_flags, launch_model
+from .http_mutator import HttpMutator
+from .http_plan import INVALID, VALID, Plan
+from .processes import MemoryWatch, alive, child_pids
 from .raw_http import REQUEST_TIMEOUT, Outcome, exchange
+from .report import Report, Violation, crash_path
 
 ROUND_SECONDS = 2.5
 IDLE_TIMEOUT = 15.0
