@@ -24,15 +24,8 @@ import trio
 from triode.actors import Engine, EngineDeadError
 
 from .auth import UNAUTHORIZED_HEADERS, paths_without_key, requires_auth
-from .completions.protocol import (
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-    decode_request,
-)
+from .completions.request_bodies import DetokenizeRequest, TokenizeRequest, decode_request
+from .completions.response_bodies import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from .completions.serving import Serving
 from .errors import APIError, validation_error
 from .health import HealthProbe

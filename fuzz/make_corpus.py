@@ -23,14 +23,16 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from triode.edge.completions.protocol import (
+from triode.edge.completions.request_bodies import (
     ChatCompletionRequest,
-    ChatCompletionResponseStreamChoice,
-    ChatCompletionStreamResponse,
     CompletionRequest,
-    DeltaMessage,
     DetokenizeRequest,
     TokenizeRequest,
+)
+from triode.edge.completions.response_bodies import (
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    DeltaMessage,
     UsageInfo,
 )
 from triode.edge.responses.protocol import ResponsesRequest

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from ..completions.protocol import MAX_CACHE_SALT
+from ..completions.request_bodies import MAX_CACHE_SALT
 from ..errors import APIError, validation_error
 from ..json_text import nesting_error
 

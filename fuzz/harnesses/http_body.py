@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from triode.actors.engine import split_params
-from triode.edge.completions.protocol import (
+from triode.edge.completions.request_bodies import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -36,8 +36,8 @@ from triode.edge.completions.protocol import (
     StreamOptions,
     TokenizeRequest,
     decode_request,
-    sampling_params,
 )
+from triode.edge.completions.sampling import sampling_params
 from triode.edge.completions.serving import Serving
 from triode.edge.completions.structured import structured_from_text_format
 from triode.edge.errors import APIError, error_body

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from triode.edge.auth import ApiKeys
-from triode.edge.completions.protocol import ChatCompletionRequest, decode_request, sampling_params
+from triode.edge.completions.request_bodies import ChatCompletionRequest, decode_request
+from triode.edge.completions.sampling import sampling_params
 from triode.edge.errors import APIError
 from triode.edge.http import Request
 from triode.edge.sse import SSEParser

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from triode.edge import json_text
-from triode.edge.completions.protocol import ChatCompletionRequest, decode_request
+from triode.edge.completions.request_bodies import ChatCompletionRequest, decode_request
 from triode.edge.completions.structured import structured_outputs_of
 from triode.edge.errors import APIError
 from triode.edge.responses.protocol import input_messages

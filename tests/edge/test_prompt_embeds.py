@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from triode.edge.completions.prompt_embeds import decode_prompt_embeds
-from triode.edge.completions.protocol import CompletionRequest, decode_request
+from triode.edge.completions.request_bodies import CompletionRequest, decode_request
 from triode.edge.completions.serving import Serving
 from triode.edge.errors import APIError
 from triode.edge.http import Request

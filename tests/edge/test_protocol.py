@@ -13,35 +13,37 @@ import pytest
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from triode.edge.completions.protocol import (
+from triode.edge.completions.request_bodies import (
     MAX_CACHE_SALT,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    decode_request,
+)
+from triode.edge.completions.response_bodies import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     ChatMessageOut,
     CompletionLogProbs,
-    CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
     DeltaMessage,
-    DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
     ModelList,
     PromptTokenUsageInfo,
-    TokenizeRequest,
     TokenizeResponse,
     UsageInfo,
-    decode_request,
-    sampling_params,
 )
+from triode.edge.completions.sampling import sampling_params
 from triode.edge.errors import APIError
 
 USER = {"role": "user", "content": "Hello"}

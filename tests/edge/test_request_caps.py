@@ -9,13 +9,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from triode.edge.completions.protocol import (
+from triode.edge.completions.generation import Prompt as _Prompt
+from triode.edge.completions.request_bodies import (
     ChatCompletionRequest,
     CompletionRequest,
     decode_request,
-    sampling_params,
 )
-from triode.edge.completions.serving import Serving, _Prompt
+from triode.edge.completions.sampling import sampling_params
+from triode.edge.completions.serving import Serving
 from triode.edge.errors import APIError
 from triode.edge.metrics import Metrics
 from triode.edge.settings import Settings

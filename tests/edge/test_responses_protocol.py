@@ -90,7 +90,7 @@ def test_a_missing_input_and_invalid_json_are_400s() -> None:
 
 
 def test_cache_salt_is_a_bounded_non_empty_string_or_a_400_naming_it() -> None:
-    from triode.edge.completions.protocol import MAX_CACHE_SALT
+    from triode.edge.completions.request_bodies import MAX_CACHE_SALT
 
     assert _decode().cache_salt is None
     assert _decode(cache_salt="x" * MAX_CACHE_SALT).cache_salt == "x" * MAX_CACHE_SALT

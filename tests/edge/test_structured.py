@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import trio
 
-from triode.edge.completions.protocol import (
+from triode.edge.completions.request_bodies import (
     ChatCompletionRequest,
     CompletionRequest,
     decode_request,

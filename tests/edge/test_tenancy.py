@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 
 from triode.edge.auth import ApiKeys
-from triode.edge.completions.protocol import MAX_CACHE_SALT
+from triode.edge.completions.request_bodies import MAX_CACHE_SALT
 from triode.edge.tenancy import request_cache_salt
 from triode.wire.messages import MAX_WIRE_CACHE_SALT
 

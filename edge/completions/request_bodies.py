@@ -1,26 +1,22 @@
-"""The OpenAI API's request and response bodies, as msgspec Structs.
+"""The request bodies of the OpenAI endpoints served here (chat, completions, tokenize,
+detokenize), as msgspec Structs, and their decoding.
 
 Requests are strict: unknown fields are refused, ranges are checked at decode, and every failure
 becomes a 400 naming the field. Fields of OpenAI's and vLLM's APIs that triode does not implement
 are still accepted, so a client that sends them as null or as their default never trips;
-`unsupported()` refuses the ones set to something that would change the answer. Responses encode
-every field, with OpenAI's names and `object` values.
+`unsupported()` refuses the ones set to something that would change the answer.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
 
-from triode.edge.errors import APIError, validation_error
-from triode.wire import SamplingParams, StructuredOutputsParams
-from triode.wire.messages import MAX_LOGIT_BIAS
+from ..errors import APIError, validation_error
 
-_MAX_TOKEN_ID = 2**31  # token ids are below this, on the wire and in every vocabulary
 _TokenId = Annotated[int, Meta(ge=0)]
 _Count = Annotated[int, Meta(ge=1)]
 _N = Annotated[int, Meta(ge=1, le=128)]
@@ -34,8 +30,6 @@ _TokenIds = Annotated[list[_TokenId], Meta(max_length=1 << 18)]
 MAX_CACHE_SALT = 256
 _CacheSalt = Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT)]
 
-
-# Requests
 
 # Values of refused fields that ask for nothing beyond what triode does.
 _ACCEPTED: dict[str, tuple[Any, ...]] = {
@@ -353,288 +347,6 @@ def _decoder(kind: type[_RequestT]) -> msgspec.json.Decoder[_RequestT]:
     return msgspec.json.Decoder(kind)
 
 
-def sampling_params(
-    req: ChatCompletionRequest | CompletionRequest,
-    *,
-    prompt_len: int,
-    max_model_len: int,
-    structured_outputs: StructuredOutputsParams | None = None,
-) -> SamplingParams:
-    """The engine's sampling parameters for `req`, whose prompt is `prompt_len` tokens long.
-
-    Raises a 400 `APIError` when the prompt, or the prompt with the tokens asked for, does not fit
-    in `max_model_len`, or when the parameters do not validate.
-    """
-    if isinstance(req, ChatCompletionRequest):
-        where = "messages"
-        max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
-        if max_tokens is None:
-            max_tokens, param = req.max_tokens, "max_tokens"
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    else:
-        where, max_tokens, param, logprobs = "prompt", req.max_tokens, "max_tokens", req.logprobs
-    limit = f"This model's maximum context length is {max_model_len} tokens."
-    if prompt_len >= max_model_len:
-        raise APIError(
-            400,
-            f"{limit} However, your request has {prompt_len} input tokens. Please reduce the"
-            f" length of the {where}.",
-            param=where,
-        )
-    if max_tokens is None:
-        max_tokens = max_model_len - prompt_len
-    elif prompt_len + max_tokens > max_model_len:
-        raise APIError(
-            400,
-            f"{limit} However, you requested {prompt_len + max_tokens} tokens ({prompt_len} in the"
-            f" {where}, {max_tokens} in the completion). Please reduce the length of the {where}"
-            " or completion.",
-            param=param,
-        )
-    prompt_logprobs = req.prompt_logprobs
-    if prompt_logprobs is None and req.echo:
-        prompt_logprobs = logprobs
-    try:
-        return SamplingParams(
-            n=req.n or 1,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=_top_k(req.top_k),
-            min_p=req.min_p or 0.0,
-            seed=req.seed,
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=(1.0 if req.repetition_penalty is None else req.repetition_penalty),
-            max_tokens=max_tokens,
-            min_tokens=req.min_tokens,
-            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-            stop_token_ids=list(req.stop_token_ids or []),
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            ignore_eos=req.ignore_eos,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            logit_bias=_logit_bias(req.logit_bias),
-            allowed_token_ids=req.allowed_token_ids,
-            skip_special_tokens=req.skip_special_tokens,
-            spaces_between_special_tokens=req.spaces_between_special_tokens,
-            structured_outputs=structured_outputs,
-        )
-    except ValueError as e:
-        raise validation_error(e) from e
-
-
-def _top_k(top_k: int | None) -> int:
-    # -1 and 0 are off, and so is a top_k that no vocabulary reaches (as in the sampler); an
-    # arbitrarily large one would not even fit the engine's wire encoding.
-    return top_k if top_k is not None and 0 < top_k < _MAX_TOKEN_ID else 0
-
-
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    if bias is None:
-        return None
-    if len(bias) > MAX_LOGIT_BIAS:  # before converting the keys of a body-sized dict
-        raise APIError(
-            400,
-            f"logit_bias: at most {MAX_LOGIT_BIAS} entries, not {len(bias)}",
-            param="logit_bias",
-        )
-    try:
-        return {int(token): value for token, value in bias.items()}
-    except ValueError:
-        raise APIError(
-            400, "logit_bias: keys must be token ids (integers as strings)", param="logit_bias"
-        ) from None
-
-
 def _check(ok: bool, field: str, why: str) -> None:
     if not ok:
         raise ValueError(f"{field}: {why}")
-
-
-# Responses
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-class PromptTokenUsageInfo(msgspec.Struct, kw_only=True):
-    cached_tokens: int | None = None
-
-
-class UsageInfo(msgspec.Struct, kw_only=True):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokenUsageInfo | None = None
-
-
-class ChatCompletionLogProb(msgspec.Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatCompletionLogProbsContent(msgspec.Struct, kw_only=True):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-    top_logprobs: list[ChatCompletionLogProb] = []
-
-
-class ChatCompletionLogProbs(msgspec.Struct, kw_only=True):
-    content: list[ChatCompletionLogProbsContent] | None = None
-
-
-class PromptLogprob(msgspec.Struct, kw_only=True):
-    """vLLM's shape for one candidate at a prompt position, keyed by its token id."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-class ChatMessageOut(msgspec.Struct, kw_only=True):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    refusal: str | None = None
-    tool_calls: list[ToolCallOut] = []
-
-
-class ChatCompletionResponseChoice(msgspec.Struct, kw_only=True):
-    index: int
-    message: ChatMessageOut
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(msgspec.Struct, kw_only=True):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = msgspec.field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class FunctionCallOut(msgspec.Struct, kw_only=True):
-    name: str
-    arguments: str
-
-
-class ToolCallOut(msgspec.Struct, kw_only=True):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallOut
-
-
-class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall
-
-
-class DeltaMessage(msgspec.Struct, kw_only=True):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] = []
-
-
-class ChatCompletionResponseStreamChoice(msgspec.Struct, kw_only=True):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = msgspec.field(default_factory=_now)
-    model: str
-    choices: list[ChatCompletionResponseStreamChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class CompletionLogProbs(msgspec.Struct, kw_only=True):
-    # Parallel lists, one entry per token; the first prompt token has no logprob (None).
-    text_offset: list[int] = []
-    token_logprobs: list[float | None] = []
-    tokens: list[str] = []
-    top_logprobs: list[dict[str, float] | None] = []
-
-
-class CompletionResponseChoice(msgspec.Struct, kw_only=True):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
-
-
-class CompletionResponse(msgspec.Struct, kw_only=True):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = msgspec.field(default_factory=_now)
-    model: str
-    choices: list[CompletionResponseChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class CompletionResponseStreamChoice(msgspec.Struct, kw_only=True):
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionStreamResponse(msgspec.Struct, kw_only=True):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = msgspec.field(default_factory=_now)
-    model: str
-    choices: list[CompletionResponseStreamChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class ModelCard(msgspec.Struct, kw_only=True):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = msgspec.field(default_factory=_now)
-    owned_by: str = "triode"
-    root: str | None = None
-    parent: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(msgspec.Struct, kw_only=True):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = []
-
-
-class TokenizeResponse(msgspec.Struct, kw_only=True):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None
-
-
-class DetokenizeResponse(msgspec.Struct, kw_only=True):
-    prompt: str
