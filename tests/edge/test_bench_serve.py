@@ -19,15 +19,8 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 from processes import alive
 
-from triode.edge.bench.serve import (
-    RequestResult,
-    main,
-    parse_args,
-    run_benchmark,
-    stream_completion,
-    summarize,
-    synthetic_prompts,
-)
+from triode.edge.bench.completion_stream import RequestResult, stream_completion
+from triode.edge.bench.serve import main, parse_args, run_benchmark, summarize, synthetic_prompts
 from triode.edge.bench.serve_report import format_comparison, overhead_of
 from triode.edge.bench.server_process import open_server, serve_command
 from triode.wire.ports import free_port
