@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib.metadata import version
@@ -42,6 +43,7 @@ from .http import (
 )
 from .metrics import Metrics
 from .responses.serving import Responses
+from .routing import allow, lifespan, method_not_allowed, routed_path
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,7 @@ class App:
         if scope["type"] == "http":
             await self._http(scope, receive, send)
         elif scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
         # websocket: not served; returning without accepting makes the server refuse it
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -93,12 +95,12 @@ class App:
                 raise APIError(404, f"no route for {path}")
             handler = methods.get(request.method)
             if handler is None:
-                raise _method_not_allowed(request.method, methods)
+                raise method_not_allowed(request.method, methods)
             await handler(self, request)
         except APIError as e:
             headers = UNAUTHORIZED_HEADERS if e.status == 401 else None
             if e.status == 405:
-                headers = [(b"allow", _allow(match_route(scope, path) or {}))]
+                headers = [(b"allow", allow(match_route(scope, path) or {}))]
             if e.status == 413:  # hypercorn closes a connection whose body was left unread
                 headers = [(b"connection", b"close")]
             if request.started:  # mid-response: nothing better to do than to end it
@@ -115,11 +117,11 @@ class App:
         methods = match_route(request.scope, request.path)
         if methods is None:
             raise APIError(404, f"no route for {request.path}")
-        allow = _allow(methods)
-        headers = [(b"allow", allow)]
+        allowed = allow(methods)
+        headers = [(b"allow", allowed)]
         if cors and b"access-control-request-method" in request.headers:
             headers += [
-                (b"access-control-allow-methods", allow),
+                (b"access-control-allow-methods", allowed),
                 (
                     b"access-control-allow-headers",
                     request.headers.get(b"access-control-request-headers", b"*"),
@@ -248,6 +250,14 @@ async def open_app(engine: Engine, settings: Settings) -> AsyncIterator[App]:
             nursery.cancel_scope.cancel()
 
 
+def default_served_model_name(model: str | None) -> str:
+    """The name the API answers to for `model` when none is given (`--served-model-name`): its
+    directory's or file's name (a .gguf's without the suffix); the default model's for None."""
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    return os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
+
+
 ROUTES: dict[str, dict[str, Handler]] = {
     "/health": {"GET": App.health},
     "/version": {"GET": App.version},
@@ -284,23 +294,6 @@ def match_route(scope: Scope, path: str) -> dict[str, Handler] | None:
     return None
 
 
-def routed_path(scope: Scope) -> str:
-    """The scope's path without its root path: what both the router and the key check see."""
-    path: str = scope["path"]
-    root: str = scope.get("root_path", "") or ""
-    if root and (path == root or path.startswith(root + "/")):
-        path = path[len(root) :] or "/"
-    return path
-
-
-def _allow(methods: dict[str, Handler]) -> bytes:
-    return ", ".join(sorted({*methods, "OPTIONS"})).encode()
-
-
-def _method_not_allowed(method: str, methods: dict[str, Handler]) -> APIError:
-    return APIError(405, f"method {method} is not allowed; use {', '.join(sorted(methods))}")
-
-
 def _tracking(request: Request, send: Send, extra: list[tuple[bytes, bytes]]) -> Send:
     """`send` that notes when the response has started and adds `extra` headers to it."""
 
@@ -312,14 +305,3 @@ def _tracking(request: Request, send: Send, extra: list[tuple[bytes, bytes]]) ->
         await send(message)
 
     return wrapped
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    """The engine is opened by whoever built the app; lifespan only acknowledges."""
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 from triode.actors import open_engine
 from triode.actors.asyncio import Bridge, open_bridge
 
-from .app import open_app
+from .app import default_served_model_name, open_app
 from .http import Message, Receive, Scope, Send
 from .settings import Settings
 
@@ -96,7 +95,7 @@ def create_app(
     """triode's OpenAI-compatible API as an asyncio ASGI app, for `uvicorn.run(...)`: its
     lifespan starts the engine for `model` (`engine_args` are `EngineArgs` fields) and stops
     it. `settings` default to serving under the model's name with no API keys."""
-    settings = settings or Settings(served_model_names=[_model_name(model)])
+    settings = settings or Settings(served_model_names=[default_served_model_name(model)])
     return AsyncioASGI(functools.partial(_open_triode_app, model, engine_args, settings))
 
 
@@ -106,10 +105,3 @@ async def _open_triode_app(
 ) -> AsyncIterator[ASGIApp]:
     async with open_engine(model, **engine_args) as engine, open_app(engine, settings) as app:
         yield app
-
-
-def _model_name(model: str | None) -> str:
-    """What `triode serve` answers to for `model` without --served-model-name."""
-    if model is None:
-        return "SmolLM2-135M-Instruct"
-    return os.path.basename(os.path.normpath(model)).removesuffix(".gguf")
