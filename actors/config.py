@@ -1,9 +1,11 @@
-"""Engine arguments: the CLI flags' names, as one validated struct that crosses to the engine."""
+"""Engine arguments: one validated struct that crosses to the engine, and, on its fields, how
+`triode serve` spells each as a flag (`EngineFlag`): the struct is the flags' one source."""
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import msgspec
 
@@ -23,59 +25,154 @@ def parse_size(value: int | str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none")
+EXECUTOR_BACKENDS = ("mp", "inproc")
+
+
+@dataclass(frozen=True)
+class EngineFlag:
+    """How an `EngineArgs` field is spelled on `triode serve`'s command line: `max_num_seqs` is
+    `--max-num-seqs`, of the field's type; the struct's default stands when it is not given. A
+    field without one is a flag of the engine group, with no help text."""
+
+    help: str | None = None
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    short: str | None = None  # a second spelling, as `-tp`
+    # where `triode serve --help` lists it: "engine", "parallelism", "options" (the command's
+    # own), or None: not a flag
+    group: str | None = "engine"
+
+
+# the model is the command's positional argument; the block size is the engine's own choice
+NOT_A_FLAG = EngineFlag(group=None)
+
+
 class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What an engine is started with; names follow the `triode serve` flags."""
 
-    model: str | None = None  # a Hugging Face directory, a .gguf file, or None: the default model
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str = "auto"  # auto: a checkpoint's own 4-bit weights where supported | none
+    # a Hugging Face directory, a .gguf file, or None: the default model
+    model: Annotated[str | None, NOT_A_FLAG] = None
+    # auto | float32 | bfloat16 | float16
+    dtype: Annotated[str, EngineFlag(choices=DTYPES)] = "auto"
+    # auto: a checkpoint's own 4-bit weights where supported | none
+    quantization: Annotated[
+        str,
+        EngineFlag(
+            "auto (default): run a GGUF file's 4-bit projections as stored where a kernel "
+            "exists (CPU, bfloat16) for small steps; none: dequantized weights only",
+            choices=QUANTIZATIONS,
+        ),
+    ] = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     # the prompt tokens a step starts new requests with (`SchedulerConfig`); 0: no limit. On
     # 2 CPU cores, a burst of 32 prompts of 37 tokens: median time to first token 179 against
     # 303 ms with no limit, the same output rate
-    max_new_prompt_tokens: int = 256
+    max_new_prompt_tokens: Annotated[
+        int,
+        EngineFlag(
+            "prompt tokens a step starts new requests with, the first request's whatever it "
+            "takes (default 256; 0: up to --max-num-batched-tokens)"
+        ),
+    ] = 256
     # requests waiting to start in one engine core; past it a new one is refused (the edge
     # answers 429 with Retry-After) instead of queueing without end. 0: no bound. 16x the
     # default max_num_seqs: a queue far longer than a busy server drains in a minute
-    max_waiting_requests: int = 4096
-    kv_cache_memory: int | str = "512MiB"
+    max_waiting_requests: Annotated[
+        int,
+        EngineFlag(
+            "requests that may wait to start; past it a new one gets 429 with Retry-After "
+            "(default 4096; 0: no bound)"
+        ),
+    ] = 4096
+    kv_cache_memory: Annotated[int | str, EngineFlag("e.g. 512MiB, 2GiB")] = "512MiB"
     enable_prefix_caching: bool = True
-    tensor_parallel_size: int = 1
-    block_size: int = 16
+    tensor_parallel_size: Annotated[int, EngineFlag(short="-tp", group="parallelism")] = 1
+    block_size: Annotated[int, NOT_A_FLAG] = 16
     seed: int = 0
-    pipeline_parallel_size: int = 1
+    pipeline_parallel_size: Annotated[int, EngineFlag(short="-pp", group="parallelism")] = 1
     # mp: one worker process per rank; inproc: the model in the engine core (a world of one);
     # None: inproc for a world of one, else mp
-    distributed_executor_backend: str | None = None
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: a free port (one node only)
+    distributed_executor_backend: Annotated[
+        str | None,
+        EngineFlag(
+            "mp: a worker process per rank; inproc: the model in the engine core (world of "
+            "one only; the default there)",
+            choices=EXECUTOR_BACKENDS,
+            group="parallelism",
+        ),
+    ] = None
+    nnodes: Annotated[int, EngineFlag("nodes the ranks span", group="parallelism")] = 1
+    node_rank: Annotated[int, EngineFlag("this node's index", group="parallelism")] = 0
+    master_addr: Annotated[
+        str, EngineFlag("rendezvous host: node 0 (default 127.0.0.1)", group="parallelism")
+    ] = "127.0.0.1"
+    # None: a free port (one node only)
+    master_port: Annotated[int | None, EngineFlag("rendezvous port", group="parallelism")] = None
     # seconds a collective of the forward pass may wait for a peer before the engine fails
-    distributed_timeout: float = 30.0
+    distributed_timeout: Annotated[
+        float,
+        EngineFlag(
+            "seconds a collective waits for a peer before the engine fails (default 30)",
+            group="parallelism",
+        ),
+    ] = 30.0
     # the KV connector (disaggregated prefill), vLLM's `--kv-transfer-config`: JSON text or
     # its dict; kept as the dict with defaults filled in (`wire.KVTransferConfig`)
-    kv_transfer_config: dict[str, Any] | str | None = None
+    kv_transfer_config: Annotated[
+        dict[str, Any] | str | None,
+        EngineFlag(
+            'disaggregated prefill, as vLLM spells it: \'{"kv_connector": "TriodeConnector", '
+            '"kv_role": "kv_producer|kv_consumer|kv_both", "kv_port": 0, '
+            '"kv_connector_extra_config": {"transport": "tcp|shm", "secret_file": PATH}}\'',
+            metavar="JSON",
+            group="options",
+        ),
+    ] = None
     # engine cores, each with its own KV cache, that the edges balance requests over
-    data_parallel_size: int = 1
+    data_parallel_size: Annotated[
+        int,
+        EngineFlag(
+            "engine cores, each with its own KV cache (and model workers), that requests are "
+            "balanced over",
+            short="-dp",
+            group="parallelism",
+        ),
+    ] = 1
     # a directory the engine core records its wire traffic into (`triode replay` reads it);
     # with several data-parallel engines, each records into its `engine-N` subdirectory
-    record_wire: str | None = None
+    record_wire: Annotated[
+        str | None,
+        EngineFlag(
+            "record every message the engine core takes in and sends out into DIR (a new "
+            "directory; 8 rotating files of 64 MiB at most), for `triode replay DIR`",
+            metavar="DIR",
+        ),
+    ] = None
     # several nodes: the file holding the CurveZMQ key every node shares (`triode cluster-key`)
-    cluster_key_file: str | None = None
+    cluster_key_file: Annotated[
+        str | None,
+        EngineFlag(
+            "several nodes: the CurveZMQ key every node shares, 0600 (make one with "
+            "`triode cluster-key PATH`)",
+            metavar="PATH",
+            group="parallelism",
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
         if self.kv_transfer_config is not None:
             config = parse_kv_transfer_config(self.kv_transfer_config)
             self.kv_transfer_config = msgspec.to_builtins(config)
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}"
             )
-        if self.quantization not in ("auto", "none"):
+        if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be auto or none, not {self.quantization!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
             if getattr(self, name) < 1:
@@ -94,7 +191,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.distributed_executor_backend not in (None, "mp", "inproc"):
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(
                 "distributed_executor_backend must be mp or inproc, "
                 f"not {self.distributed_executor_backend!r}"
