@@ -1,11 +1,13 @@
 """A step's rows, flattened for one forward: token ids, positions, KV-cache slots and the
-attention metadata of every scheduled request, prefill chunks and decodes together."""
+attention metadata of every scheduled request, prefill chunks and decodes together, and the
+rows of the prompt embeddings that requests gave instead of tokens."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from triode.wire import ScheduledRequest
@@ -15,6 +17,8 @@ from .attention import AttentionMetadata, DecodeGroup, PrefillChunk
 # the longest chunk of prompt tokens whose attention the decode kernel computes, a token at a
 # time; longer chunks take torch's attention, faster than a pass per token from there
 KERNEL_MAX_CHUNK = 64
+# how prompt embeddings of each dtype travel in a step (bfloat16: its bits)
+_EMBEDS_NUMPY = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 
 @dataclass
@@ -116,6 +120,24 @@ def flatten(
         values = torch.cat(embeds).to(device=device, dtype=dtype)
         batch.embeds = (_tensor(device, embed_rows), values)
     return batch
+
+
+def prompt_embeds(r: ScheduledRequest, dtype: str | None, hidden_size: int) -> torch.Tensor:
+    """The rows of `r`'s prompt embeddings, announced as `dtype` (None: the request has none),
+    as a CPU tensor of their own dtype. Raises ValueError for rows that do not fit the request,
+    the chunk or the model."""
+    rows = r.prompt_embeds
+    assert rows is not None
+    if dtype is None or rows.dtype != _EMBEDS_NUMPY.get(dtype):
+        raise ValueError(f"{r.request_id}: prompt embeddings of {rows.dtype} for {dtype}")
+    if rows.ndim != 2 or rows.shape[1] != hidden_size or len(rows) > len(r.token_ids):
+        raise ValueError(
+            f"{r.request_id}: prompt embeddings of shape {list(rows.shape)} for a chunk of "
+            f"{len(r.token_ids)} positions of hidden size {hidden_size}"
+        )
+    if dtype == "bfloat16":
+        return torch.tensor(rows.view(np.int16)).view(torch.bfloat16)
+    return torch.tensor(rows)
 
 
 def _tensor(device: torch.device, values: list[int] | list[list[int]]) -> torch.Tensor:

@@ -8,7 +8,6 @@ projects to logits only the rows that sample or want prompt logprobs, and sample
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -17,8 +16,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from safetensors import safe_open
 from transformers import AutoConfig
 
 from triode.wire import (
@@ -32,7 +29,7 @@ from triode.wire import (
 )
 
 from . import cpu_kernels, int4, parallel_state
-from .batch import Batch, flatten
+from .batch import Batch, flatten, prompt_embeds
 from .cpu_paths import (
     cpu_weight_packing_supported,
     pack_cpu_weights,
@@ -43,6 +40,7 @@ from .kv_connector import FinishedTransfers, KVConnectorWorker
 from .llama import head_dim, model_class
 from .loader import resolve_model
 from .logits_processing import apply_token_bitmask
+from .model_files import context_limit, eos_token_ids, safetensors_weights
 from .sampler import Sampler, SamplerOutput, compute_logprobs, plain_greedy
 from .sampling_state import SamplingState
 
@@ -57,8 +55,6 @@ WIDE_MAX_PROMPT_ROWS = 256
 PROMPT_LOGPROBS_ROWS = 256
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# how prompt embeddings of each dtype travel in a step (bfloat16: its bits)
-_EMBEDS_NUMPY = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 
 
 @dataclass
@@ -117,7 +113,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device)
         self.block_size = block_size
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
-        self.max_model_len = _max_model_len(self.config, max_model_len)
+        self.max_model_len = context_limit(self.config, max_model_len)
         self.vocab_size: int = self.config.vocab_size
         self.hidden_size: int = self.config.hidden_size
         eos = eos_token_ids(self.model_dir, self.config)
@@ -126,7 +122,7 @@ class ModelRunner:
 
         with _defaults(self.dtype, self.device), torch.no_grad():
             self.model = model_class(self.config)(self.config, max_position=self.max_model_len)
-            self.model.load_weights(_safetensors(self.model_dir))
+            self.model.load_weights(safetensors_weights(self.model_dir))
             if self.device.type == "cpu" and cpu_weight_packing_supported(self.dtype):
                 pack_cpu_weights(self.model)
             self.int4_projections = 0
@@ -358,20 +354,14 @@ class ModelRunner:
         intermediate = None
         if not stage.is_first_stage:
             rows, hidden_size = batch.input_ids.shape[0], self.config.hidden_size
-            hidden = torch.empty(rows, hidden_size, dtype=self.dtype, device=self.device)
-            residual = torch.empty(rows, hidden_size, dtype=torch.float32, device=self.device)
-            group = parallel_state.get().pp_group
-            dist.recv(hidden, src=stage.prev_rank, group=group)
-            dist.recv(residual, src=stage.prev_rank, group=group)
-            intermediate = (hidden, residual)
+            intermediate = parallel_state.recv_from_previous_stage(
+                rows, hidden_size, self.dtype, self.device
+            )
         out = self.model(batch.input_ids, batch.positions, batch.meta, intermediate, batch.embeds)
         if stage.is_last_stage:
             assert isinstance(out, torch.Tensor)
             return out
-        group = parallel_state.get().pp_group
-        hidden, residual = out
-        dist.send(hidden.contiguous(), dst=stage.next_rank, group=group)
-        dist.send(residual.contiguous(), dst=stage.next_rank, group=group)
+        parallel_state.send_to_next_stage(*out)
         return None
 
     def _prompt_logprobs(
@@ -427,20 +417,7 @@ class ModelRunner:
         )
 
     def _embeds(self, r: ScheduledRequest) -> torch.Tensor:
-        """The rows of `r`'s prompt embeddings, as a CPU tensor of their own dtype. Raises
-        ValueError for rows that do not fit the request, the chunk or the model."""
-        rows, dtype = r.prompt_embeds, self._requests[r.request_id].embeds_dtype
-        assert rows is not None
-        if dtype is None or rows.dtype != _EMBEDS_NUMPY.get(dtype):
-            raise ValueError(f"{r.request_id}: prompt embeddings of {rows.dtype} for {dtype}")
-        if rows.ndim != 2 or rows.shape[1] != self.hidden_size or len(rows) > len(r.token_ids):
-            raise ValueError(
-                f"{r.request_id}: prompt embeddings of shape {list(rows.shape)} for a chunk of "
-                f"{len(r.token_ids)} positions of hidden size {self.hidden_size}"
-            )
-        if dtype == "bfloat16":
-            return torch.tensor(rows.view(np.int16)).view(torch.bfloat16)
-        return torch.tensor(rows)
+        return prompt_embeds(r, self._requests[r.request_id].embeds_dtype, self.hidden_size)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -460,43 +437,6 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
-def _max_model_len(config: object, requested: int | None) -> int:
-    """The context limit: the model's, capped by the request and by a sliding window (which
-    this attention does not implement, so contexts stay within it and stay exact)."""
-    limit = config.max_position_embeddings  # type: ignore[attr-defined]
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        limit = min(limit, window)
-    return min(limit, requested) if requested else limit
-
-
-def eos_token_ids(model_dir: Path, config: object) -> list[int]:
-    """Every id that ends a sequence, the main EOS first: generation_config.json's (what
-    `generate` stops on; Llama 3 lists its end-of-turn token there too) followed by
-    config.json's, without repeats."""
-    ids: list[int] = []
-    sources = []
-    path = model_dir / "generation_config.json"
-    if path.is_file():
-        sources.append(json.loads(path.read_text()).get("eos_token_id"))
-    sources.append(getattr(config, "eos_token_id", None))
-    for eos in sources:
-        for token in eos if isinstance(eos, list) else [eos]:
-            if isinstance(token, int) and token not in ids:
-                ids.append(token)
-    return ids
-
-
-def _safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
 
 
 @contextlib.contextmanager

@@ -245,6 +245,26 @@ def tp_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def recv_from_previous_stage(
+    rows: int, hidden_size: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The previous pipeline stage's output, from the same TP rank there: the hidden states
+    ([rows, hidden_size] of `dtype`) and the float32 residual."""
+    stage, group = _state.layout, _state.pp_group
+    hidden = torch.empty(rows, hidden_size, dtype=dtype, device=device)
+    residual = torch.empty(rows, hidden_size, dtype=torch.float32, device=device)
+    dist.recv(hidden, src=stage.prev_rank, group=group)
+    dist.recv(residual, src=stage.prev_rank, group=group)
+    return hidden, residual
+
+
+def send_to_next_stage(hidden: torch.Tensor, residual: torch.Tensor) -> None:
+    """This stage's output (`recv_from_previous_stage`) to the same TP rank of the next stage."""
+    stage, group = _state.layout, _state.pp_group
+    dist.send(hidden.contiguous(), dst=stage.next_rank, group=group)
+    dist.send(residual.contiguous(), dst=stage.next_rank, group=group)
+
+
 def init_groups(
     parallel: ParallelLayout,
     *,

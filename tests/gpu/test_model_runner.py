@@ -389,7 +389,7 @@ def test_eos_token_ids_list_the_main_one_first_without_repeats(
     import json
     from types import SimpleNamespace
 
-    from triode.gpu.model_runner import eos_token_ids
+    from triode.gpu.model_files import eos_token_ids
 
     if generation_config is not None:
         (tmp_path / "generation_config.json").write_text(json.dumps(generation_config))
