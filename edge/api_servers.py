@@ -36,9 +36,15 @@ import msgspec
 import trio
 from prometheus_client import multiprocess
 
-from triode.actors import Child, ChildContext, EngineArgs, open_child
-from triode.actors.engine import connect_engine
-from triode.actors.launcher import EngineCoreEndpoint, open_engine_cores
+from triode.actors import (
+    Child,
+    ChildContext,
+    EngineArgs,
+    EngineCoreEndpoint,
+    connect_engine,
+    open_child,
+    open_engine_cores,
+)
 
 from .app import open_app
 from .asgi_server import BACKLOG, serve_asgi

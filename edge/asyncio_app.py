@@ -22,8 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from triode.actors import open_engine
-from triode.actors.asyncio import Bridge, open_bridge
+from triode.actors import Bridge, open_bridge, open_engine
 
 from .app import default_served_model_name, open_app
 from .http import Message, Receive, Scope, Send

@@ -22,8 +22,12 @@ ACTORS = {
     "ActorDied", "ActorError", "Child", "ChildContext", "HandshakeError", "RemoteError",
     "SamplingParams", "ZmqReceiveChannel", "ZmqSendChannel", "open_child", "CompletionOutput",
     "Engine", "EngineArgs", "EngineDeadError", "RequestError", "RequestOutput", "TokenLogprob",
-    "RequestRefused",
+    "RequestRefused", "EngineFlag",
     "open_engine",
+    "Bridge", "EngineCoreEndpoint", "Intake", "UntrustedRecordingError", "check_grammar",
+    "check_prompt_embeds", "connect_engine", "describe_prompt_embeds", "grammar_of",
+    "open_bridge", "open_engine_cores", "out_of_vocabulary", "parse_size", "replay",
+    "serve_headless", "transfer_params_error",
 }  # fmt: skip
 
 

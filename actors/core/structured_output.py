@@ -1,12 +1,13 @@
 """Constrained decoding with llguidance: a request's `StructuredOutputsParams` become a grammar,
 the grammar a per-request matcher, and the matchers one token bitmask per step.
 
-The grammar is compiled off the step loop, in a worker thread, and cached by its text: an
-equal schema sent again copies a compiled matcher (`LLMatcher.deep_copy`) instead of building
-one. The scheduler asks for the bitmask of the requests that sample in a step (one packed row of
-`ceil(vocab / 32)` int32 words each, bit t of a row allowing token t), the runner applies it
-to the logits before sampling, and the scheduler feeds every sampled token back. At the end of
-its grammar a matcher allows only end-of-sequence tokens, so the request stops there.
+The grammar (`triode.actors.grammar`, which the edge checks requests with) is compiled off the
+step loop, in a worker thread, and cached by its text: an equal schema sent again copies a
+compiled matcher (`LLMatcher.deep_copy`) instead of building one. The scheduler asks for the
+bitmask of the requests that sample in a step (one packed row of `ceil(vocab / 32)` int32 words
+each, bit t of a row allowing token t), the runner applies it to the logits before sampling,
+and the scheduler feeds every sampled token back. At the end of its grammar a matcher allows
+only end-of-sequence tokens, so the request stops there.
 
 llguidance was measured against xgrammar on the default model's vocabulary (`triode bench
 structured`): it compiles a schema 5-36x faster (0.4-3 ms against 4.5-30 ms), so a new schema
@@ -19,7 +20,6 @@ hides that cost; on CPU the forward already takes the cores, and the fill comes 
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections import OrderedDict
@@ -33,53 +33,12 @@ import trio
 
 from triode.wire.messages import StructuredOutputsParams
 
+from ..grammar import constraint_field, grammar_of
+
 log = logging.getLogger(__name__)
 
 # Compiled matchers kept for copying; a schema is a few KiB, a matcher about as much again.
 CACHE_SIZE = 256
-
-# JSON is generated compactly ("a": 1, "b": 2) rather than with free whitespace: a model that
-# may emit any whitespace can stall in it, and every byte of it costs a token.
-_JSON_OPTIONS = {"whitespace_flexible": False}
-
-_JSON_OBJECT = '{"type": "object"}'
-
-
-def grammar_of(params: StructuredOutputsParams) -> str:
-    """The llguidance grammar (its JSON form) for `params`. Raises ValueError("field: why")
-    for a constraint that cannot be parsed; whether it compiles is `check_grammar`'s job."""
-    try:
-        if params.json is not None or params.json_object:
-            schema = params.json if params.json is not None else _JSON_OBJECT
-            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
-        if params.regex is not None:
-            return llguidance.LLMatcher.grammar_from_regex(params.regex)
-        if params.choice is not None:
-            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
-            return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
-        assert params.grammar is not None
-        lark = params.grammar
-        if "::=" in lark:  # GBNF, as llama.cpp and xgrammar take it
-            lark = llguidance.gbnf_to_lark.gbnf_to_lark(lark)
-        return llguidance.LLMatcher.grammar_from_lark(lark)
-    except (ValueError, TypeError, llguidance.gbnf_to_lark.GbnfToLarkError) as e:
-        raise ValueError(f"{_field(params)}: {e}") from e
-
-
-def check_grammar(params: StructuredOutputsParams) -> None:
-    """Raise ValueError("field: why") unless `params` compiles. CPU work proportional to the
-    schema: callers on an event loop run it in a thread."""
-    grammar = grammar_of(params)
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
-    if failed:
-        raise ValueError(f"{_field(params)}: {messages[0] if messages else 'invalid'}")
-
-
-def _field(params: StructuredOutputsParams) -> str:
-    for name in ("json", "regex", "choice", "grammar"):
-        if getattr(params, name) is not None:
-            return name
-    return "json_object"
 
 
 class Grammar:
@@ -154,7 +113,7 @@ class StructuredOutputManager:
         try:
             matcher = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
             if matcher.is_error():
-                raise ValueError(f"{_field(params)}: {matcher.get_error()}")
+                raise ValueError(f"{constraint_field(params)}: {matcher.get_error()}")
             with self._cache_lock:
                 self.compiled += 1
                 self._cache[grammar] = matcher

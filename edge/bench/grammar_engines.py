@@ -15,8 +15,7 @@ import llguidance
 import llguidance.numpy
 import numpy as np
 
-from triode.actors import Engine
-from triode.actors.core.structured_output import grammar_of
+from triode.actors import Engine, grammar_of
 from triode.wire import StructuredOutputsParams
 
 # The JSON that triode's grammars accept: compact separators (see `structured_output`).

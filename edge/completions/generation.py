@@ -24,8 +24,8 @@ from triode.actors import (
     RequestError,
     RequestOutput,
     TokenLogprob,
+    out_of_vocabulary,
 )
-from triode.actors.vocabulary import out_of_vocabulary
 from triode.wire import SamplingParams
 
 from ..errors import APIError, engine_error, validation_error

@@ -19,7 +19,7 @@ import io
 import zipfile
 from typing import Any
 
-from triode.actors.prompt_embeds import check_prompt_embeds, describe_prompt_embeds
+from triode.actors import check_prompt_embeds, describe_prompt_embeds
 
 from ..errors import APIError
 

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import trio
 
-from triode.actors.core.kv_connector import transfer_params_error
+from triode.actors import transfer_params_error
 from triode.wire import SamplingParams, StructuredOutputsParams
 
 from ..errors import APIError, check_engine_alive, validation_error

@@ -10,7 +10,7 @@ from typing import Any
 
 import trio
 
-from triode.actors.core.structured_output import check_grammar
+from triode.actors import check_grammar
 from triode.wire import StructuredOutputsParams
 
 from .. import json_text

@@ -14,7 +14,7 @@ import llguidance
 import pytest
 
 from triode.actors.chat_template import ChatTemplate
-from triode.actors.core.structured_output import check_grammar
+from triode.actors.grammar import check_grammar
 from triode.edge.errors import APIError
 from triode.edge.tools.calls import (
     ContentDelta,

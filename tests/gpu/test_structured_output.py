@@ -20,7 +20,8 @@ import trio
 from triode.actors.config import EngineArgs
 from triode.actors.core.executor import InProcessExecutor
 from triode.actors.core.scheduler import Scheduler, SchedulerConfig
-from triode.actors.core.structured_output import StructuredOutputManager, check_grammar, grammar_of
+from triode.actors.core.structured_output import StructuredOutputManager
+from triode.actors.grammar import check_grammar, grammar_of
 from triode.gpu.logits_processing import apply_token_bitmask
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.tiny_model import build_tiny_model
