@@ -40,7 +40,8 @@ from triode.wire import (
     WorkerMessageType,
 )
 from triode.wire.cluster_key import ClusterKey, apply_options
-from triode.wire.shm_ring import RingClosed, RingHandle, RingTimeout, ShmRingReader
+from triode.wire.ring_wait import RingClosed, RingTimeout
+from triode.wire.shm_ring import RingHandle, ShmRingReader
 
 from . import parallel_state
 from .model_runner import ModelRunner

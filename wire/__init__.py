@@ -50,8 +50,8 @@ from .recording import Recorder as Recorder
 from .recording import open_recorder as open_recorder
 from .recording import read_meta as read_meta
 from .recording import read_records as read_records
-from .shm_ring import RingClosed as RingClosed
-from .shm_ring import RingTimeout as RingTimeout
+from .ring_wait import RingClosed as RingClosed
+from .ring_wait import RingTimeout as RingTimeout
 from .shm_ring import ShmRingReader as ShmRingReader
 from .shm_ring import ShmRingWriter as ShmRingWriter
 from .shm_segment import RingHandle as RingHandle

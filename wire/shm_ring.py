@@ -13,13 +13,13 @@ PUB, because the writer must know who is subscribed before it relies on ZMQ: eac
 subscribes a hello topic naming itself, and `wait_for_subscribers` (and any write that needs
 ZMQ) waits until each live reader's hello arrived. SNDHWM is 0: the writer never drops.
 
-Waiting: a waiter spins with `os.sched_yield` for `SPIN_S`, then sleeps, doubling from
-`MIN_PAUSE_S` up to `MAX_PAUSE_S`. A reader still idle after `SLEEP_AFTER_S` sets its sleeping
-byte, checks the chunk once more and blocks on a loopback UDP socket; a writer that sees a
-sleeping byte after publishing sends that reader one datagram, from a socket bound on loopback
-whose port the handle names; datagrams from any other sender are counted and dropped (a wake-up
-carries no data, but a stranger's must not keep a reader busy). Both sides fence between their
-store and their load, so one of them sees the other; a lost datagram costs at most
+Waiting (`ring_wait`): a waiter spins with `os.sched_yield` for `SPIN_S`, then sleeps, doubling
+from `MIN_PAUSE_S` up to `MAX_PAUSE_S`. A reader still idle after `SLEEP_AFTER_S` sets its
+sleeping byte, checks the chunk once more and blocks on a loopback UDP socket; a writer that
+sees a sleeping byte after publishing sends that reader one datagram, from a socket bound on
+loopback whose port the handle names; datagrams from any other sender are counted and dropped (a
+wake-up carries no data, but a stranger's must not keep a reader busy). Both sides fence between
+their store and their load, so one of them sees the other; a lost datagram costs at most
 `POLL_SLICE_S`, never a hang. UDP rather than the ZMQ SUB socket: a ZMQ wake-up passes through
 both sides' I/O threads.
 
@@ -42,8 +42,6 @@ with `cancelled` set from trio to stop it. A writer or reader is used by one thr
 from __future__ import annotations
 
 import contextlib
-import math
-import os
 import select
 import socket
 import threading
@@ -55,18 +53,12 @@ from typing import Any
 import zmq
 
 from .errors import ProtocolError
+from .ring_wait import SLEEP_AFTER_S, Pacer, RingClosed, check_wait, deadline_after, poll_ms
 from .shm_segment import RingHandle, RingSegment, fence
 
 DEFAULT_CHUNK_BYTES = 256 * 1024  # 5x the largest usual step output; bigger ones go on ZMQ
 DEFAULT_N_CHUNKS = 8  # the writer may run 8 steps ahead of the slowest reader: 2 MiB in all
 
-# A spin catches a peer that is mid-copy; the pause cap keeps a held writer at ~3% of a core;
-# a reader sleeps soon, as the UDP wake-up is about as fast as the longer pauses.
-SPIN_S = 50e-6
-MIN_PAUSE_S = 20e-6
-MAX_PAUSE_S = 1e-3
-SLEEP_AFTER_S = 1e-3
-POLL_SLICE_S = 0.05  # how often a blocked wait looks at `cancelled` and the closed byte
 _LINGER_MS = 1000  # a closing writer's last messages still reach remote readers
 _LOOPBACK = "127.0.0.1"
 
@@ -78,55 +70,8 @@ _LOCAL_HELLO = b"hl"
 _REMOTE_HELLO = b"hr"
 
 
-class RingTimeout(TimeoutError):
-    """A wait passed its timeout; the operation did not happen. `waiting_on` names the local
-    readers a writer was waiting for."""
-
-    def __init__(self, message: str, waiting_on: Sequence[int] = ()) -> None:
-        super().__init__(message)
-        self.waiting_on = tuple(waiting_on)
-
-
-class RingClosed(Exception):
-    """The ring was closed, or the caller's `cancelled` event was set; the operation did not
-    happen."""
-
-
 def _hello(kind: bytes, index: int) -> bytes:
     return kind + index.to_bytes(4, "little")
-
-
-def _deadline(timeout: float | None) -> float:
-    return math.inf if timeout is None else time.monotonic() + timeout
-
-
-def _check(
-    deadline: float, cancelled: threading.Event | None, what: str, waiting_on: Sequence[int] = ()
-) -> None:
-    if cancelled is not None and cancelled.is_set():
-        raise RingClosed(f"cancelled while {what}")
-    if time.monotonic() >= deadline:
-        raise RingTimeout(f"timed out {what}", waiting_on)
-
-
-def _poll_ms(deadline: float) -> int:
-    return max(0, math.ceil(min(POLL_SLICE_S, deadline - time.monotonic()) * 1000))
-
-
-class _Pacer:
-    """Spin briefly, then sleep with doubling pauses: fast when the other side is quick, cheap
-    when it is not."""
-
-    def __init__(self) -> None:
-        self.start = time.monotonic()
-        self._pause = MIN_PAUSE_S
-
-    def pause(self) -> None:
-        if time.monotonic() - self.start < SPIN_S:
-            os.sched_yield()
-            return
-        time.sleep(self._pause)
-        self._pause = min(self._pause * 2, MAX_PAUSE_S)
 
 
 class ShmRingWriter:
@@ -211,7 +156,7 @@ class ShmRingWriter:
             raise RingClosed("the writer is closed")
         views = [memoryview(frame).cast("B") for frame in frames]
         body_len = sum(map(len, views))
-        deadline = _deadline(timeout)
+        deadline = deadline_after(timeout)
         seq = self._next
         chunk = seq % self._segment.n_chunks
         self._wait_for_chunk(chunk, seq, deadline, cancelled)
@@ -243,28 +188,30 @@ class ShmRingWriter:
         if seq < self._segment.n_chunks:
             return
         tag = self._segment.tag(seq - self._segment.n_chunks)
-        pacer = _Pacer()
+        pacer = Pacer()
         while True:
             waiting = [r for r in self._live if self._segment.read_flag(chunk, r) != tag]
             if not waiting:
                 fence()  # the readers' copies are done before this chunk is overwritten
                 return
             what = f"waiting for readers {waiting} to read message {seq - self._segment.n_chunks}"
-            _check(deadline, cancelled, what, waiting)
+            check_wait(deadline, cancelled, what, waiting)
             pacer.pause()
 
     def wait_for_subscribers(self, timeout: float | None = None) -> None:
         """Block until every live reader, local and remote, has subscribed to the ZMQ side.
         Writes that need ZMQ wait for this themselves; waiting up front, with a timeout, finds a
         reader that never started before the first step is due."""
-        self._wait_for_hellos(_deadline(timeout), None, local=True)
+        self._wait_for_hellos(deadline_after(timeout), None, local=True)
 
     def _wait_for_hellos(
         self, deadline: float, cancelled: threading.Event | None, *, local: bool
     ) -> None:
         while missing := self._missing_hellos(local):
-            _check(deadline, cancelled, f"waiting for readers to subscribe ({len(missing)} left)")
-            if self._pub.poll(_poll_ms(deadline), zmq.POLLIN):
+            check_wait(
+                deadline, cancelled, f"waiting for readers to subscribe ({len(missing)} left)"
+            )
+            if self._pub.poll(poll_ms(deadline), zmq.POLLIN):
                 self._take_subscriptions()
 
     def _missing_hellos(self, local: bool) -> list[bytes]:
@@ -379,7 +326,7 @@ class ShmRingReader:
         """
         if self._closed:
             raise RingClosed("the reader is closed")
-        deadline = _deadline(timeout)
+        deadline = deadline_after(timeout)
         if self._segment is None:
             return self._read_remote(deadline, cancelled)
         seq = self._next
@@ -414,12 +361,12 @@ class ShmRingReader:
     def _wait_for_message(
         self, chunk: int, seq: int, deadline: float, cancelled: threading.Event | None
     ) -> None:
-        pacer = _Pacer()
+        pacer = Pacer()
         while not self._written(chunk, seq):
             if time.monotonic() - pacer.start >= SLEEP_AFTER_S:
                 self._sleep_for_message(chunk, seq, deadline, cancelled)
                 return
-            _check(deadline, cancelled, f"waiting for message {seq}")
+            check_wait(deadline, cancelled, f"waiting for message {seq}")
             pacer.pause()
 
     def _sleep_for_message(
@@ -429,8 +376,8 @@ class ShmRingReader:
         self._segment.set_sleeping(self._index, True)
         try:
             while not self._written(chunk, seq):
-                _check(deadline, cancelled, f"waiting for message {seq}")
-                if self._wake_poll.poll(_poll_ms(deadline)):
+                check_wait(deadline, cancelled, f"waiting for message {seq}")
+                if self._wake_poll.poll(poll_ms(deadline)):
                     self._drain_wakes()
         finally:
             self._segment.set_sleeping(self._index, False)
@@ -448,7 +395,7 @@ class ShmRingReader:
 
     def _receive(self, deadline: float) -> None:
         """Wait (a slice at most) for ZMQ messages and keep them for their turn."""
-        if not self._sub.poll(_poll_ms(deadline), zmq.POLLIN):
+        if not self._sub.poll(poll_ms(deadline), zmq.POLLIN):
             return
         while True:
             try:
@@ -476,7 +423,7 @@ class ShmRingReader:
                     raise ProtocolError(f"undecodable ZMQ message in place of message {seq}")
                 if early[0] == seq:
                     return early[1]
-            _check(deadline, cancelled, f"waiting for message {seq} on ZMQ")
+            check_wait(deadline, cancelled, f"waiting for message {seq} on ZMQ")
             self._receive(deadline)
 
     def _read_remote(self, deadline: float, cancelled: threading.Event | None) -> list[memoryview]:
@@ -496,7 +443,7 @@ class ShmRingReader:
                 return frames
             if self._writer_closed:
                 raise RingClosed("the writer closed the ring")
-            _check(deadline, cancelled, "waiting for a message on ZMQ")
+            check_wait(deadline, cancelled, "waiting for a message on ZMQ")
             self._receive(deadline)
 
     def close(self) -> None:

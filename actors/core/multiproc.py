@@ -47,7 +47,8 @@ from triode.wire import (
 )
 from triode.wire.cluster_key import ClusterGate, ClusterKey
 from triode.wire.ports import free_port
-from triode.wire.shm_ring import RingTimeout, ShmRingWriter
+from triode.wire.ring_wait import RingTimeout
+from triode.wire.shm_ring import ShmRingWriter
 
 from ..config import EngineArgs
 from ..errors import ActorDied

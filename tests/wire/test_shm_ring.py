@@ -36,7 +36,7 @@ from triode.wire import (
     ShmRingReader,
     ShmRingWriter,
 )
-from triode.wire.shm_ring import POLL_SLICE_S, SLEEP_AFTER_S
+from triode.wire.ring_wait import POLL_SLICE_S, SLEEP_AFTER_S
 from triode.wire.shm_segment import RingSegment
 
 GUARD = 20.0
