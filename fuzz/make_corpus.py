@@ -35,7 +35,7 @@ from triode.edge.completions.response_bodies import (
     DeltaMessage,
     UsageInfo,
 )
-from triode.edge.responses.protocol import ResponsesRequest
+from triode.edge.responses.request import ResponsesRequest
 from triode.edge.sse import DONE, KEEPALIVE, event
 from triode.wire import (
     PROTOCOL_VERSION,

@@ -15,27 +15,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..sse import event as sse_event
-from .protocol import (
-    TERMINAL,
+from .events import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
     ContentPartEvent,
+    ItemProgressEvent,
+    OutputItemEvent,
+    ResponseEvent,
+    TextDeltaEvent,
+    TextDoneEvent,
+    encode,
+)
+from .response import (
+    TERMINAL,
     FunctionCall,
     IncompleteDetails,
-    ItemProgressEvent,
     McpCall,
     McpListTools,
     OutputItem,
-    OutputItemEvent,
     OutputMessage,
     OutputText,
     Response,
     ResponseError,
-    ResponseEvent,
     Status,
-    TextDeltaEvent,
-    TextDoneEvent,
-    encode,
     mcp_error,
     new_id,
 )

@@ -16,8 +16,7 @@ from typing import Any
 
 import trio
 
-from triode.actors import Engine
-from triode.actors.intake import Intake
+from triode.actors import Engine, Intake
 from triode.wire import StructuredOutputsParams
 
 from ..completions.structured import (
@@ -36,17 +35,9 @@ from ..tools.choice import (
     template_renders_tools,
 )
 from ..tools.mcp import ToolServerError, ToolServers, ToolServerUnavailable
-from .protocol import (
-    McpListTools,
-    McpToolInfo,
-    McpToolSpec,
-    Response,
-    ResponsesRequest,
-    ResponseUsage,
-    input_messages,
-    mcp_tool_specs,
-    new_id,
-)
+from .input_items import input_messages
+from .request import McpToolSpec, ResponsesRequest, mcp_tool_specs
+from .response import McpListTools, McpToolInfo, Response, ResponseUsage, new_id
 from .store import ResponseStore
 
 NO_TOOLS = ToolChoice(mode="none", name=None)

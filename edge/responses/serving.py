@@ -2,10 +2,8 @@
 `POST /v1/responses/{id}/cancel` and `DELETE /v1/responses/{id}`.
 
 A request is checked whole before anything is answered (`plan_response`), so every bad input is
-a 400. Then the tool loop runs: generate; hand
-calls to MCP tools to their servers and generate again with the results, up to
-`max_tool_turns` rounds (the last generation has no tools, so it answers); a call to a function
-tool ends the response, for the client to run. `ResponseBuilder` turns all of it into output
+a 400. Then the tool loop runs (`tool_loop.py`): generate, call MCP tools, generate again,
+until the model answers or calls a function tool; `ResponseBuilder` turns all of it into output
 items and, for a stream, typed SSE events.
 
 Foreground requests run beside a task that watches for `http.disconnect`: a disconnect cancels
@@ -17,47 +15,30 @@ from __future__ import annotations
 
 import logging
 import math
-import time
-from collections.abc import Awaitable, Callable
-from contextlib import aclosing
-from typing import Any
+from collections.abc import Callable
 from urllib.parse import parse_qs
 
 import trio
 
-from triode.actors import Engine, EngineDeadError, RequestError
-from triode.wire import SamplingParams
+from triode.actors import Engine
 
-from .. import json_text
-from ..errors import APIError, check_engine_alive, engine_error, too_busy, validation_error
+from ..errors import APIError, check_engine_alive, too_busy
 from ..http import JSON, ClientDisconnected, Request, respond, respond_json
 from ..metrics import Metrics
 from ..settings import Settings
 from ..sse import KEEPALIVE, SSE_HEADERS
 from ..tenancy import request_cache_salt
-from ..tools.calls import (
-    ContentDelta,
-    ToolCallDelta,
-    ToolCallStream,
-)
-from ..tools.choice import ToolChoice
-from ..tools.mcp import ToolServerError, ToolServers
-from .output import ResponseBuilder, Turn
+from ..tools.mcp import ToolServers
+from .events import encode
+from .output import ResponseBuilder
 from .plan import Plan, plan_response
-from .protocol import (
-    FunctionCall,
-    McpCall,
-    ResponseError,
-    decode_responses_request,
-    encode,
-)
+from .request import decode_responses_request
+from .response import ResponseError
 from .store import ResponseStore, StoredResponse
+from .tool_loop import Flush, ToolLoop, keep_text
 
 log = logging.getLogger(__name__)
 
-Flush = Callable[[], Awaitable[None]]
-
-_AUTO = ToolChoice(mode="auto", name=None)
 _CANCEL_WAIT = 10.0  # seconds `cancel` waits for the run to stop before answering
 
 
@@ -84,6 +65,7 @@ class Responses:
             allow_request_servers=settings.allow_request_tool_servers,
             allow_private_servers=settings.allow_private_tool_servers,
         )
+        self.loop = ToolLoop(engine, metrics, self.tool_servers)
         self._tasks: trio.Nursery | None = None
 
     async def start(self, nursery: trio.Nursery) -> None:
@@ -189,14 +171,14 @@ class Responses:
                 nursery.start_soon(request.cancel_on_disconnect, nursery.cancel_scope)
                 if keepalive is not None:
                     nursery.start_soon(keepalive.keep_alive, self.settings.keepalive_interval)
-                failure = await self._run(plan, out, flush)
+                failure = await self.loop.run(plan, out, flush)
                 nursery.cancel_scope.cancel()
         except Exception:
             out.finish("failed", error=ResponseError(code="server_error",
                                                      message="internal server error"))  # fmt: skip
             raise
         finally:
-            _keep_text(plan, out.finish("cancelled"))
+            keep_text(plan, out.finish("cancelled"))
             entry.conversation = plan.conversation
             self.store.ended(entry)
             entry.done.set()
@@ -267,13 +249,13 @@ class Responses:
         assert entry.scope is not None
         try:
             with entry.scope:
-                await self._run(plan, out, flush)
+                await self.loop.run(plan, out, flush)
         except Exception:
             log.exception("background response %s failed", plan.response.id)
             out.finish("failed", error=ResponseError(code="server_error",
                                                      message="internal server error"))  # fmt: skip
         finally:
-            _keep_text(plan, out.finish("cancelled"))
+            keep_text(plan, out.finish("cancelled"))
             entry.conversation = plan.conversation
             push()
             if channel is not None:
@@ -281,153 +263,6 @@ class Responses:
             self._background_count -= 1
             self.store.ended(entry)
             entry.done.set()
-
-    async def _run(self, plan: Plan, out: ResponseBuilder, flush: Flush) -> APIError | None:
-        """The tool loop, to the response's end. Returns the error a failed response failed
-        with (engine refused it or died); cancelling it leaves the response open."""
-        out.start()
-        for listing in plan.listings:
-            out.list_tools(listing)
-        await flush()
-        choice, rounds, calls, produced = plan.choice, 0, 0, 0
-        ids: list[int] | None = plan.first_ids
-        while True:
-            turn_choice = plan.turn_choice(choice, rounds=rounds, calls=calls)
-            if ids is None:
-                try:
-                    ids = await plan.encode(self.engine.intake, turn_choice)
-                except ValueError as e:
-                    return self._fail(out, validation_error(e))
-            max_tokens = self.engine.max_model_len - len(ids)
-            if plan.req.max_output_tokens is not None:
-                max_tokens = min(max_tokens, plan.req.max_output_tokens - produced)
-            if max_tokens < 1:
-                out.finish("incomplete", reason="max_output_tokens")
-                return None
-            params = SamplingParams(
-                temperature=plan.response.temperature,
-                top_p=plan.response.top_p,
-                seed=plan.req.seed,
-                max_tokens=max_tokens,
-                structured_outputs=plan.constraint(turn_choice),
-            )
-            parser = None if turn_choice.mode == "none" else ToolCallStream(plan.tools)
-            request_id = f"{plan.response.id}-{rounds}"
-            try:
-                reason, generated = await self._generate(
-                    ids, params, request_id, out, parser, flush, plan.cache_salt
-                )
-            except (RequestError, EngineDeadError, RuntimeError) as e:
-                return self._fail(out, engine_error(e))
-            produced += generated
-            ids = None
-            if reason == "length":
-                _keep_text(plan, out.finish("incomplete", reason="max_output_tokens"))
-                return None
-            if reason != "stop":
-                return self._fail(out, APIError(500, f"generation ended with {reason}"))
-            turn = out.end_turn()
-            await flush()
-            plan.conversation.append(_assistant_message(plan, turn))
-            mcp_calls = [c for c in turn.calls if isinstance(c, McpCall)]
-            for call in mcp_calls:
-                output, error = await self._call_mcp(plan, call)
-                out.mcp_result(call, output, error)
-                result = output if error is None else f"error: {error}"
-                plan.conversation.append(
-                    {"role": "tool", "tool_call_id": call.id, "content": result or ""}
-                )
-                await flush()
-            calls += len(mcp_calls)
-            if not mcp_calls or any(isinstance(c, FunctionCall) for c in turn.calls):
-                out.finish("completed")
-                return None
-            rounds += 1
-            if choice.mode in ("required", "named"):
-                choice = _AUTO  # forcing a call again would never let the model answer
-
-    def _fail(self, out: ResponseBuilder, error: APIError) -> APIError:
-        code = "rate_limit_exceeded" if error.status == 429 else "server_error"
-        out.finish("failed", error=ResponseError(code=code, message=error.message))
-        return error
-
-    async def _generate(
-        self,
-        ids: list[int],
-        params: SamplingParams,
-        request_id: str,
-        out: ResponseBuilder,
-        parser: ToolCallStream | None,
-        flush: Flush,
-        cache_salt: str | None = None,
-    ) -> tuple[str | None, int]:
-        """One generation, fed to `out` delta by delta: (finish reason, tokens generated)."""
-        start = time.perf_counter()
-        first: float | None = None
-        last: float | None = None
-        inter: list[float] = []
-        reason: str | None = None
-        generated = cached = 0
-        try:
-            generation = self.engine.generate(
-                ids, params, request_id, delta=True, cache_salt=cache_salt
-            )
-            async with aclosing(generation) as outputs:
-                async for output in outputs:
-                    choice = output.outputs[0]
-                    cached = output.num_cached_tokens
-                    if choice.token_ids:
-                        now = time.perf_counter()
-                        if first is None:
-                            first = now
-                        elif last is not None:
-                            inter.append((now - last) / len(choice.token_ids))
-                        last = now
-                        generated += len(choice.token_ids)
-                    if parser is None:
-                        out.text(choice.text)
-                    else:
-                        _route(out, parser.feed(choice.text))
-                    reason = choice.finish_reason or reason
-                    await flush()
-                    if parser is not None and parser.ended:
-                        reason = "stop"  # a repeated call ends the turn: stop generating
-                        break
-            if parser is not None:
-                _route(out, parser.finish())
-        finally:
-            usage = out.response.usage
-            assert usage is not None  # every plan's response starts with one
-            usage.add(input_tokens=len(ids), output_tokens=generated, cached_tokens=cached)
-        self.metrics.observe_request(
-            prompt_tokens=len(ids),
-            generation_tokens=generated,
-            ttft=None if first is None else first - start,
-            inter_token_latencies=inter,
-            e2e=time.perf_counter() - start,
-            finished_reason=reason or "abort",
-        )
-        return reason, generated
-
-    async def _call_mcp(self, plan: Plan, call: McpCall) -> tuple[str | None, str | None]:
-        """(output, error) of one MCP tool call; failures of every kind become the error."""
-        server_url = plan.server_url(call.server_label, call.name)
-        try:
-            arguments = json_text.loads(call.arguments or "{}")
-        except ValueError as e:
-            return None, f"the arguments are not valid JSON: {e}"
-        if not isinstance(arguments, dict):
-            return None, "the arguments must be a JSON object"
-        try:
-            result = await self.tool_servers.call(
-                call.server_label, call.name, arguments, server_url=server_url
-            )
-        except Exception as e:  # a failing tool must not fail the response
-            log.warning("MCP call %s/%s failed", call.server_label, call.name, exc_info=True)
-            if isinstance(e, ToolServerError):  # a refusal, in this server's own words
-                return None, str(e)
-            return None, "the tool call failed (the server log has why)"
-        return result.output, result.error
 
 
 class _Writer:
@@ -456,32 +291,3 @@ class _Writer:
 
 async def _nothing() -> None:
     pass
-
-
-def _route(out: ResponseBuilder, events: list[Any]) -> None:
-    for event in events:
-        if isinstance(event, ContentDelta):
-            out.text(event.text)
-        elif isinstance(event, ToolCallDelta):
-            out.call(event.index, event.id, event.name, event.arguments or "")
-
-
-def _keep_text(plan: Plan, turn: Turn) -> None:
-    """Keep the text of a generation cut short in the conversation (its calls are unfinished)."""
-    if turn.text:
-        plan.conversation.append({"role": "assistant", "content": turn.text})
-
-
-def _assistant_message(plan: Plan, turn: Turn) -> dict[str, Any]:
-    """The chat message for what the model said in `turn`, with its calls as `tool_calls`."""
-    if not turn.calls:
-        return {"role": "assistant", "content": turn.text}
-    calls = []
-    for c in turn.calls:
-        if isinstance(c, FunctionCall):
-            call_id, name = c.call_id, c.name
-        else:
-            call_id, name = c.id, plan.mcp_name(c.server_label, c.name)
-        calls.append({"id": call_id, "type": "function",
-                      "function": {"name": name, "arguments": c.arguments}})  # fmt: skip
-    return {"role": "assistant", "content": turn.text or None, "tool_calls": calls}

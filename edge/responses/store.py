@@ -26,7 +26,7 @@ from typing import Any
 
 import trio
 
-from .protocol import TERMINAL, Response
+from .response import TERMINAL, Response
 
 
 @dataclass

@@ -42,12 +42,8 @@ from triode.edge.completions.serving import Serving
 from triode.edge.completions.structured import structured_from_text_format
 from triode.edge.errors import APIError, error_body
 from triode.edge.http import ClientDisconnected, Request
-from triode.edge.responses.protocol import (
-    ResponsesRequest,
-    decode_responses_request,
-    input_messages,
-    mcp_tool_specs,
-)
+from triode.edge.responses.input_items import input_messages
+from triode.edge.responses.request import ResponsesRequest, decode_responses_request, mcp_tool_specs
 from triode.edge.tools.choice import parse_tool_choice, parse_tools
 from triode.wire import (
     Encoder,

@@ -221,7 +221,7 @@ async def test_without_keys_everything_is_open() -> None:
 
 
 async def test_a_stored_response_answers_only_the_key_that_made_it() -> None:
-    from triode.edge.responses.protocol import Response
+    from triode.edge.responses.response import Response
     from triode.edge.responses.store import StoredResponse
 
     app = make_app(api_keys=ApiKeys(["sk-alice", "sk-bob"]))

@@ -12,7 +12,7 @@ from triode.edge import json_text
 from triode.edge.completions.request_bodies import ChatCompletionRequest, decode_request
 from triode.edge.completions.structured import structured_outputs_of
 from triode.edge.errors import APIError
-from triode.edge.responses.protocol import input_messages
+from triode.edge.responses.input_items import input_messages
 from triode.edge.tools.choice import check_tool_messages, parse_tools, prepare_messages
 
 DEPTH = json_text.MAX_DEPTH

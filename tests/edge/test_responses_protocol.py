@@ -16,16 +16,14 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
 
 from triode.edge.errors import APIError
+from triode.edge.responses.input_items import input_messages
 from triode.edge.responses.output import ResponseBuilder
-from triode.edge.responses.protocol import (
-    MAX_INSTRUCTIONS,
+from triode.edge.responses.request import MAX_INSTRUCTIONS, decode_responses_request, mcp_tool_specs
+from triode.edge.responses.response import (
     McpListTools,
     McpToolInfo,
     Response,
     ResponseUsage,
-    decode_responses_request,
-    input_messages,
-    mcp_tool_specs,
     output_text,
 )
 from triode.edge.responses.store import ResponseStore, StoredResponse
