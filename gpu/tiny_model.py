@@ -39,6 +39,8 @@ def build_tiny_model(
     The tokenizer (and so the vocabulary) is `tokenizer_from`'s, else the default model's when it
     was converted already, else a 259-token byte-level one, so a tiny model needs no download.
     """
+    # torch and transformers only for a build: the loader imports this module, and resolving
+    # `tiny-random` once it is built needs neither
     import torch
     from transformers import (
         AutoTokenizer,
@@ -111,6 +113,7 @@ def build_uneven_tiny_model(path: str | Path) -> Path:
 
 def _byte_tokenizer() -> Any:
     """Byte-level BPE with no merges: every byte a token, plus ChatML's special tokens."""
+    # only for a build, as in `build_tiny_model`
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -175,7 +175,7 @@ class Decoder(Generic[T]):
 
     @staticmethod
     def _tensor(name: str, shape: tuple[int, ...], raw: memoryview) -> Any:
-        import torch
+        import torch  # only where a tensor arrives: triode.wire imports without torch
 
         dtype = getattr(torch, name)
         if raw.nbytes == 0:
