@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from triode.edge.auth import keys_from
-from triode.edge.cli import ENGINE_FLAGS, build_parser
+from triode.edge.cli import build_parser
+from triode.edge.commands.engine_flags import given_engine_args
 
 
 def _serve(*argv: str):  # type: ignore[no-untyped-def]
@@ -30,16 +33,28 @@ def test_model_is_positional_and_optional() -> None:
 def test_engine_flags_reach_the_engine_only_when_given() -> None:
     args = _serve("--max-model-len", "2048", "--kv-cache-memory", "1GiB", "--dtype", "float32",
                   "--no-enable-prefix-caching", "--quantization", "none")  # fmt: skip
-    given = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
-    assert given == {
+    assert given_engine_args(args) == {
         "quantization": "none",
         "max_model_len": 2048,
         "kv_cache_memory": "1GiB",
         "dtype": "float32",
         "enable_prefix_caching": False,
     }
-    defaults = _serve()
-    assert all(getattr(defaults, k) is None for k in ENGINE_FLAGS if k != "dtype")
+    assert given_engine_args(_serve()) == {}
+
+
+def test_every_engine_arg_is_a_serve_flag_but_the_model_and_the_block_size(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import msgspec
+
+    from triode.actors import EngineArgs
+
+    with pytest.raises(SystemExit):
+        _serve("--help")
+    listed = set(re.findall(r"--[a-z-]+", capsys.readouterr().out))
+    fields = {f"--{f.name.replace('_', '-')}" for f in msgspec.structs.fields(EngineArgs)}
+    assert fields - listed == {"--model", "--block-size"}
 
 
 def test_a_bad_dtype_is_refused() -> None:
@@ -73,8 +88,7 @@ def test_parallel_flags_reach_the_engine_args() -> None:
                   "1", "--master-addr", "10.0.0.1", "--master-port", "29500",
                   "--distributed-timeout", "5", "--headless",
                   "--cluster-key-file", "/etc/triode/cluster.key")  # fmt: skip
-    given = {k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None}
-    engine = EngineArgs(**given)
+    engine = EngineArgs(**given_engine_args(args))
     assert (engine.world_size, engine.executor_backend, engine.node_rank) == (4, "mp", 1)
     assert (engine.master_addr, engine.master_port, engine.distributed_timeout) == (
         "10.0.0.1", 29500, 5.0

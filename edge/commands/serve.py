@@ -1,0 +1,296 @@
+"""`triode serve`: its options (the engine's built from `EngineArgs`, `engine_flags.py`), and
+the checks that turn a command line that cannot serve into one line before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from .engine_flags import add_engine_flags, given_engine_args
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """`triode serve` and its options."""
+    serve = commands.add_parser(
+        "serve",
+        help="serve the OpenAI API",
+        description="Serve the OpenAI API (chat, completions, models) over HTTP.",
+    )
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="a Hugging Face directory, a .gguf file, or tiny-random (default: the default model)",
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key",
+        action="extend",
+        nargs="+",
+        default=None,
+        help="accept this key (repeatable; also TRIODE_API_KEY, comma-separated)",
+    )
+    serve.add_argument(
+        "--prefix-cache-isolation",
+        choices=["none", "key"],
+        default="none",
+        help="key: requests share cached prompt blocks only with requests under the same API "
+        "key, so no key holder can tell another's prompts by cached_tokens (needs --api-key); "
+        "a request's cache_salt always separates it",
+    )
+    serve.add_argument(
+        "--metrics-require-key",
+        action="store_true",
+        help="put /metrics behind the key too (it is open for scrapers by default)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="the model names the API answers to (default: the model's)",
+    )
+    serve.add_argument("--root-path", default="", help="the path prefix behind a proxy")
+    serve.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API server processes sharing the port (each a client of every engine core)",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        nargs="*",
+        default=[],
+        help="CORS origins to allow ('*' for any); none by default",
+    )
+    serve.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"]
+    )
+    serve.add_argument("--max-body-size", default="16MiB", help="request body limit (413 above)")
+    serve.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish on shutdown",
+    )
+    limits = serve.add_argument_group("what one request may cost")
+    limits.add_argument(
+        "--max-choices-per-request",
+        type=int,
+        default=2048,
+        help="choices (prompts x n) of one request; more is a 400",
+    )
+    limits.add_argument(
+        "--max-logprob-entries",
+        type=int,
+        default=1 << 20,
+        help="logprob entries (positions x (1 + alternatives)) a whole, not streamed, answer "
+        "may hold; more is a 400",
+    )
+    limits.add_argument(
+        "--max-prompt-embeds-bytes",
+        default="256MiB",
+        help="decoded prompt_embeds of one request, counted once per choice; more is a 400",
+    )
+    serve.add_argument(
+        "--health-stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds without an engine step, with requests pending, before /health is 503",
+    )
+    tools = serve.add_argument_group("tools (the Responses API's MCP tools)")
+    tools.add_argument(
+        "--tool-server",
+        action="append",
+        default=[],
+        metavar="URL[,URL...]",
+        help="an MCP server whose tools /v1/responses may use (repeatable, or comma-separated)",
+    )
+    tools.add_argument(
+        "--allow-request-tool-servers",
+        action="store_true",
+        help="let a request name an MCP server_url that is not configured here",
+    )
+    tools.add_argument(
+        "--allow-private-tool-servers",
+        action="store_true",
+        help="let such a server_url resolve to a loopback, private, link-local or metadata "
+        "address (refused by default)",
+    )
+    tools.add_argument(
+        "--tool-call-timeout",
+        type=float,
+        default=30.0,
+        help="seconds an MCP tool call may take before it is an error for the model",
+    )
+    tools.add_argument(
+        "--max-tool-turns",
+        type=int,
+        default=8,
+        help="rounds of MCP tool calls per response; then the model answers without tools",
+    )
+    stored = serve.add_argument_group("stored responses (/v1/responses)")
+    stored.add_argument(
+        "--max-stored-responses",
+        type=int,
+        default=1000,
+        help="responses kept for retrieval and previous_response_id; the oldest finished go first",
+    )
+    stored.add_argument(
+        "--max-background-responses",
+        type=int,
+        default=32,
+        help="background responses queued or running at once; past it a new one is a 429",
+    )
+    stored.add_argument(
+        "--response-ttl",
+        type=float,
+        default=3600.0,
+        help="seconds a finished stored response is kept",
+    )
+    engine = serve.add_argument_group("engine")
+    parallel = serve.add_argument_group("parallelism (one worker process per rank)")
+    add_engine_flags({"engine": engine, "parallelism": parallel, "options": serve})
+    parallel.add_argument(
+        "--headless",
+        action="store_true",
+        help="run only this node's model workers (nodes other than 0), no API server",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `triode serve` as parsed; the exit status."""
+    # imported when serving, not when the parser is built: the other subcommands need none
+    import trio
+
+    from triode.actors import parse_size
+
+    from ..app import default_served_model_name
+    from ..auth import ApiKeys, keys_from
+    from ..server import ServeOptions, serve
+    from ..settings import Settings
+    from ..tools.mcp import parse_tool_server_specs
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # the engine core process logs (model loading, its progress) at the same level
+    os.environ.setdefault("TRIODE_LOG_LEVEL", args.log_level.upper())
+    engine_args = given_engine_args(args)
+    if args.kv_transfer_config is not None:
+        from triode.wire.kv_transfer import parse_kv_transfer_config
+
+        # before any process starts: a config or secret that cannot serve is one line
+        try:
+            parse_kv_transfer_config(args.kv_transfer_config).read_secret()
+        except ValueError as e:
+            print(f"triode serve: {e}", file=sys.stderr)
+            return 2
+    if args.headless:
+        return _run_headless(args.model, engine_args)
+    if engine_args.get("node_rank", 0) != 0:
+        raise SystemExit("triode serve: --node-rank other than 0 runs with --headless")
+    if _cluster_key_refused(engine_args):
+        return 2
+    keys = keys_from(args.api_key, os.environ)
+    max_body = parse_size(args.max_body_size)
+    max_prompt_embeds = parse_size(args.max_prompt_embeds_bytes)
+    if min(args.max_choices_per_request, args.max_logprob_entries, max_prompt_embeds) < 1:
+        raise SystemExit(
+            "triode serve: --max-choices-per-request, --max-logprob-entries and "
+            "--max-prompt-embeds-bytes must be >= 1"
+        )
+    if not args.health_stall_timeout > 0:
+        raise SystemExit("triode serve: --health-stall-timeout must be positive")
+    if args.tool_call_timeout <= 0:
+        raise SystemExit("triode serve: --tool-call-timeout must be positive")
+    if args.max_tool_turns < 0:
+        raise SystemExit("triode serve: --max-tool-turns must not be negative")
+    if args.max_stored_responses < 1 or args.max_background_responses < 1:
+        raise SystemExit(
+            "triode serve: --max-stored-responses and --max-background-responses must be >= 1"
+        )
+    if not args.response_ttl > 0:
+        raise SystemExit("triode serve: --response-ttl must be positive")
+    if not 1 <= args.api_server_count <= 64:
+        raise SystemExit("triode serve: --api-server-count must be between 1 and 64")
+    if args.prefix_cache_isolation == "key" and not keys:
+        raise SystemExit(
+            "triode serve: --prefix-cache-isolation key needs API keys to tell tenants apart "
+            "(--api-key or TRIODE_API_KEY)"
+        )
+    try:
+        tool_servers = [s for v in args.tool_server for s in parse_tool_server_specs(v)]
+    except ValueError as e:
+        raise SystemExit(f"triode serve: --tool-server: {e}") from None
+
+    def settings(engine: object) -> Settings:
+        names = args.served_model_name or [default_served_model_name(args.model)]
+        return Settings(
+            served_model_names=names,
+            api_keys=ApiKeys(keys),
+            max_body_size=max_body,
+            prefix_cache_isolation=args.prefix_cache_isolation,
+            allowed_origins=args.allowed_origins,
+            tool_servers=tool_servers,
+            allow_request_tool_servers=args.allow_request_tool_servers,
+            tool_call_timeout=args.tool_call_timeout,
+            max_tool_turns=args.max_tool_turns,
+            max_choices_per_request=args.max_choices_per_request,
+            max_logprob_entries=args.max_logprob_entries,
+            max_prompt_embeds_bytes=max_prompt_embeds,
+            health_stall_timeout=args.health_stall_timeout,
+            max_stored_responses=args.max_stored_responses,
+            metrics_require_key=args.metrics_require_key,
+            max_background_responses=args.max_background_responses,
+            response_ttl=args.response_ttl,
+            allow_private_tool_servers=args.allow_private_tool_servers,
+        )
+
+    if keys:
+        logging.getLogger("triode.serve").info("API keys required: %d configured", len(keys))
+    options = ServeOptions(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        root_path=args.root_path,
+        graceful_timeout=args.graceful_timeout,
+        api_server_count=args.api_server_count,
+    )
+    trio.run(serve, options, settings, engine_args)
+    return 0
+
+
+def _run_headless(model: str | None, engine_args: dict[str, object]) -> int:
+    # imported when a headless node starts: the parser and the API server need neither
+    import trio
+
+    from triode.actors import EngineArgs, serve_headless
+
+    try:
+        args = EngineArgs(model=model, **engine_args)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"triode serve --headless: {e}") from None
+    if args.node_rank == 0:
+        raise SystemExit("triode serve --headless: node 0 runs the engine core; give --node-rank")
+    if _cluster_key_refused(engine_args):
+        return 2
+    trio.run(serve_headless, args)
+    return 0
+
+
+def _cluster_key_refused(engine_args: dict[str, object]) -> bool:
+    """Several nodes without a usable cluster key: one line, before any process starts."""
+    # imported when serving, like `run`'s imports
+    from triode.wire.cluster_key import ClusterKey, ClusterKeyError
+
+    nnodes, path = engine_args.get("nnodes", 1), engine_args.get("cluster_key_file")
+    try:
+        ClusterKey.for_world(nnodes != 1, None if path is None else str(path))
+    except ClusterKeyError as e:
+        print(f"triode serve: {e}", file=sys.stderr)
+        return True
+    return False
