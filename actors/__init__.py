@@ -23,14 +23,14 @@ from .config import EngineFlag as EngineFlag
 from .config import parse_size as parse_size
 from .core_client import EngineDeadError as EngineDeadError
 from .engine import Engine as Engine
-from .engine import RequestError as RequestError
-from .engine import RequestRefused as RequestRefused
 from .engine import connect_engine as connect_engine
 from .engine import open_engine as open_engine
 from .errors import ActorDied as ActorDied
 from .errors import ActorError as ActorError
 from .errors import HandshakeError as HandshakeError
 from .errors import RemoteError as RemoteError
+from .errors import RequestError as RequestError
+from .errors import RequestRefused as RequestRefused
 from .grammar import check_grammar as check_grammar
 from .grammar import grammar_of as grammar_of
 from .headless import serve_headless as serve_headless

@@ -9,22 +9,17 @@ async with open_engine(model=None, max_num_seqs=64) as engine:
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import trio
 import zmq
 from tokenizers import Tokenizer
 
 from triode.wire import (
-    EngineCoreOutput,
-    EngineCoreRequest,
-    FinishReason,
     Ready,
     SamplingParams,
     SchedulerStats,
@@ -36,34 +31,19 @@ from triode.wire.messages import MAX_WIRE_CACHE_SALT
 from triode.wire.tensor_ipc import SharedTensor, TensorHandle
 
 from .config import EngineArgs
-from .core_client import EngineCoreClient, EngineDeadError, RequestStream
-from .detokenizer import IncrementalDetokenizer
+from .core_client import EngineCoreClient, EngineDeadError
+from .errors import RequestError, RequestRefused
+from .generate_call import GenerateCall
 from .intake import Intake
 from .kv_params import seal_error, transfer_params_error
 from .launcher import EngineCoreEndpoint, open_engine_cores
-from .outputs import CompletionOutput, RequestOutput, token_logprobs
+from .outputs import RequestOutput
 from .peer import Peer
 from .process import Child
 from .prompt_embeds import check_prompt_embeds, describe_prompt_embeds, share_prompt_embeds
 
 # how long a client waits for its first round trip to each engine core
 CONNECT_TIMEOUT = 30.0
-# The largest seed `SamplingParams` takes (and the negation of the smallest).
-_MAX_SEED = 2**63 - 1
-
-
-class RequestError(ValueError):
-    """The engine refused a request (for example, a prompt longer than the model can take)."""
-
-
-class RequestRefused(RuntimeError):
-    """The engine core did not take a request for now: its queue of waiting requests is full
-    (`EngineArgs.max_waiting_requests`). The same request may succeed later; `retry_after` is
-    the seconds a client should wait first."""
-
-    def __init__(self, message: str, retry_after: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 class Engine:
@@ -209,7 +189,7 @@ class Engine:
             raise
         request_id = request_id or uuid.uuid4().hex
         handles = [handle for handle, _ in shared]
-        run = _Run(
+        run = GenerateCall(
             self, request_id, prompt, prompt_ids, params, kv_transfer_params, handles, cache_salt
         )
         try:
@@ -331,180 +311,6 @@ class Engine:
         if not results or any(not isinstance(f, EngineDeadError) for f in failures):
             raise failures[0]
         return results
-
-
-class _Run:
-    """One `generate` call: its child requests (n of them), their detokenizers and results."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        request_id: str,
-        prompt: str | list[int] | None,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None = None,
-        embeds: list[TensorHandle] | None = None,
-        cache_salt: str | None = None,
-    ) -> None:
-        self.engine = engine
-        self.kv_transfer_params = kv_transfer_params
-        self.embeds = embeds or []  # one shared copy of the prompt embeddings per child
-        self.cache_salt = cache_salt
-        self.stream = RequestStream()
-        self.params = params
-        self.prompt_ids = prompt_ids
-        self.output = RequestOutput(
-            request_id,
-            prompt if isinstance(prompt, str) else None,
-            prompt_ids,
-            [
-                CompletionOutput(i, logprobs=[] if params.logprobs is not None else None)
-                for i in range(params.n)
-            ],
-        )
-        if params.prompt_logprobs is not None:
-            self.output.prompt_logprobs = []
-        child_params = split_params(with_eos_ids(params, engine.extra_eos_token_ids))
-        self.child_ids = (
-            [request_id] if params.n == 1 else [f"{request_id}/{i}" for i in range(params.n)]
-        )
-        self.index = {cid: i for i, cid in enumerate(self.child_ids)}
-        self.child_params = child_params
-        context = [] if self.embeds else prompt_ids  # placeholders are no text to go on
-        self.detokenizers = [
-            IncrementalDetokenizer(engine.tokenizer, context, p) for p in child_params
-        ]
-        self._stopped: list[str] = []
-        # each completion's text in the pieces it came in, joined when handed out: appending
-        # each step's piece to one string would copy the whole text every step
-        self._texts: list[list[str]] = [[] for _ in range(params.n)]
-        # (text pieces, token ids, logprobs) already handed out
-        self._marks = [(0, 0, 0)] * params.n
-        self._prompt_mark = 0
-
-    async def start(self, client: EngineCoreClient) -> None:
-        now = time.time()
-        for i, (cid, p) in enumerate(zip(self.child_ids, self.child_params, strict=True)):
-            request = EngineCoreRequest(
-                cid,
-                self.prompt_ids,
-                p,
-                self.engine.eos_token_id,
-                arrival_time=now,
-                kv_transfer_params=self.kv_transfer_params,
-                prompt_embeds=self.embeds[i] if self.embeds else None,
-                cache_salt=self.cache_salt,
-            )
-            await client.add_request(request, self.stream)
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finished for c in self.output.outputs)
-
-    def take(self, out: EngineCoreOutput) -> None:
-        i = self.index.get(out.request_id)
-        if i is None:
-            return
-        completion = self.output.outputs[i]
-        if completion.finished:
-            return  # e.g. a token that was in flight when a stop string ended it
-        if out.finish_reason is FinishReason.ERROR:
-            raise RequestError(str(out.stop_reason or "the engine failed the request"))
-        if out.finish_reason is FinishReason.REFUSED:
-            raise RequestRefused(str(out.stop_reason or "the engine is busy"))
-        if out.num_cached_tokens:
-            self.output.num_cached_tokens = out.num_cached_tokens
-        if out.kv_transfer_params is not None:
-            self.output.kv_transfer_params = out.kv_transfer_params
-        if out.new_prompt_logprobs is not None and self.output.prompt_logprobs is not None:
-            self.output.prompt_logprobs.extend(token_logprobs(out.new_prompt_logprobs))
-        completion.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs is not None and completion.logprobs is not None:
-            completion.logprobs.extend(token_logprobs(out.new_logprobs))
-        on_stop_token = out.finish_reason is FinishReason.STOP and not isinstance(
-            out.stop_reason, str
-        )
-        detok = self.detokenizers[i]
-        stop_string = detok.update(out.new_token_ids, stop_terminated=on_stop_token)
-        if stop_string is not None:
-            completion.finish_reason, completion.stop_reason = "stop", stop_string
-            self._stopped.append(out.request_id)
-        elif out.finish_reason is not None:
-            completion.finish_reason = str(out.finish_reason)
-            completion.stop_reason = out.stop_reason
-        if piece := detok.delta(completion.finished):
-            self._texts[i].append(piece)
-
-    def stopped_by_string(self) -> list[str]:
-        stopped, self._stopped = self._stopped, []
-        return stopped
-
-    def snapshot(self, delta: bool) -> RequestOutput:
-        """The output so far, or with `delta` what was added since the last snapshot."""
-        out = self.output
-        out.finished = self.finished
-        marks = self._marks if delta else [(0, 0, 0)] * len(out.outputs)
-        completions = [
-            CompletionOutput(
-                c.index,
-                "".join(self._texts[c.index][text:]),
-                c.token_ids[tokens:],
-                c.finish_reason,
-                c.stop_reason,
-                None if c.logprobs is None else c.logprobs[logprobs:],
-            )
-            for c, (text, tokens, logprobs) in zip(out.outputs, marks, strict=True)
-        ]
-        prompt_logprobs = out.prompt_logprobs
-        if prompt_logprobs is not None:
-            prompt_logprobs = prompt_logprobs[self._prompt_mark if delta else 0 :]
-        if delta:
-            self._marks = [
-                (len(self._texts[c.index]), len(c.token_ids), len(c.logprobs or ()))
-                for c in out.outputs
-            ]
-            self._prompt_mark = len(out.prompt_logprobs or ())
-        return RequestOutput(
-            out.request_id,
-            out.prompt,
-            out.prompt_token_ids,
-            completions,
-            out.finished,
-            out.num_cached_tokens,
-            prompt_logprobs,
-            out.kv_transfer_params,
-        )
-
-    def unfinished_ids(self) -> list[str]:
-        return [
-            cid
-            for cid, c in zip(self.child_ids, self.output.outputs, strict=True)
-            if not c.finished
-        ]
-
-
-def with_eos_ids(params: SamplingParams, eos_ids: list[int]) -> SamplingParams:
-    """`params` stopping also on the model's other end-of-sequence ids, unless it ignores EOS."""
-    extra = [t for t in eos_ids if t not in params.stop_token_ids]
-    if params.ignore_eos or not extra:
-        return params
-    return msgspec.structs.replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
-
-
-def split_params(params: SamplingParams) -> list[SamplingParams]:
-    """The parameters of each of a request's `n` sequences: `n=1`, and seeds `seed + i`.
-
-    A seed near the top of the range wraps around to its bottom rather than overflowing it, so
-    every sequence gets a distinct seed that the engine core accepts.
-    """
-    if params.seed is None:
-        return [msgspec.structs.replace(params, n=1) for _ in range(params.n)]
-    span = 2 * _MAX_SEED + 1
-    return [
-        msgspec.structs.replace(params, n=1, seed=(params.seed + i + _MAX_SEED) % span - _MAX_SEED)
-        for i in range(params.n)
-    ]
 
 
 @asynccontextmanager

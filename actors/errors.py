@@ -1,4 +1,5 @@
-"""Errors the actor runtime raises in a parent about its children."""
+"""Errors the actor runtime raises in a parent about its children, and those an engine raises
+about a request it does not take."""
 
 from __future__ import annotations
 
@@ -41,3 +42,17 @@ class RemoteError(ActorDied):
         self.type_name = error.type_name
         self.remote_message = error.message
         self.remote_traceback = error.traceback
+
+
+class RequestError(ValueError):
+    """The engine refused a request (for example, a prompt longer than the model can take)."""
+
+
+class RequestRefused(RuntimeError):
+    """The engine core did not take a request for now: its queue of waiting requests is full
+    (`EngineArgs.max_waiting_requests`). The same request may succeed later; `retry_after` is
+    the seconds a client should wait first."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -26,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from triode.actors.engine import split_params
+from triode.actors.generate_call import split_params
 from triode.edge.completions.request_bodies import (
     ChatCompletionRequest,
     ChatMessage,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from triode.actors.engine import split_params, with_eos_ids
+from triode.actors.generate_call import split_params, with_eos_ids
 from triode.wire import (
     Encoder,
     EngineCoreRequest,
