@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from triode.wire import ProtocolError
+from triode.wire import EngineCoreRequest, ProtocolError
 from triode.wire.tensor_ipc import SharedTensor, TensorHandle, open_shared, share
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -86,3 +86,22 @@ def receive_prompt_embeds(handle: TensorHandle, hidden_size: int) -> np.ndarray:
     if not finite:
         raise ValueError("prompt_embeds: holds values that are not finite")
     return embeds
+
+
+def embeds_error(request: EngineCoreRequest, prompt_embeds: np.ndarray | None) -> str | None:
+    """Why a request and its prompt embeddings (received: `receive_prompt_embeds`) do not go
+    together in the scheduler, or None."""
+    if (request.prompt_embeds is None) != (prompt_embeds is None):
+        return "prompt_embeds: the request and its embeddings must come together"
+    if prompt_embeds is None:
+        return None
+    if len(prompt_embeds) != len(request.prompt_token_ids):
+        return (
+            f"prompt_embeds: {len(prompt_embeds)} rows for {len(request.prompt_token_ids)} "
+            "prompt positions"
+        )
+    if request.sampling_params.prompt_logprobs is not None:
+        return "prompt_logprobs: not supported for a prompt given as embeddings"
+    if request.kv_transfer_params:
+        return "kv_transfer_params: not supported for a prompt given as embeddings"
+    return None

@@ -25,7 +25,8 @@ from .engine_core import EngineCore
 from .executor import open_executor
 from .kv_connector import KVConnectorScheduler
 from .publisher import OUTPUT_HWM
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler
+from .scheduler_config import SchedulerConfig
 from .structured_output import StructuredOutputManager
 
 

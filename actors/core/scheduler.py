@@ -8,27 +8,24 @@ waiting ones, whose prompts are cut into budget-sized chunks. New requests start
 short prompts spreads over a few steps, so its first requests answer sooner, while a lone long
 prompt still takes the whole budget. With a KV connector
 (`kv_connector.py`) a waiting request may instead load its prompt's KV from another instance,
-and a finished one may keep its blocks until another instance has read them. Pure Python; the
-runner and the engine loop live elsewhere.
+and a finished one may keep its blocks until another instance has read them (`kv_transfers.py`
+keeps those blocks). Pure Python; the runner and the engine loop live elsewhere.
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from triode.wire.kv_transfer import KVConnectorOutput
 from triode.wire.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
-    Logprobs,
     SchedulerStats,
 )
 from triode.wire.step import (
@@ -39,38 +36,16 @@ from triode.wire.step import (
     SchedulerOutput,
 )
 
+from ..prompt_embeds import embeds_error
 from .kv_cache import KVCacheBlock, KVCacheManager, embeds_salt, salt_root
 from .kv_connector import KVConnectorScheduler
+from .kv_transfers import KVTransfers
 from .request import Request, RequestStatus
+from .scheduler_config import SchedulerConfig
+from .step_results import advance_grammar, check_stop, unsent_prompt_logprobs
 
 if TYPE_CHECKING:
     from .structured_output import Grammar, StructuredOutputManager
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    # prompt tokens that a step's new requests start with, the first one's whatever it takes
-    # (0: no limit but the budget)
-    max_new_prompt_tokens: int = 0
-    max_model_len: int
-    enable_prefix_caching: bool = True
-    # requests that may wait to start; one past it is refused, to be retried (0: no bound)
-    max_waiting_requests: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.max_new_prompt_tokens < 0:
-            raise ValueError("max_new_prompt_tokens must be >= 0")
-        if self.max_waiting_requests < 0:
-            raise ValueError("max_waiting_requests must be >= 0")
-        if self.max_model_len < 2:
-            raise ValueError("max_model_len must be >= 2")
 
 
 class Scheduler:
@@ -108,15 +83,9 @@ class Scheduler:
         self._runner_forget: list[str] = []  # for the next SchedulerOutput that has work
         self._aborted: defaultdict[int, list[str]] = defaultdict(list)  # for the next update
         self._in_flight: dict[int, dict[str, tuple[Request, ScheduledRequest]]] = {}
-        # The KV connector's: requests whose prompt KV is loading (aborted ones too, until
-        # every rank is through with their blocks), and finished requests' blocks kept for
-        # another instance to read.
-        self.loading: dict[str, Request] = {}
-        self.held: dict[str, list[KVCacheBlock]] = {}
+        # the KV connector's loads and holds, and their blocks
+        self.transfers = None if connector is None else KVTransfers(connector, self.kv_cache)
         self.prompt_tokens_computed = 0  # prompt positions scheduled for the forward
-        self.prompt_tokens_transferred = 0  # prompt positions loaded from another instance
-        self.kv_load_failures = 0
-        self.kv_protocol_errors = 0
 
     # Intake
 
@@ -137,7 +106,7 @@ class Scheduler:
         ):
             error = "structured_outputs: the request and its compiled grammar must come together"
         if error is None:
-            error = _embeds_error(request, prompt_embeds)
+            error = embeds_error(request, prompt_embeds)
         if error is not None:
             return EngineCoreOutput(
                 request.request_id, finish_reason=FinishReason.ERROR, stop_reason=error
@@ -207,14 +176,14 @@ class Scheduler:
             req = self.requests.get(request_id)
             if req is None:
                 # finished, its blocks kept for another instance: abort frees them too
-                if self.connector is not None and self.connector.drop_hold(request_id):
-                    self._free_held(request_id)
+                if self.transfers is not None:
+                    self.transfers.drop_hold(request_id)
                 continue
             if self.connector is not None:
                 self.connector.cancel_load(request_id)
             if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
                 # its load stops, but its blocks stay until every rank is through writing
-                # them (`_loaded`)
+                # them (`KVTransfers.update`)
                 req.status = RequestStatus.FINISHED_ABORTED
                 del self.requests[request_id]
             else:
@@ -226,25 +195,12 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         del self.requests[req.request_id]
-        delay_free = False
-        if self.connector is not None:
-            block_ids = self.kv_cache.block_ids(req.request_id)
-            delay_free, req.kv_transfer_params_out = self.connector.request_finished(req, block_ids)
-        if delay_free:
-            assert self.connector is not None
-            blocks = self.kv_cache.detach(req)
-            keep = self.connector.prompt_blocks(req)  # a hold keeps the prompt's, no more
-            self.kv_cache.release(blocks[keep:])
-            self.held[req.request_id] = blocks[:keep]
+        if self.transfers is not None:  # it may hold its prompt's blocks for another instance
+            self.transfers.finish(req)
         else:
             self.kv_cache.free(req)
         if req.runner_knows:
             self._runner_forget.append(req.request_id)
-
-    def _free_held(self, request_id: str) -> None:
-        blocks = self.held.pop(request_id, None)
-        if blocks is not None:
-            self.kv_cache.release(blocks)
 
     # The step
 
@@ -258,9 +214,8 @@ class Scheduler:
         micro-batches. Without `preempt`, a request that finds no free block waits for one
         instead of preempting: a request in flight must keep its blocks.
         """
-        if self.connector is not None:
-            for request_id in self.connector.expired_holds():
-                self._free_held(request_id)
+        if self.transfers is not None:
+            self.transfers.expire_holds()
         budget = self.config.max_num_batched_tokens
         room = max_requests if max_requests is not None else self.config.max_num_seqs
         scheduled: list[tuple[Request, int]] = []
@@ -306,11 +261,13 @@ class Scheduler:
             else:
                 hit_blocks = self.kv_cache.get_computed_blocks(req)
                 num_hit = len(hit_blocks) * self.config.block_size
-                if self.connector is not None:
-                    num_external, load = self.connector.get_num_new_matched_tokens(req, num_hit)
+                if self.transfers is not None:
+                    connector = self.transfers.connector
+                    num_external, load = connector.get_num_new_matched_tokens(req, num_hit)
                     if num_external and load:
-                        if not self._start_load(req, hit_blocks, num_external):
+                        if not self.transfers.start_load(req, hit_blocks, num_external):
                             break
+                        self.waiting.pop(0)  # parked until its KV is loaded
                         continue
             num_new = min(req.num_tokens - num_hit, budget)
             if limit and new_prompt_tokens and new_prompt_tokens + num_new > limit:
@@ -328,51 +285,6 @@ class Scheduler:
             new_prompt_tokens += num_new
 
         return self._build_output(scheduled)
-
-    def _start_load(self, req: Request, hit_blocks: list[KVCacheBlock], num_external: int) -> bool:
-        """Allocate the blocks of a prompt whose KV loads from another instance and park the
-        request until it is there; False (nothing changed) when too few blocks are free."""
-        assert self.connector is not None
-        if self.kv_cache.allocate_slots(req, num_external, hit_blocks, cache=False) is None:
-            return False
-        self.waiting.pop(0)
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        num_hit = len(hit_blocks) * self.config.block_size
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = num_hit
-        self.loading[req.request_id] = req
-        self.connector.update_state_after_alloc(
-            req, self.kv_cache.block_ids(req.request_id), num_external
-        )
-        return True
-
-    def _loaded(self, request_id: str, ok: bool) -> None:
-        """Every rank is through with a request's load: it continues after the prompt's
-        last token, or, when the load failed, computes its prompt like any other."""
-        assert self.connector is not None
-        # only a load the connector planned, for params it verified, may fill the prefix cache
-        ok = self.connector.load_done(request_id) and ok
-        req = self.loading.pop(request_id, None)
-        if req is None:
-            return
-        if req.is_finished:  # aborted while loading
-            self.kv_cache.free(req)
-            return
-        if ok:
-            self.kv_cache.cache_blocks(req, req.num_prompt_tokens)
-            # counted apart from the local hit and the last token, recomputed here: the three
-            # sources add up to the prompt
-            loaded = req.num_prompt_tokens - 1 - max(0, req.num_cached_tokens)
-            self.prompt_tokens_transferred += loaded
-            # the last prompt token is computed here: its logits sample the first token
-            req.num_computed_tokens = req.num_prompt_tokens - 1
-        else:
-            self.kv_load_failures += 1
-            self.kv_cache.free(req)
-            req.num_computed_tokens = 0
-            req.num_cached_tokens = -1
-        req.status = RequestStatus.WAITING
-        bisect.insort(self.waiting, req, key=_sort_key)
 
     def _preempt(self, req: Request) -> None:
         """Recompute-only preemption: drop the request's KV cache and queue it again."""
@@ -440,7 +352,9 @@ class Scheduler:
         free what stopped. Returns what to publish, per client index."""
         in_flight = self._in_flight.pop(scheduler_output.step, {})
         if runner_output.kv_connector_output is not None:
-            self._update_transfers(runner_output.kv_connector_output)
+            assert self.transfers is not None
+            for req in self.transfers.update(runner_output.kv_connector_output):
+                bisect.insort(self.waiting, req, key=_sort_key)  # its load is through
         outputs: defaultdict[int, list[EngineCoreOutput]] = defaultdict(list)
         finished: defaultdict[int, list[str]] = self._aborted
         self._aborted = defaultdict(list)
@@ -462,27 +376,17 @@ class Scheduler:
             for client in outputs.keys() | finished.keys()
         }
 
-    def _update_transfers(self, report: KVConnectorOutput) -> None:
-        assert self.connector is not None
-        for request_id in report.finished_recving:
-            self._loaded(request_id, ok=True)
-        for request_id in report.failed_recving:
-            self._loaded(request_id, ok=False)
-        for request_id in self.connector.sent(report.finished_sending):
-            self._free_held(request_id)
-        self.kv_protocol_errors += report.protocol_errors
-
     def _apply_result(
         self, req: Request, entry: ScheduledRequest, result: RequestStepResult
     ) -> EngineCoreOutput | None:
-        prompt_logprobs = _unsent_prompt_logprobs(req, entry, result.prompt_logprobs)
+        prompt_logprobs = unsent_prompt_logprobs(req, entry, result.prompt_logprobs)
         new_token_ids: list[int] = []
         if result.token_id is not None and entry.sample:
             req.append_output_token(result.token_id)
             new_token_ids.append(result.token_id)
-            stop = self._check_stop(req)
+            stop = check_stop(req, self.max_len)
             if req.grammar is not None and stop is None:
-                stop = self._check_grammar(req, result.token_id)
+                stop = advance_grammar(req, result.token_id)
             if stop is not None:
                 self.running.remove(req)
                 self._finish(req, stop)
@@ -499,37 +403,30 @@ class Scheduler:
             num_cached_tokens=max(0, req.num_cached_tokens),
         )
 
-    def _check_stop(self, req: Request) -> RequestStatus | None:
-        """The stop conditions, in order, for the token just appended."""
-        params = req.sampling_params
-        token = req.output_token_ids[-1]
-        if req.num_output_tokens >= params.min_tokens:
-            if token == req.eos_token_id and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if token in req.stop_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.max_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _check_grammar(self, req: Request, token_id: int) -> RequestStatus | None:
-        """Advance a constrained request's grammar; a token it refuses (its mask allowed only
-        the others) finishes the request with an error.
-
-        At the grammar's end the mask allows only end-of-sequence tokens, so the request stops
-        on one of those the next step, like any other; only an EOS that `ignore_eos` let
-        through stops it here."""
-        if not req.grammar.accept(token_id):
-            req.stop_reason = f"the output left its grammar: {req.grammar.error}"
-            return RequestStatus.FINISHED_ERROR
-        if req.grammar.finished and token_id == req.eos_token_id:
-            return RequestStatus.FINISHED_STOPPED
-        return None
-
     # Queries
+
+    @property
+    def loading(self) -> dict[str, Request]:
+        """Requests whose prompt KV is loading (`KVTransfers.loading`)."""
+        return {} if self.transfers is None else self.transfers.loading
+
+    @property
+    def held(self) -> dict[str, list[KVCacheBlock]]:
+        """Finished requests' blocks kept for another instance to read."""
+        return {} if self.transfers is None else self.transfers.held
+
+    @property
+    def prompt_tokens_transferred(self) -> int:
+        """Prompt positions loaded from another instance."""
+        return 0 if self.transfers is None else self.transfers.prompt_tokens_transferred
+
+    @property
+    def kv_load_failures(self) -> int:
+        return 0 if self.transfers is None else self.transfers.load_failures
+
+    @property
+    def kv_protocol_errors(self) -> int:
+        return 0 if self.transfers is None else self.transfers.protocol_errors
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -567,42 +464,3 @@ class Scheduler:
 
 def _sort_key(req: Request) -> tuple[int, int]:
     return req.sort_key
-
-
-def _embeds_error(request: EngineCoreRequest, prompt_embeds: np.ndarray | None) -> str | None:
-    """Why a request and its prompt embeddings do not go together, or None."""
-    if (request.prompt_embeds is None) != (prompt_embeds is None):
-        return "prompt_embeds: the request and its embeddings must come together"
-    if prompt_embeds is None:
-        return None
-    if len(prompt_embeds) != len(request.prompt_token_ids):
-        return (
-            f"prompt_embeds: {len(prompt_embeds)} rows for {len(request.prompt_token_ids)} "
-            "prompt positions"
-        )
-    if request.sampling_params.prompt_logprobs is not None:
-        return "prompt_logprobs: not supported for a prompt given as embeddings"
-    if request.kv_transfer_params:
-        return "kv_transfer_params: not supported for a prompt given as embeddings"
-    return None
-
-
-def _unsent_prompt_logprobs(
-    req: Request, entry: ScheduledRequest, logprobs: Logprobs | None
-) -> Logprobs | None:
-    """Drop the rows a recompute after preemption produced again.
-
-    A chunk starting at position c yields rows for prompt tokens c+1, c+2, ...; rows for tokens
-    up to `num_prompt_logprobs_sent` went out before the preemption.
-    """
-    if logprobs is None:
-        return None
-    start = entry.num_computed_tokens
-    skip = max(0, req.num_prompt_logprobs_sent - start)
-    rows = len(logprobs.ranks)
-    req.num_prompt_logprobs_sent = max(req.num_prompt_logprobs_sent, start + rows)
-    if skip == 0:
-        return logprobs
-    if skip >= rows:
-        return None
-    return Logprobs(logprobs.token_ids[skip:], logprobs.logprobs[skip:], logprobs.ranks[skip:])

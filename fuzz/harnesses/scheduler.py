@@ -19,7 +19,8 @@ from collections import Counter
 
 import numpy as np
 
-from triode.actors.core.scheduler import Scheduler, SchedulerConfig
+from triode.actors.core.scheduler import Scheduler
+from triode.actors.core.scheduler_config import SchedulerConfig
 from triode.wire import (
     EngineCoreOutputs,
     EngineCoreRequest,

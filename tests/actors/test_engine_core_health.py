@@ -8,7 +8,8 @@ from typing import Any
 import trio
 
 from triode.actors.core.engine_core import EngineCore
-from triode.actors.core.scheduler import Scheduler, SchedulerConfig
+from triode.actors.core.scheduler import Scheduler
+from triode.actors.core.scheduler_config import SchedulerConfig
 from triode.wire import EngineCoreRequest, SamplingParams
 from triode.wire.step import ModelRunnerOutput, RequestStepResult, SchedulerOutput
 

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from triode.actors.core.kv_connector import KVConnectorScheduler
-from triode.actors.core.scheduler import Scheduler, SchedulerConfig
+from triode.actors.core.scheduler import Scheduler
+from triode.actors.core.scheduler_config import SchedulerConfig
 from triode.actors.kv_params import seal_error, transfer_params_error
 from triode.wire import EngineCoreOutput, EngineCoreRequest, SamplingParams
 from triode.wire.kv_seal import prompt_digest, seal, seal_remote_decode, verify

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from triode.actors.core.request import RequestStatus
-from triode.actors.core.scheduler import Scheduler, SchedulerConfig
+from triode.actors.core.scheduler import Scheduler
+from triode.actors.core.scheduler_config import SchedulerConfig
 from triode.wire import (
     EngineCoreOutput,
     EngineCoreRequest,

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from test_scheduler import VOCAB, FakeRunner, next_token, prompt_of
 
-from triode.actors.core.scheduler import Scheduler, SchedulerConfig
+from triode.actors.core.scheduler import Scheduler
+from triode.actors.core.scheduler_config import SchedulerConfig
 from triode.wire import (
     EngineCoreOutputs,
     EngineCoreRequest,

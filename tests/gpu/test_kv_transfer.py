@@ -25,7 +25,8 @@ import zmq
 from kv_secret import secret_file
 
 from triode.actors.core.kv_connector import KVConnectorScheduler
-from triode.actors.core.scheduler import Scheduler, SchedulerConfig
+from triode.actors.core.scheduler import Scheduler
+from triode.actors.core.scheduler_config import SchedulerConfig
 from triode.gpu.kv_connector import FinishedTransfers
 from triode.gpu.kv_loader import KVLoader
 from triode.gpu.kv_shm import MAX_FRAME_BYTES, HandoffError, receive_cache, shared_cache

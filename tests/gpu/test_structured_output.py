@@ -19,7 +19,8 @@ import trio
 
 from triode.actors.config import EngineArgs
 from triode.actors.core.executor import InProcessExecutor
-from triode.actors.core.scheduler import Scheduler, SchedulerConfig
+from triode.actors.core.scheduler import Scheduler
+from triode.actors.core.scheduler_config import SchedulerConfig
 from triode.actors.core.structured_output import StructuredOutputManager
 from triode.actors.grammar import check_grammar, grammar_of
 from triode.gpu.logits_processing import apply_token_bitmask
