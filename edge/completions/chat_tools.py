@@ -57,7 +57,7 @@ class ChatTools:
 class CallReaders:
     """Each choice's calls, read as a whole (not streamed) chat answer comes, so that its
     generation stops once every choice has repeated a call (which ends an answer: see
-    `edge/tool_calls.py`). Called with every delta, as `stop_when`."""
+    `edge/tools/calls.py`). Called with every delta, as `stop_when`."""
 
     def __init__(self, tools: list[FunctionTool], n: int) -> None:
         self.of = [ToolCallReader(tools) for _ in range(n)]

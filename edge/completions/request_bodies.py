@@ -129,7 +129,7 @@ class _GenerationRequest(_Body, kw_only=True):
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
     length_penalty: Any = None
-    # Structured output (see edge/structured.py).
+    # Structured output (see edge/completions/structured.py).
     response_format: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
@@ -180,7 +180,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     include_reasoning: Any = None
     reasoning_effort: Any = None
     verbosity: Any = None
-    # Tool calling (see edge/tools.py and edge/tool_calls.py).
+    # Tool calling (see edge/tools/choice.py and edge/tools/calls.py).
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -226,8 +226,8 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
     """A `POST /v1/completions` body.
 
     `prompt_embeds` (vLLM's): base64 of a `torch.save`d tensor, or a list of them, each one
-    prompt given as embeddings (`edge/prompt_embeds.py`). With them `prompt` may be left out,
-    null or empty; prompts from both run embeddings first.
+    prompt given as embeddings (`edge/completions/prompt_embeds.py`). With them `prompt` may be
+    left out, null or empty; prompts from both run embeddings first.
     """
 
     prompt: str | list[str | _TokenId | list[_TokenId]] | None = None
