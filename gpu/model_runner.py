@@ -36,7 +36,7 @@ from .cpu_paths import (
     share_row_paths,
     use_fused_ops,
 )
-from .kv_connector import FinishedTransfers, KVConnectorWorker
+from .kv.connector import FinishedTransfers, KVConnectorWorker
 from .llama import head_dim, model_class
 from .loader import resolve_model
 from .logits_processing import apply_token_bitmask

@@ -19,7 +19,7 @@ deployment's proxy sealed, only the prompt's blocks, and only up to `max_hold_fr
 cache; past that the request finishes without a hold, and its params say so (`"hold": false`),
 so the decode computes the prompt itself.
 
-Pure Python: the worker side, with the transports, is `triode.gpu.kv_connector`.
+Pure Python: the worker side, with the transports, is `triode.gpu.kv.connector`.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ import msgspec
 import torch
 import zmq
 
-from triode.gpu.kv_shm import shared_cache
-from triode.gpu.kv_transport import KVServer, RequestAuth
+from triode.gpu.kv.shm import shared_cache
+from triode.gpu.kv.transport import KVServer, RequestAuth
 from triode.wire.kv_transfer import DONE, READ, KVExpose, KVReply, KVRequest
 
 SECRET = b"k" * 32

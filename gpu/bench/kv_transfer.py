@@ -18,9 +18,9 @@ import torch
 
 from triode.wire.kv_transfer import KVExpose, KVLoad
 
-from ..kv_loader import KVLoader
-from ..kv_shm import shared_cache
-from ..kv_transport import KVServer, block_bytes
+from ..kv.loader import KVLoader
+from ..kv.shm import shared_cache
+from ..kv.transport import KVServer, block_bytes
 
 
 def _measure(args: argparse.Namespace, transport: str) -> tuple[float, float]:

@@ -27,10 +27,10 @@ from kv_secret import secret_file
 from triode.actors.core.kv_connector import KVConnectorScheduler
 from triode.actors.core.scheduler import Scheduler
 from triode.actors.core.scheduler_config import SchedulerConfig
-from triode.gpu.kv_connector import FinishedTransfers
-from triode.gpu.kv_loader import KVLoader
-from triode.gpu.kv_shm import MAX_FRAME_BYTES, HandoffError, receive_cache, shared_cache
-from triode.gpu.kv_transport import CUT_BYTES, MAX_REQUEST_BYTES, KVServer, RequestAuth
+from triode.gpu.kv.connector import FinishedTransfers
+from triode.gpu.kv.loader import KVLoader
+from triode.gpu.kv.shm import MAX_FRAME_BYTES, HandoffError, receive_cache, shared_cache
+from triode.gpu.kv.transport import CUT_BYTES, MAX_REQUEST_BYTES, KVServer, RequestAuth
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.tiny_model import build_tiny_model
 from triode.wire import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams

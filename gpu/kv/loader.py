@@ -1,7 +1,7 @@
 """The KV connector's transports, decode side: one rank's loader.
 
 Loads run concurrently on a small pool of threads beside the step loop, each load with a ZMQ
-DEALER of its own to the prefill rank's KV server (`kv_transport.KVServer`), so one slow or dead
+DEALER of its own to the prefill rank's KV server (`transport.KVServer`), so one slow or dead
 producer holds up only its own requests. Each load has a deadline counted from its submission,
 not from when a thread takes it up, and stops early when its request is aborted (`cancel`);
 either way it is reported failed, once its thread is through with the request's blocks, so the
@@ -26,8 +26,8 @@ import zmq
 
 from triode.wire.kv_transfer import DONE, READ, KVLoad, KVReply, KVRequest
 
-from .kv_shm import HandoffError, map_blocks, receive_cache
-from .kv_transport import RequestAuth, TransferError, block_bytes, geometry_of
+from .shm import HandoffError, map_blocks, receive_cache
+from .transport import RequestAuth, TransferError, block_bytes, geometry_of
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ instances speak it: every request carries an HMAC keyed from the deployment's se
 - **tcp**: the reply to READ carries the blocks, one frame per block (every layer's K and V,
   block-major), sent zero-copy from a gathered copy of the cache.
 - **shm**: the prefill rank's whole cache lives in a memfd; the reply to READ names the unix
-  socket (`kv_shm.CacheHandoff`) where the reader asks again, authenticated, for the fd, and
+  socket (`shm.CacheHandoff`) where the reader asks again, authenticated, for the fd, and
   the reader copies the blocks it was told of straight out of a private (copy-on-write) mapping.
 
 Consistency: a request's blocks are readable only while exposed. DONE ends that (the reader is
@@ -50,7 +50,7 @@ from triode.wire.kv_transfer import (
     KVShmRef,
 )
 
-from .kv_shm import CacheHandoff
+from .shm import CacheHandoff
 
 log = logging.getLogger(__name__)
 

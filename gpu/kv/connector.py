@@ -1,8 +1,8 @@
 """The KV connector's worker side: one per rank, beside the model runner.
 
 After vLLM V1's `KVConnectorBase_V1` in its worker role. `register_kv_caches` takes the rank's
-cache and starts its KV server (prefill side, `kv_transport.py`) and loader (decode side,
-`kv_loader.py`), both keyed with the deployment's secret;
+cache and starts its KV server (prefill side, `transport.py`) and loader (decode side,
+`loader.py`), both keyed with the deployment's secret;
 around each forward the runner binds the step's `KVConnectorMetadata` (exposing and
 withdrawing blocks, then `start_load_kv`), and when the metadata asks, every rank's
 `get_finished` goes to the driver, which reports a transfer once every rank is through with it
@@ -25,9 +25,9 @@ import torch
 
 from triode.wire.kv_transfer import KVConnectorMetadata, KVConnectorOutput, KVTransferConfig
 
-from .kv_loader import KVLoader
-from .kv_shm import shared_cache
-from .kv_transport import KVServer
+from .loader import KVLoader
+from .shm import shared_cache
+from .transport import KVServer
 
 # threads loading at once on a rank: up to the admitted loads, at most this many
 MAX_LOADER_THREADS = 8
