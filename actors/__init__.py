@@ -45,6 +45,6 @@ from .process import Child as Child
 from .process import open_child as open_child
 from .prompt_embeds import check_prompt_embeds as check_prompt_embeds
 from .prompt_embeds import describe_prompt_embeds as describe_prompt_embeds
-from .replay import UntrustedRecordingError as UntrustedRecordingError
-from .replay import replay as replay
 from .vocabulary import out_of_vocabulary as out_of_vocabulary
+from .wire_replay import UntrustedRecordingError as UntrustedRecordingError
+from .wire_replay import replay as replay

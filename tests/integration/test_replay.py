@@ -17,7 +17,7 @@ from processes import alive
 
 from triode.actors import Engine, SamplingParams, open_engine
 from triode.actors.config import EngineArgs
-from triode.actors.replay import UntrustedRecordingError, _replay_args, replay
+from triode.actors.wire_replay import UntrustedRecordingError, _replay_args, replay
 from triode.wire import Encoder, OutputDecoder, Recorder, encode_output, read_records
 
 pytestmark = pytest.mark.slow
