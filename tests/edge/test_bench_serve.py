@@ -37,7 +37,7 @@ def test_synthetic_prompts_are_the_same_for_the_same_seed() -> None:
 def test_synthetic_prompts_are_input_len_tokens_for_the_default_tokenizer() -> None:
     from tokenizers import Tokenizer
 
-    from triode.gpu.loader import converted_dir, default_gguf
+    from triode.gpu.cache_paths import converted_dir, default_gguf
 
     if not default_gguf().is_file() or not converted_dir(default_gguf()).is_dir():
         pytest.skip("the default model is not fetched and converted; run `make model`")
