@@ -17,7 +17,7 @@ from triode.edge.bench.ab import (
     side_envs,
 )
 
-HERE = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parents[3]
 
 
 def _checkout(root: Path) -> Path:
