@@ -7,20 +7,39 @@ import argparse
 import importlib
 import sys
 from importlib.metadata import version
+from typing import NamedTuple
 
 from .commands import proxy, replay, serve
 
+
+class Benchmark(NamedTuple):
+    module: str  # imported when run; its `main(argv)` parses the rest of the command line
+    summary: str
+
+
 BENCHMARKS = {
-    "wire": "triode.wire.bench",
-    "throughput": "triode.edge.bench.throughput",
-    "serve": "triode.edge.bench.serve",
-    "ab": "triode.edge.bench.ab",
-    "frontend": "triode.edge.bench.frontend",
-    "vllm": "triode.edge.bench.vllm",
-    "structured": "triode.edge.bench.structured",
-    "collectives": "triode.gpu.bench.collectives",
-    "step": "triode.gpu.bench.step",
-    "kv-transfer": "triode.gpu.bench.kv_transfer",
+    "serve": Benchmark(
+        "triode.edge.bench.serve", "a server under streamed load, as vllm bench serve"
+    ),
+    "ab": Benchmark("triode.edge.bench.ab", "this tree against a baseline checkout, served"),
+    "vllm": Benchmark("triode.edge.bench.vllm", "triode beside vLLM's CPU build, 1 to 64 streams"),
+    "frontend": Benchmark(
+        "triode.edge.bench.frontend", "the API servers alone, 1, 2, 4 ... processes"
+    ),
+    "throughput": Benchmark(
+        "triode.edge.bench.throughput", "offline generation against transformers"
+    ),
+    "structured": Benchmark("triode.edge.bench.structured", "what constrained decoding costs"),
+    "step": Benchmark("triode.gpu.bench.step", "one decode step at several batch sizes, profiled"),
+    "collectives": Benchmark(
+        "triode.gpu.bench.collectives", "tensor and pipeline parallelism's exchanges"
+    ),
+    "kv-transfer": Benchmark(
+        "triode.gpu.bench.kv_transfer", "the KV connector's transports against memcpy"
+    ),
+    "wire": Benchmark(
+        "triode.wire.bench", "the codec and the ZMQ adapter against pickle and raw pyzmq"
+    ),
 }
 
 
@@ -52,8 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--cluster-key-file PATH.",
     )
     cluster_key.add_argument("path", metavar="PATH")
-    bench = commands.add_parser("bench", help="run a benchmark and print its table")
-    bench.add_argument("which", choices=sorted(BENCHMARKS))
+    bench = commands.add_parser(
+        "bench",
+        help="run a benchmark and print its table",
+        description="Run a benchmark; `triode bench NAME --help` lists its options.",
+        epilog="benchmarks:\n"
+        + "\n".join(f"  {name:<12} {b.summary}" for name, b in BENCHMARKS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("which", choices=list(BENCHMARKS), metavar="NAME", help="one of those below")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     fuzz = commands.add_parser(
         "fuzz",
@@ -80,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "fuzz":
         return importlib.import_module("triode.fuzz.live").main([args.mode, *args.args])
     if args.command == "bench":
-        importlib.import_module(BENCHMARKS[args.which]).main(args.args)
+        importlib.import_module(BENCHMARKS[args.which].module).main(args.args)
     return 0
 
 

@@ -54,4 +54,4 @@ def test_every_row_is_measured_with_positive_latencies(capsys: pytest.CaptureFix
 
 
 def test_cli_names_the_benchmark() -> None:
-    assert BENCHMARKS["collectives"] == "triode.gpu.bench.collectives"
+    assert BENCHMARKS["collectives"].module == "triode.gpu.bench.collectives"
