@@ -9,6 +9,8 @@ from typing import Any
 
 import msgspec
 
+from triode.actors import EngineDeadError, RequestError, RequestRefused
+
 log = logging.getLogger(__name__)
 
 # vLLM's type names for the statuses the edge returns.
@@ -120,8 +122,6 @@ def _default_type(status: int) -> str:
 def engine_error(error: BaseException) -> APIError:
     """The client's answer when the engine refused or could not run a request: 503 for a dead
     engine, 429 with Retry-After for a full queue, 400 for a refused request, else 500."""
-    from triode.actors import EngineDeadError, RequestError, RequestRefused
-
     if isinstance(error, EngineDeadError):
         return _engine_dead()
     if isinstance(error, RequestRefused):

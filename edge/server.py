@@ -17,6 +17,7 @@ import trio
 
 from triode.actors import open_engine
 
+from .api_servers import serve_api_servers
 from .app import open_app
 from .asgi_server import serve_asgi
 from .settings import Settings
@@ -46,8 +47,6 @@ async def serve(
     gets the bound URLs. With `options.api_server_count` > 1 the app runs in that many
     processes (`api_servers.py`)."""
     if options.api_server_count > 1:
-        from .api_servers import serve_api_servers
-
         await serve_api_servers(
             model=options.model,
             engine_args=engine_args,

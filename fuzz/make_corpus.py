@@ -195,10 +195,12 @@ def _step_messages(encoder: Encoder) -> Iterable[tuple[str, list[Any]]]:
 def openai_bodies() -> list[tuple[type[Any], bytes]]:
     """Bodies the openai client sends, captured from its transport; hand-written when the
     openai package is not installed."""
+    # openai is optional (the test extra)
     try:
         import openai
     except ImportError:
         return [(kind, json.dumps(body).encode()) for kind, body in _HAND_WRITTEN]
+    # the HTTP library the installed openai client builds on: httpx2, or httpx before it
     try:
         import httpx2 as httpx
     except ImportError:

@@ -200,6 +200,7 @@ def fuzz_with_atheris(
 
 
 def _atheris_worker(harness: str, libfuzzer_args: list[str]) -> None:
+    # an optional dependency (the fuzz extra): only this worker process needs it
     import atheris
 
     with atheris.instrument_imports(include=["triode"]):

@@ -106,9 +106,10 @@ def _write_hf_dir(gguf: Path, out: Path) -> None:
     transformers' own GGUF reader does the name mapping and dequantization; it is driven with a
     meta-device skeleton of the model instead of `from_pretrained(gguf_file=...)`, which would
     need `accelerate`, materialise the model twice and refuse to save it.
+
+    torch and transformers (and int4, which imports torch) are imported here, only for a
+    conversion: resolving a model converted before takes milliseconds, without them.
     """
-    # torch and transformers (and int4, which imports torch) only for a conversion: resolving
-    # a model converted before takes milliseconds, without them
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -7,6 +7,7 @@ a tagged union, so one decoder reads every message.
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import msgspec
@@ -50,8 +51,6 @@ class Error(msgspec.Struct, tag="error", omit_defaults=True):
 
     @classmethod
     def from_exception(cls, exc: BaseException) -> Error:
-        import traceback
-
         return cls(
             type_name=type(exc).__qualname__,
             message=str(exc),

@@ -23,6 +23,7 @@ import trio
 from triode.wire import ModelRunnerOutput, SchedulerOutput
 
 from ..config import EngineArgs
+from .multiproc import open_multiproc_executor
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +167,5 @@ async def open_executor(args: EngineArgs) -> AsyncIterator[Executor]:
         finally:
             executor.shutdown()
         return
-    from .multiproc import open_multiproc_executor
-
     async with open_multiproc_executor(args) as multiproc:
         yield multiproc

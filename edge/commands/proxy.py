@@ -7,6 +7,11 @@ import logging
 import os
 import sys
 
+import trio
+
+from triode.actors import parse_size
+from triode.wire.kv_seal import read_secret
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """`triode proxy` and its options."""
@@ -72,12 +77,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def run(args: argparse.Namespace) -> int:
     """Run `triode proxy` as parsed; the exit status."""
-    # imported when proxying, not when the parser is built: the other subcommands need none
-    import trio
-
-    from triode.actors import parse_size
-    from triode.wire.kv_seal import read_secret
-
+    # imported when proxying, not when the parser is built: the proxy takes about 0.3 s to
+    # import, which `triode --help` and the other subcommands need not pay
     from ..auth import ApiKeys, keys_from
     from ..proxy import ProxyOptions, serve_proxy
 

@@ -7,6 +7,13 @@ import logging
 import os
 from functools import partial
 
+import msgspec
+import trio
+
+from triode.actors import UntrustedRecordingError
+from triode.actors import replay as replay_recording
+from triode.wire import ProtocolError
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """`triode replay` and its options."""
@@ -45,13 +52,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 def run(args: argparse.Namespace) -> int:
     """Run `triode replay` as parsed; the exit status (1: the outputs differ)."""
-    # imported when replaying, not when the parser is built: the other subcommands need none
-    import msgspec
-    import trio
-
-    from triode.actors import UntrustedRecordingError, replay
-    from triode.wire import ProtocolError
-
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = trio.run(
             partial(
-                replay,
+                replay_recording,
                 args.directory,
                 model=args.model,
                 speed=args.speed,

@@ -9,6 +9,12 @@ import logging
 import os
 import sys
 
+import trio
+
+from triode.actors import EngineArgs, parse_size, serve_headless
+from triode.wire.cluster_key import ClusterKey, ClusterKeyError
+from triode.wire.kv_transfer import parse_kv_transfer_config
+
 from .engine_flags import add_engine_flags, given_engine_args
 
 
@@ -162,12 +168,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run `triode serve` as parsed; the exit status."""
-    # imported when serving, not when the parser is built: the other subcommands need none
-    import trio
+    """Run `triode serve` as parsed; the exit status.
 
-    from triode.actors import parse_size
-
+    The server's modules are imported here, when serving, not when the parser is built: the app,
+    the server and the tool servers' client take 1.5 to 2 s to import, which `triode --help`
+    and the other subcommands need not pay.
+    """
     from ..app import default_served_model_name
     from ..auth import ApiKeys, keys_from
     from ..server import ServeOptions, serve
@@ -181,8 +187,6 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TRIODE_LOG_LEVEL", args.log_level.upper())
     engine_args = given_engine_args(args)
     if args.kv_transfer_config is not None:
-        from triode.wire.kv_transfer import parse_kv_transfer_config
-
         # before any process starts: a config or secret that cannot serve is one line
         try:
             parse_kv_transfer_config(args.kv_transfer_config).read_secret()
@@ -265,11 +269,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_headless(model: str | None, engine_args: dict[str, object]) -> int:
-    # imported when a headless node starts: the parser and the API server need neither
-    import trio
-
-    from triode.actors import EngineArgs, serve_headless
-
     try:
         args = EngineArgs(model=model, **engine_args)  # type: ignore[arg-type]
     except (TypeError, ValueError) as e:
@@ -284,9 +283,6 @@ def _run_headless(model: str | None, engine_args: dict[str, object]) -> int:
 
 def _cluster_key_refused(engine_args: dict[str, object]) -> bool:
     """Several nodes without a usable cluster key: one line, before any process starts."""
-    # imported when serving, like `run`'s imports
-    from triode.wire.cluster_key import ClusterKey, ClusterKeyError
-
     nnodes, path = engine_args.get("nnodes", 1), engine_args.get("cluster_key_file")
     try:
         ClusterKey.for_world(nnodes != 1, None if path is None else str(path))

@@ -36,6 +36,7 @@ def decode_prompt_embeds(
     except (binascii.Error, ValueError):
         raise _invalid("must be base64") from None
     _check_archive(raw, max_bytes)
+    # torch loads with the first payload: the edge process runs without it otherwise
     import torch
 
     try:

@@ -281,6 +281,7 @@ def _is_tensor(x: Any) -> bool:
 
 
 def _tensor_bits(t: Any) -> bytes:
+    # only ever given a tensor, so torch is loaded already: this module never loads it itself
     import torch
 
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

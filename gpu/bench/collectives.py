@@ -41,8 +41,10 @@ import zmq
 
 from triode.wire import Buffer, Decoder, Encoder, ScheduledRequest, SchedulerOutput
 from triode.wire.bench import percentile
+from triode.wire.shm_ring import RingHandle, ShmRingReader, ShmRingWriter
 
 from ..local_group import Rank, run_ranks
+from ..object_collectives import all_gather
 from ..shm_allreduce import ShmAllReduce
 
 HIDDEN = 576  # the default model's hidden size
@@ -293,10 +295,6 @@ def _zmq_pair(me: Rank, ipc_dir: str) -> Iterator[tuple[zmq.Socket, zmq.Socket]]
 @contextmanager
 def _shm_ring_pair(me: Rank) -> Iterator[tuple[Any, Any]]:
     """This rank's ring writer (the other rank its one reader) and its reader of the other's."""
-    from triode.wire.shm_ring import RingHandle, ShmRingReader, ShmRingWriter
-
-    from ..object_collectives import all_gather
-
     ctx = zmq.Context()
     try:
         with ShmRingWriter(1, zmq_context=ctx) as writer:

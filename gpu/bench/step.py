@@ -21,9 +21,12 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+from transformers import AutoConfig
 
 from triode.wire import NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
 
+from ..loader import resolve_model
 from ..model_runner import ModelRunner
 
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
@@ -113,8 +116,6 @@ def time_steps(runner: ModelRunner, n: int, args: argparse.Namespace) -> float:
 
 
 def profile_steps(runner: ModelRunner, n: int, args: argparse.Namespace) -> str:
-    from torch.profiler import ProfilerActivity, profile
-
     batch = Batch(runner, n, args.prompt_len, args.seed)
     while min(batch.computed.values()) < args.context:
         batch.step()
@@ -149,8 +150,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from ..loader import resolve_model
-
     largest = max([*args.sizes, args.profile or 0])
     model_dir = resolve_model(Path(args.model) if args.model else None)
     tokens = max(largest * (args.context + args.steps + 32), args.max_model_len)
@@ -184,8 +183,6 @@ def main(argv: list[str] | None = None) -> None:
 
 def _kv_bytes(model_dir: Path, tokens: int) -> int:
     """Room for `tokens` tokens of float32 K and V in every layer, twice over."""
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(model_dir)
     head_dim = getattr(config, "head_dim", None) or (
         config.hidden_size // config.num_attention_heads
