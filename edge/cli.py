@@ -9,6 +9,8 @@ import sys
 from importlib.metadata import version
 from typing import NamedTuple
 
+from triode.wire.cluster_key import ClusterKey
+
 from .commands import proxy, replay, serve
 
 
@@ -44,9 +46,6 @@ BENCHMARKS = {
 
 
 def _make_cluster_key(path: str) -> int:
-    # imported when run, not when the parser is built: the other subcommands need no key code
-    from triode.wire.cluster_key import ClusterKey
-
     try:
         ClusterKey.generate().write(path)
     except OSError as e:

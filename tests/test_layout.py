@@ -206,6 +206,42 @@ def test_the_checker_finds_a_cycle() -> None:
     assert _cycle_from(graph, "d") is None
 
 
+def _unexplained_lazy_imports(path: Path) -> list[str]:
+    """Imports inside functions without a reason: no comment in the three lines above, and no
+    word of imports in the function's or the module's docstring."""
+    source = path.read_text()
+    lines, tree = source.splitlines(), ast.parse(source)
+    module_doc = (ast.get_docstring(tree) or "").lower()
+    found = []
+    for function in ast.walk(tree):
+        if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        doc = (ast.get_docstring(function) or "").lower() + module_doc
+        for node in ast.walk(function):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            above = lines[max(0, node.lineno - 4) : node.lineno]
+            if any("#" in line for line in above) or "import" in doc or "lazi" in doc:
+                continue
+            found.append(f"{path}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return found
+
+
+def test_every_import_inside_a_function_says_why() -> None:
+    """An import inside a function hides a dependency from the top of the module: it is there
+    to break a cycle, or to spare an entry point a heavy module it rarely needs, and it says
+    which."""
+    assert not [line for path, _ in MODULES.values() for line in _unexplained_lazy_imports(path)]
+
+
+def test_the_lazy_import_checker_finds_one(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    x = 1\n\n    import json\n    return json\n")
+    assert len(_unexplained_lazy_imports(module)) == 1
+    module.write_text("def f():\n    # a reason\n    import json\n    return json\n")
+    assert not _unexplained_lazy_imports(module)
+
+
 def test_every_package_is_in_the_wheel() -> None:
     """setuptools builds the wheel from pyproject's explicit `packages` list: a folder missing
     from it installs without its modules, and only a fresh install would show it."""
