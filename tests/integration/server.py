@@ -57,6 +57,25 @@ def running_server(
     args: list[str], log: Path, env: dict[str, str] | None = None
 ) -> Iterator[Server]:
     """Start `triode serve ARGS --port P`, wait for /health, stop it (SIGINT) on exit."""
+    with running_servers((args, log, env)) as [server]:
+        yield server
+
+
+@contextlib.contextmanager
+def running_servers(
+    *specs: tuple[list[str], Path, dict[str, str] | None],
+) -> Iterator[list[Server]]:
+    """Several `running_server`s (ARGS, LOG, ENV each), started together so that their
+    start-ups overlap, then each waited for; all stopped on exit."""
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(_started(*spec)) for spec in specs]
+        for server in servers:
+            _wait_healthy(server)
+        yield servers
+
+
+@contextlib.contextmanager
+def _started(args: list[str], log: Path, env: dict[str, str] | None) -> Iterator[Server]:
     port = free_port()
     with log.open("wb") as out:
         process = subprocess.Popen(
@@ -65,19 +84,8 @@ def running_server(
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
         )
-    server = Server(process, f"http://127.0.0.1:{port}", log)
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"triode serve exited early:\n{server.output()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"triode serve did not come up:\n{server.output()}")
-            time.sleep(0.2)
-        yield server
+        yield Server(process, f"http://127.0.0.1:{port}", log)
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGINT)
@@ -86,3 +94,16 @@ def running_server(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _wait_healthy(server: Server) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"triode serve exited early:\n{server.output()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"triode serve did not come up:\n{server.output()}")
+        time.sleep(0.2)

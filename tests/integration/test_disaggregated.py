@@ -32,7 +32,7 @@ import pytest
 import trio
 from kv_secret import secret_file
 from reference import Reference
-from server import Server, free_port, running_server
+from server import Server, free_port, running_servers
 
 from triode.wire.kv_seal import read_secret, seal, seal_remote_decode
 
@@ -122,13 +122,11 @@ def secret(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def instances(tmp_path_factory: pytest.TempPathFactory, secret: str) -> Iterator[dict[str, Server]]:
     logs = tmp_path_factory.mktemp("pd")
-    with (
-        running_server([*F32, *_kv("kv_producer", secret, "tcp")], logs / "tcp.log") as tcp,
-        running_server([*F32, *_kv("kv_producer", secret, "shm")], logs / "shm.log") as shm,
-        running_server(
-            [*F32, *_kv("kv_consumer", secret, load_timeout=3.0)], logs / "d.log"
-        ) as decode,
-    ):
+    with running_servers(
+        ([*F32, *_kv("kv_producer", secret, "tcp")], logs / "tcp.log", None),
+        ([*F32, *_kv("kv_producer", secret, "shm")], logs / "shm.log", None),
+        ([*F32, *_kv("kv_consumer", secret, load_timeout=3.0)], logs / "d.log", None),
+    ) as [tcp, shm, decode]:
         yield {"tcp": tcp, "shm": shm, "decode": decode}
 
 
