@@ -58,7 +58,6 @@ STRING_IMPORTS = {
     "triode.gpu.checks.device",
     "triode.gpu.worker:serve_worker",
     "triode.wire.bench",
-    "triode.wire.shm_ring",
 }
 MODULE_STRING = re.compile(r"triode(\.\w+)+(:\w+)?")
 

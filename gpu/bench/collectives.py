@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import pickle
 import random
 import sys
@@ -54,7 +53,6 @@ NUM_SEQS = 64
 DTYPES = (torch.float32, torch.bfloat16)
 WORLD = 2
 TIMEOUT = 600.0
-SHM_RING = "triode.wire.shm_ring"
 SHM_RING_OP = "ShmRingWriter -> ShmRingReader"
 SHM_ALL_REDUCE_OP = "shm all_reduce"
 SHM_MAX_BYTES = 1 << 20  # parallel_state's default limit
@@ -86,7 +84,7 @@ def main(argv: list[str]) -> None:
     rows = run(args.iterations)
     print(format_table(rows))
     print()
-    for note in notes(rows, args.iterations):
+    for note in notes(args.iterations):
         print(note)
     print(f"ran in {time.perf_counter() - start:.1f} s")
 
@@ -107,18 +105,15 @@ def run(iterations: int) -> list[Row]:
     return [Row(op, payload, percentile(s, 50), percentile(s, 99)) for op, payload, s in samples]
 
 
-def notes(rows: Sequence[Row], iterations: int) -> list[str]:
+def notes(iterations: int) -> list[str]:
     msg = scheduler_output()
     wire_bytes = sum(len(frame) for frame in Encoder().encode(msg))
-    lines = [
+    return [
         f"{iterations} timed calls a row after {_warmup(iterations)} untimed; one way: half a "
         "round trip rank 0 -> rank 1 -> rank 0",
         f"SchedulerOutput: {NUM_SEQS} sequences of 1 token and 14 blocks; msgpack "
         f"{wire_bytes} B, pickle {len(pickle.dumps(msg))} B; ZMQ over ipc://",
     ]
-    if not any(row.op == SHM_RING_OP for row in rows):
-        lines.append(f"no shared-memory ring row: {SHM_RING} is not importable")
-    return lines
 
 
 def scheduler_output() -> SchedulerOutput:
@@ -197,10 +192,9 @@ def _bench_rank(me: Rank, iterations: int, ipc_dir: str) -> _Samples:
         receive = functools.partial(sub.recv_multipart, copy=False)
         call = functools.partial(_frames_there_and_back, me, msg, send, receive)
         measure("ZMQ PUB/SUB", f"{payload}, msgpack", call, one_way=True)
-    if importlib.util.find_spec(SHM_RING) is not None:
-        with _shm_ring_pair(me) as (writer, reader):
-            call = functools.partial(_frames_there_and_back, me, msg, writer.write, reader.read)
-            measure(SHM_RING_OP, f"{payload}, msgpack", call, one_way=True)
+    with _shm_ring_pair(me) as (writer, reader):
+        call = functools.partial(_frames_there_and_back, me, msg, writer.write, reader.read)
+        measure(SHM_RING_OP, f"{payload}, msgpack", call, one_way=True)
     return rows if me.rank == 0 else []
 
 
