@@ -5,6 +5,7 @@ of only what `triode.actors` exports."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 import re
@@ -79,6 +80,12 @@ def _modules() -> dict[str, tuple[Path, bool]]:
 MODULES = _modules()
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """A module's syntax tree, parsed once for all the checks that read it."""
+    return ast.parse(path.read_text(), str(path))
+
+
 def test_top_level_holds_exactly_the_project() -> None:
     tracked = subprocess.run(
         ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True
@@ -89,7 +96,7 @@ def test_top_level_holds_exactly_the_project() -> None:
 
 
 def _imports(path: Path, *, module_level: bool = False) -> set[str]:
-    tree = ast.parse(path.read_text(), str(path))
+    tree = _tree(path)
     names: set[str] = set()
     for node in tree.body if module_level else ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -154,7 +161,7 @@ def _import_graph() -> dict[str, set[str]]:
     for name, (path, is_package) in MODULES.items():
         package = name if is_package else name.rpartition(".")[0]
         targets = set()
-        for node in _import_time_statements(ast.parse(path.read_text()).body):
+        for node in _import_time_statements(_tree(path).body):
             if isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom):
@@ -260,7 +267,7 @@ def test_every_package_is_in_the_wheel() -> None:
 def _string_imports() -> set[str]:
     found = set()
     for path, _ in MODULES.values():
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         loggers = {
             id(node.args[0])
             for node in ast.walk(tree)
@@ -297,7 +304,7 @@ def test_the_edge_takes_from_actors_only_what_it_exports() -> None:
     exported = set(vars(triode.actors))
     bad = []
     for path in sorted((ROOT / "edge").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', 0)}"
             if isinstance(node, ast.Import):
                 bad += [
