@@ -11,8 +11,10 @@ gets before it leaves for one (`transfer_params_error`, `check_grammar`, `check_
 `out_of_vocabulary`).
 """
 
+from triode.wire import OperationError as OperationError
 from triode.wire import SamplingParams as SamplingParams
 
+from .admin import EngineAdmin as EngineAdmin
 from .asyncio import Bridge as Bridge
 from .asyncio import open_bridge as open_bridge
 from .channels import ZmqReceiveChannel as ZmqReceiveChannel

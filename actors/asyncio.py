@@ -317,20 +317,22 @@ class AsyncioEngine:
         await self.bridge.run(self.engine.abort, request_ids)
 
     async def reset_prefix_cache(self) -> bool:
-        return await self.bridge.run(self.engine.reset_prefix_cache)
+        return await self.bridge.run(self.engine.admin.reset_prefix_cache)
 
     async def get_stats(self) -> dict[str, Any]:
         """`Engine.get_stats`: the engine cores' stats, summed."""
         return await self.bridge.run(self.engine.get_stats)
 
-    async def sleep(self) -> None:
-        await self.bridge.run(self.engine.sleep)
+    async def sleep(self, level: int = 1, tags: list[str] | None = None) -> dict[str, Any]:
+        """`EngineAdmin.sleep`."""
+        return await self.bridge.run(self.engine.admin.sleep, level, tags)
 
-    async def wake_up(self) -> None:
-        await self.bridge.run(self.engine.wake_up)
+    async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """`EngineAdmin.wake_up`."""
+        return await self.bridge.run(self.engine.admin.wake_up, tags)
 
     async def is_sleeping(self) -> bool:
-        return await self.bridge.run(self.engine.is_sleeping)
+        return await self.bridge.run(self.engine.admin.is_sleeping)
 
 
 async def _produce(

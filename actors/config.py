@@ -152,6 +152,16 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             metavar="DIR",
         ),
     ] = None
+    # where /start_profile and /stop_profile write each rank's torch.profiler trace and the
+    # engine core's step timeline (with --enable-admin-api)
+    profiler_dir: Annotated[
+        str | None,
+        EngineFlag(
+            "where /start_profile writes each rank's torch.profiler trace and the engine "
+            "core's step timeline (Chrome trace JSON)",
+            metavar="DIR",
+        ),
+    ] = None
     # several nodes: the file holding the CurveZMQ key every node shares (`triode cluster-key`)
     cluster_key_file: Annotated[
         str | None,

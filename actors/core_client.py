@@ -27,6 +27,7 @@ from triode.wire import (
     UtilityCall,
     encode_input,
 )
+from triode.wire.operations import OPERATION_ERROR_KINDS, OperationError
 
 from .peer import Peer
 from .process import Child
@@ -213,7 +214,9 @@ class EngineCoreClient:
         if call is None:
             return
         done, box = call
-        if result.failure_message is not None:
+        if result.failure_message is not None and result.failure_kind in OPERATION_ERROR_KINDS:
+            box.append(OperationError(result.failure_kind, result.failure_message))
+        elif result.failure_message is not None:
             box.append(RuntimeError(result.failure_message))
         else:
             box.append(result.result)

@@ -30,6 +30,7 @@ from triode.wire.kv_seal import read_secret
 from triode.wire.messages import MAX_WIRE_CACHE_SALT
 from triode.wire.tensor_ipc import SharedTensor, TensorHandle
 
+from .admin import EngineAdmin
 from .config import EngineArgs
 from .core_client import EngineCoreClient, EngineDeadError
 from .errors import RequestError, RequestRefused
@@ -83,6 +84,8 @@ class Engine:
         self.worker_pids: list[int] = [
             pid for e in self._endpoints for pid in e.ready.info.get("worker_pids") or []
         ] or list(ready.info.get("worker_pids") or [])
+        # sleep, wake, pause, profiling and new weights, on every engine core
+        self.admin = EngineAdmin(self._call_all)
 
     @property
     def dead(self) -> EngineDeadError | None:
@@ -263,23 +266,11 @@ class Engine:
         for client in self._clients:
             await client.abort_requests(request_ids)
 
-    async def reset_prefix_cache(self) -> bool:
-        return all(await self._call_all("reset_prefix_cache"))
-
     async def get_stats(self) -> dict[str, Any]:
         """The engine cores' stats, summed (`kv_cache_usage` over all their blocks), with
         each live one's own under `engines`."""
         per_engine = await self._call_all("get_stats")
         return sum_stat_dicts(per_engine) | {"engines": per_engine}
-
-    async def sleep(self) -> None:
-        await self._call_all("sleep")
-
-    async def wake_up(self) -> None:
-        await self._call_all("wake_up")
-
-    async def is_sleeping(self) -> bool:
-        return all(await self._call_all("is_sleeping"))
 
     async def seconds_stalled(self) -> float:
         """The longest any live engine core has made no step while it had requests to work
@@ -287,19 +278,19 @@ class Engine:
         left; cancelling it leaves nothing behind."""
         return max(await self._call_all("seconds_stalled"))
 
-    async def _call_all(self, method: str) -> list[Any]:
+    async def _call_all(self, method: str, *args: Any) -> list[Any]:
         """`method`'s results from every live engine core, in engine order. Raises
-        `EngineDeadError` when none is left."""
+        `EngineDeadError` when none is left, and the first failure that is not a death."""
         live = [c for c in self._clients if c.dead is None]
         if not live:
             raise self._clients[0].dead or EngineDeadError("no engine core is running")
         if len(live) == 1:
-            return [await live[0].call_utility(method)]
+            return [await live[0].call_utility(method, *args)]
         outcomes: list[Any] = [None] * len(live)
 
         async def call(i: int, client: EngineCoreClient) -> None:
             try:
-                outcomes[i] = await client.call_utility(method)
+                outcomes[i] = await client.call_utility(method, *args)
             except Exception as e:  # an engine that died meanwhile, or the method's failure
                 outcomes[i] = e
 

@@ -107,6 +107,8 @@ class GenerateCall:
             raise RequestRefused(str(out.stop_reason or "the engine is busy"))
         if out.num_cached_tokens:
             self.output.num_cached_tokens = out.num_cached_tokens
+        if out.new_token_ids:
+            self.output.weight_version = out.weight_version
         if out.kv_transfer_params is not None:
             self.output.kv_transfer_params = out.kv_transfer_params
         if out.new_prompt_logprobs is not None and self.output.prompt_logprobs is not None:
@@ -166,6 +168,7 @@ class GenerateCall:
             out.num_cached_tokens,
             prompt_logprobs,
             out.kv_transfer_params,
+            out.weight_version,
         )
 
     def unfinished_ids(self) -> list[str]:

@@ -44,6 +44,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None  # for prompt tokens 1.. (token 0 has none)
     # a KV connector's params for another instance (disaggregated prefill), on the last output
     kv_transfer_params: dict[str, Any] | None = None
+    # the weights that made the latest tokens (0: those the engine started with; one more per
+    # weight update)
+    weight_version: int = 0
 
 
 def token_logprobs(logprobs: Logprobs) -> list[TokenLogprob]:

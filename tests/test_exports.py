@@ -17,13 +17,14 @@ WIRE = {
     "RingTimeout", "ShmRingReader", "ShmRingWriter", "KVConnectorMetadata", "KVConnectorOutput",
     "KVExpose", "KVGeometry", "KVLoad", "KVReply", "KVRequest", "KVShmRef", "KVTransferConfig",
     "TensorHandle", "Record", "Recorder", "open_recorder", "read_meta", "read_records",
+    "OperationError", "WorkerCall", "WorkerReply",
 }  # fmt: skip
 ACTORS = {
     "ActorDied", "ActorError", "Child", "ChildContext", "HandshakeError", "RemoteError",
     "SamplingParams", "ZmqReceiveChannel", "ZmqSendChannel", "open_child", "CompletionOutput",
     "Engine", "EngineArgs", "EngineDeadError", "RequestError", "RequestOutput", "TokenLogprob",
     "RequestRefused", "EngineFlag",
-    "open_engine",
+    "open_engine", "EngineAdmin", "OperationError",
     "Bridge", "EngineCoreEndpoint", "Intake", "UntrustedRecordingError", "check_grammar",
     "check_prompt_embeds", "connect_engine", "describe_prompt_embeds", "grammar_of",
     "open_bridge", "open_engine_cores", "out_of_vocabulary", "parse_size", "replay",

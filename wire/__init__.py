@@ -45,6 +45,9 @@ from .messages import SchedulerStats as SchedulerStats
 from .messages import StructuredOutputsParams as StructuredOutputsParams
 from .messages import UtilityCall as UtilityCall
 from .messages import UtilityOutput as UtilityOutput
+from .operations import OperationError as OperationError
+from .operations import WorkerCall as WorkerCall
+from .operations import WorkerReply as WorkerReply
 from .recording import Record as Record
 from .recording import Recorder as Recorder
 from .recording import open_recorder as open_recorder

@@ -275,6 +275,9 @@ class EngineCoreOutput(msgspec.Struct, **_HOT):
     new_prompt_logprobs: Logprobs | None = None
     kv_transfer_params: dict[str, Any] | None = None
     num_cached_tokens: int = 0
+    # which weights made these tokens: 0 those the engine started with, then one more per
+    # weight update (`OperationError`-free `finish_weight_update`, `update_weights_from_disk`)
+    weight_version: int = 0
 
     @property
     def finished(self) -> bool:
@@ -317,6 +320,8 @@ class UtilityOutput(msgspec.Struct, **_HOT):
     call_id: int
     failure_message: str | None = None
     result: Any = None
+    # how an operation refused (`operations.OperationErrorKind`); None for any other failure
+    failure_kind: str | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, **_HOT):

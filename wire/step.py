@@ -100,3 +100,4 @@ class WorkerMessageType(enum.Enum):
 
     EXECUTE = b"\x00"  # then a SchedulerOutput
     SHUTDOWN = b"\x01"  # leave the step loop; nothing follows
+    CALL = b"\x02"  # then a WorkerCall (`operations.py`); every rank answers a WorkerReply
