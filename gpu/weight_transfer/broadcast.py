@@ -1,0 +1,276 @@
+"""The broadcast backend's group: the trainer is rank 0, engine rank r of engine core e is
+`1 + e * ranks_per_engine + r`, and weights travel as broadcasts from rank 0.
+
+The group stands apart from the default process group, which the workers keep for their own
+tensor and pipeline parallelism: it is built from torch.distributed's classes directly (a
+`TCPStore` the trainer hosts, a `PrefixStore`, then `ProcessGroupGloo` or `ProcessGroupNCCL`)
+and used through the backend's own `broadcast`, so nothing registers it as a world.
+
+Joining: each engine rank counts itself in on the trainer's store before it builds the group,
+so the trainer, which must build it too, waits only as long as ranks keep arriving and can give
+up at once when the server refuses the `init` call (the `abandoned` callbacks). A broadcast's
+sender waits for its receivers, so a trainer whose `/update_weights` the server refused before
+any rank received sees its broadcast stall, gives up the same way, and closes the group; a rank
+that closes its end makes the trainer's pending broadcast fail at once (the peer is gone), so
+neither side waits out the timeout for a failure the other already knows of.
+
+Gloo's sockets bind the address that routes to the trainer (on the trainer, `master_address`
+itself), whatever `GLOO_SOCKET_IFNAME` says for the workers' own groups.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from triode.wire.operations import OperationError
+from triode.wire.weight_update import BroadcastInit, BroadcastUpdate, decode_init_info, tensor_bytes
+
+from ..parallel_state import _listen, backend_for
+
+log = logging.getLogger(__name__)
+
+PREFIX = "triode_weights/"
+_ARRIVED = "arrived"
+_HELLO = 0x74726F64  # the handshake broadcast's second value
+
+
+class Abandoned(Exception):
+    """The trainer stopped waiting on the group because the server already answered."""
+
+
+class _Group:
+    def __init__(
+        self,
+        pg: Any,
+        store: Any,
+        *,
+        rank: int,
+        size: int,
+        transport: str,
+        device: torch.device,
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        self.transport = transport
+        # where the broadcasts' buffers live: gloo moves CPU tensors, nccl the device's
+        self.device = device if transport == "nccl" else torch.device("cpu")
+        self._pg: Any = pg
+        self._store: Any = store
+
+    @property
+    def closed(self) -> bool:
+        return self._pg is None
+
+    def _broadcast(self, tensor: torch.Tensor) -> Any:
+        if self._pg is None:
+            raise RuntimeError("the weight transfer group is closed")
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        options.rootTensor = 0
+        return self._pg.broadcast([tensor], options)
+
+    def _hello(self, check: bool) -> None:
+        hello = torch.tensor([self.size, _HELLO], dtype=torch.int64, device=self.device)
+        self._broadcast(hello).wait()
+        if check and hello.tolist() != [self.size, _HELLO]:
+            raise ValueError(f"the trainer's group is not of {self.size} ranks: {hello.tolist()}")
+
+    def close(self) -> None:
+        """Tear the group down (its peers' pending broadcasts fail at once). Idempotent."""
+        pg, self._pg, self._store = self._pg, None, None
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except Exception as e:  # a group that failed may refuse to shut down cleanly
+                log.debug("weight transfer group %d/%d: shutdown: %s", self.rank, self.size, e)
+
+
+class BroadcastGroup(_Group):
+    """An engine rank's end of the group: joins as `rank` on `device` (the rank's model's) at
+    construction, then receives the trainer's broadcasts.
+
+    Construction raises OperationError: "invalid" when `init_info` is wrong or the trainer
+    cannot be joined within its timeout, "unsupported" for nccl off a CUDA device."""
+
+    def __init__(
+        self, init_info: BroadcastInit | Mapping[str, Any], rank: int, device: torch.device
+    ) -> None:
+        init = init_info if isinstance(init_info, BroadcastInit) else decode_init_info(init_info)
+        if not isinstance(init, BroadcastInit):
+            raise OperationError("invalid", "init_info: not the broadcast backend's")
+        if not 0 < rank < init.world_size:
+            raise OperationError(
+                "invalid",
+                f"init_info: world_size {init.world_size} leaves no rank {rank} for this engine",
+            )
+        transport = init.transport or backend_for(device)
+        if transport == "nccl" and (device.type != "cuda" or not hasattr(dist, "ProcessGroupNCCL")):
+            raise OperationError(
+                "unsupported", f"transport nccl needs a CUDA engine; this one runs on {device.type}"
+            )
+        timeout = datetime.timedelta(seconds=init.timeout)
+        where = f"{init.master_address}:{init.master_port}"
+        try:
+            local = _address_towards(init.master_address, init.master_port)
+            store = dist.TCPStore(
+                init.master_address, init.master_port, is_master=False, timeout=timeout
+            )
+            prefixed = dist.PrefixStore(PREFIX, store)
+            prefixed.add(_ARRIVED, 1)
+            pg = _process_group(prefixed, rank, init.world_size, transport, timeout, local)
+        except Exception as e:
+            raise OperationError(
+                "invalid", f"cannot join the trainer's group at {where}: {e}"[:1000]
+            ) from None
+        super().__init__(
+            pg, store, rank=rank, size=init.world_size, transport=transport, device=device
+        )
+        try:
+            self._hello(check=True)
+        except Exception as e:
+            self.close()
+            raise OperationError("invalid", f"the trainer's group at {where}: {e}") from None
+
+    def receive(self, update: BroadcastUpdate) -> list[tuple[str, torch.Tensor]]:
+        """The update's tensors, full, in order, each received into a buffer of its announced
+        dtype and shape as it comes (so memory grows only with what the trainer sends).
+
+        A failed broadcast (the trainer went away, sent something else, or timed out) closes
+        the group and raises OperationError("invalid")."""
+        received: list[tuple[str, torch.Tensor]] = []
+        for name, dtype, shape in zip(update.names, update.dtype_names, update.shapes, strict=True):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+            self._receive(name, tensor)
+            received.append((name, tensor))
+        return received
+
+    def drain(self, update: BroadcastUpdate) -> None:
+        """Receive and drop the update's tensors, through one buffer as large as the largest,
+        so the trainer's broadcasts complete though the engine refuses them. Fails as `receive`.
+        """
+        sizes = [tensor_bytes(d, s) for d, s in zip(update.dtype_names, update.shapes, strict=True)]
+        scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=self.device)
+        for name, dtype, shape, size in zip(
+            update.names, update.dtype_names, update.shapes, sizes, strict=True
+        ):
+            self._receive(name, scratch[:size].view(getattr(torch, dtype)).view(shape))
+
+    def _receive(self, name: str, tensor: torch.Tensor) -> None:
+        try:
+            self._broadcast(tensor).wait()
+        except Exception as e:
+            self.close()
+            raise OperationError(
+                "invalid", f"receiving {name} failed, and the group is closed: {e}"[:1000]
+            ) from None
+
+
+class TrainerGroup(_Group):
+    """The trainer's end: rank 0, hosting the group's store."""
+
+    @classmethod
+    def host(
+        cls,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        *,
+        transport: str,
+        timeout: float,
+        abandoned: Callable[[], bool] = lambda: False,
+    ) -> TrainerGroup:
+        """Listen at `master_address`:`master_port`, wait for the other `world_size - 1` ranks
+        to arrive, and build the group with them. Raises Abandoned when `abandoned()` turns
+        true first, TimeoutError when they do not all arrive within `timeout` seconds."""
+        delta = datetime.timedelta(seconds=timeout)
+        store = dist.TCPStore(
+            master_address,
+            master_port,
+            world_size,
+            is_master=True,
+            timeout=delta,
+            wait_for_workers=False,
+            master_listen_fd=_listen(master_address, master_port),
+        )
+        prefixed = dist.PrefixStore(PREFIX, store)
+        try:
+            deadline = time.monotonic() + timeout
+            pause = 1e-3
+            while (arrived := prefixed.add(_ARRIVED, 0)) < world_size - 1:
+                if abandoned():
+                    raise Abandoned
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{arrived} of {world_size - 1} engine ranks joined within {timeout} s"
+                    )
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+            if transport == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+            else:
+                device = torch.device("cpu")
+            pg = _process_group(prefixed, 0, world_size, transport, delta, master_address)
+        except BaseException:
+            del store, prefixed  # the traceback keeps this frame, which would keep them listening
+            raise
+        group = cls(pg, store, rank=0, size=world_size, transport=transport, device=device)
+        try:
+            group._hello(check=False)
+        except BaseException:
+            group.close()
+            raise
+        return group
+
+    def send(self, tensors: Sequence[torch.Tensor], *, abandoned: Callable[[], bool]) -> None:
+        """Broadcast `tensors` in order (each copied to the transport's device first where it is
+        elsewhere). Raises Abandoned when `abandoned()` turns true while one waits for its
+        receivers, and what the backend raises when a broadcast fails; either way the group is
+        no longer usable (close it)."""
+        for tensor in tensors:
+            work = self._broadcast(tensor.detach().to(self.device).contiguous())
+            try:
+                pause = 1e-4
+                while not work.is_completed():
+                    if abandoned():
+                        raise Abandoned
+                    time.sleep(pause)
+                    pause = min(2 * pause, 0.01)
+                work.wait()  # raises what the broadcast failed with
+            finally:
+                del work  # it holds the group, and a traceback would keep it (and its sockets)
+
+
+def _process_group(
+    store: Any,
+    rank: int,
+    size: int,
+    transport: str,
+    timeout: datetime.timedelta,
+    local_address: str,
+) -> Any:
+    """A process group of `size` over `store`, not registered with torch.distributed."""
+    if transport == "nccl":
+        nccl = dist.ProcessGroupNCCL  # type: ignore[attr-defined]
+        options = nccl.Options()
+        options._timeout = timeout
+        return nccl(store, rank, size, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address)]
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def _address_towards(host: str, port: int) -> str:
+    """This host's address on the route to `host` (no packet is sent)."""
+    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)
+        return str(probe.getsockname()[0])
