@@ -34,7 +34,12 @@ from triode.wire.tensor_ipc import NAME_PREFIX
 from triode.wire.weight_update import ShmBucket, ShmUpdate
 
 SHM = Path("/dev/shm")
-STATUS = {"invalid": 400, "unsupported": 400, "conflict": 409}
+# the edge's answer to an OperationError of each kind
+STATUS = {
+    "invalid": (400, "BadRequestError"),
+    "unsupported": (400, "BadRequestError"),
+    "conflict": (409, "ConflictError"),
+}
 
 
 def _segments() -> set[str]:
@@ -134,8 +139,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             status, answer = 200, self.server.engine.route(self.path, body)
         except OperationError as e:
-            status = STATUS[e.kind]
-            answer = {"error": {"message": e.message, "type": e.kind, "code": status}}
+            status, kind = STATUS[e.kind]
+            answer = {"error": {"message": e.message, "type": kind, "param": None, "code": e.kind}}
         data = json.dumps(answer).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -197,7 +202,7 @@ def test_shm_segments_are_unlinked_and_nothing_loaded_when_the_server_refuses_a_
     with WeightSyncClient(server.url, backend="shm") as client:
         with pytest.raises(WeightSyncError) as caught:
             client.update(bad.items())
-    assert (caught.value.status, caught.value.type) == (400, "invalid")
+    assert (caught.value.status, caught.value.code) == (400, "invalid")
     assert "lm_head.w: no such parameter" in str(caught.value)
     assert server.engine.route("/stats", None)["digest"] == _digest(_model())
 
@@ -342,6 +347,6 @@ def test_a_refused_init_does_not_keep_the_trainer_waiting_for_the_group(engine: 
         with WeightSyncClient(engine, backend="broadcast", transport="nccl", timeout=60):
             pass
     assert time.monotonic() - start < 10
-    assert (caught.value.status, caught.value.type) == (400, "unsupported")
+    assert (caught.value.status, caught.value.code) == (400, "unsupported")
     assert "transport nccl needs a CUDA engine" in caught.value.message
     assert _listening() == listening
