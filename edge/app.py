@@ -7,7 +7,8 @@ Generation endpoints live in `completions/`, the Responses API in `responses/`, 
 app is started with in `settings.py`.
 
 Routes are exact paths, or paths with one `{response_id}` segment (`[^/]+`, matched on the same
-string as the key check); the segment reaches the handler as `scope["path_params"]`.
+string as the key check); the segment reaches the handler as `scope["path_params"]`. The
+administrative routes (`admin.py`) are in an app's table only when its settings enable them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import trio
 
 from triode.actors import Engine, EngineDeadError
 
+from .admin import ADMIN_ROUTES, weight_version
 from .auth import UNAUTHORIZED_HEADERS, paths_without_key, requires_auth
 from .completions.request_bodies import DetokenizeRequest, TokenizeRequest, decode_request
 from .completions.response_bodies import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
@@ -66,6 +68,7 @@ class App:
         self.draining = False
         self._health = HealthProbe(engine, settings.health_stall_timeout)
         self._open_paths = paths_without_key(metrics_require_key=settings.metrics_require_key)
+        self._routes = {**ROUTES, **ADMIN_ROUTES} if settings.enable_admin_api else ROUTES
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -90,7 +93,7 @@ class App:
                 request.key_digest = self.settings.api_keys.match(authorization)
                 if request.key_digest is None:
                     raise APIError(401, "invalid or missing API key")
-            methods = match_route(scope, path)
+            methods = match_route(scope, path, self._routes)
             if methods is None:
                 raise APIError(404, f"no route for {path}")
             handler = methods.get(request.method)
@@ -100,7 +103,7 @@ class App:
         except APIError as e:
             headers = UNAUTHORIZED_HEADERS if e.status == 401 else None
             if e.status == 405:
-                headers = [(b"allow", allow(match_route(scope, path) or {}))]
+                headers = [(b"allow", allow(match_route(scope, path, self._routes) or {}))]
             if e.status == 413:  # hypercorn closes a connection whose body was left unread
                 headers = [(b"connection", b"close")]
             if request.started:  # mid-response: nothing better to do than to end it
@@ -114,7 +117,7 @@ class App:
                 await respond_error(send, APIError(500, "internal server error"))
 
     async def _options(self, request: Request, cors: list[tuple[bytes, bytes]]) -> None:
-        methods = match_route(request.scope, request.path)
+        methods = match_route(request.scope, request.path, self._routes)
         if methods is None:
             raise APIError(404, f"no route for {request.path}")
         allowed = allow(methods)
@@ -156,8 +159,12 @@ class App:
 
     async def models(self, request: Request) -> None:
         root = str(self.engine.model_dir)
+        version = await weight_version(self.engine, self.serving.weight_version)
+        self.serving.weight_version = version
         cards = [
-            ModelCard(id=name, root=root, max_model_len=self.engine.max_model_len)
+            ModelCard(
+                id=name, root=root, max_model_len=self.engine.max_model_len, weight_version=version
+            )
             for name in self.settings.served_model_names
         ]
         await respond_json(request.send, ModelList(data=cards))
@@ -280,10 +287,12 @@ PATTERN_ROUTES: list[tuple[re.Pattern[str], dict[str, Handler]]] = [
 ]
 
 
-def match_route(scope: Scope, path: str) -> dict[str, Handler] | None:
-    """The methods served at `path`, or None; a pattern's parameters go to
-    `scope["path_params"]`."""
-    methods = ROUTES.get(path)
+def match_route(
+    scope: Scope, path: str, routes: dict[str, dict[str, Handler]] = ROUTES
+) -> dict[str, Handler] | None:
+    """The methods served at `path` (its exact `routes`, then the pattern routes), or None; a
+    pattern's parameters go to `scope["path_params"]`."""
+    methods = routes.get(path)
     if methods is not None:
         return methods
     for pattern, methods in PATTERN_ROUTES:

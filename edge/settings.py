@@ -1,6 +1,7 @@
 """What the HTTP app is started with (`Settings`): the names it answers to, its keys, limits,
-CORS origins and tool servers. Its own module so that the app and the endpoint families it
-routes to (completions, responses) read it without importing each other."""
+CORS origins, tool servers and whether it serves the administrative routes. Its own module so
+that the app and the endpoint families it routes to (completions, responses) read it without
+importing each other."""
 
 from __future__ import annotations
 
@@ -41,3 +42,6 @@ class Settings:
     response_ttl: float = 3600.0
     # request-named MCP servers may be on loopback, private or link-local addresses
     allow_private_tool_servers: bool = False
+    # the administrative routes (edge/admin.py: sleep, pause, profiling, new weights); 404s
+    # without it
+    enable_admin_api: bool = False

@@ -54,6 +54,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="put /metrics behind the key too (it is open for scrapers by default)",
     )
     serve.add_argument(
+        "--enable-admin-api",
+        action="store_true",
+        help="serve the administrative routes (/sleep, /wake_up, /pause, /resume, "
+        "/reset_prefix_cache, /start_profile, /stop_profile, weight updates, /get_world_size); "
+        "behind the API key when keys are set",
+    )
+    serve.add_argument(
         "--served-model-name",
         nargs="+",
         default=None,
@@ -252,10 +259,19 @@ def run(args: argparse.Namespace) -> int:
             max_background_responses=args.max_background_responses,
             response_ttl=args.response_ttl,
             allow_private_tool_servers=args.allow_private_tool_servers,
+            enable_admin_api=args.enable_admin_api,
         )
 
+    serve_log = logging.getLogger("triode.serve")
     if keys:
-        logging.getLogger("triode.serve").info("API keys required: %d configured", len(keys))
+        serve_log.info("API keys required: %d configured", len(keys))
+    if args.enable_admin_api and not keys:
+        serve_log.warning(
+            "--enable-admin-api without API keys: anyone who reaches %s:%d can put the engine "
+            "to sleep, pause it or replace its weights (set --api-key or TRIODE_API_KEY)",
+            args.host,
+            args.port,
+        )
     options = ServeOptions(
         model=args.model,
         host=args.host,

@@ -48,6 +48,7 @@ class Prompt:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None  # what its KV blocks are hashed with (edge/tenancy.py)
+    weight_version: int = 0  # of the weights that made its latest tokens
     # timing, for the metrics
     start: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
@@ -66,6 +67,7 @@ class Prompt:
             ]
             self.pieces = [[] for _ in out.outputs]
         self.num_cached_tokens = out.num_cached_tokens
+        self.weight_version = out.weight_version
         if out.kv_transfer_params is not None:
             self.kv_transfer_params = out.kv_transfer_params
         if out.prompt_logprobs:
@@ -110,6 +112,21 @@ def usage_of(prompts: list[Prompt]) -> UsageInfo:
     )
 
 
+def prompt_token_ids(
+    req: ChatCompletionRequest | CompletionRequest, prompt: Prompt
+) -> list[int] | None:
+    """The prompt's ids for an answer whose request asks for them (`return_token_ids`); None
+    otherwise, and for a prompt given as embeddings, which has none."""
+    if not req.return_token_ids or prompt.embeds is not None:
+        return None
+    return prompt.token_ids
+
+
+def weight_version_of(prompts: list[Prompt]) -> int:
+    """The version of the weights that made an answer's latest tokens."""
+    return max(p.weight_version for p in prompts)
+
+
 class Generation:
     """What the chat and completions handlers share: the engine they run on, the caps on what
     one request may ask for, and running a request's prompts to their ends."""
@@ -119,6 +136,8 @@ class Generation:
         self.settings = settings
         self.metrics = metrics
         self.model_name = settings.served_model_names[0]
+        # the engine's weight version as last seen (an output's, or the engine's answer)
+        self.weight_version = 0
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.settings.served_model_names:
@@ -245,6 +264,7 @@ class Generation:
                     index, out = item
                     prompt = prompts[index]
                     prompt.take(out)
+                    self.weight_version = max(self.weight_version, out.weight_version)
                     if out.finished:
                         self._observe(prompt)
                     if on_output is not None:

@@ -1,6 +1,11 @@
 """The OpenAI logprob objects of chat and completions answers, built from the engine's token
 logprobs: chat's `logprobs.content` entries and completions' parallel lists, for whole answers
 and stream chunks alike.
+
+With `return_tokens_as_token_ids` (vLLM's), each token, chosen or alternative, is named
+`token_id:{id}` instead of by its text. What still speaks of the text keeps to it: chat's
+`bytes` are the token's text's (vLLM gives an alternative the bytes of its `token_id:` name),
+and completions' `text_offset` counts in the answer's text (vLLM counts the names' lengths).
 """
 
 from __future__ import annotations
@@ -21,24 +26,24 @@ _MIN_LOGPROB = -9999.0
 
 
 def chat_logprobs(
-    engine: Engine, logprobs: list[TokenLogprob] | None, top: int
+    engine: Engine, logprobs: list[TokenLogprob] | None, top: int, *, as_ids: bool = False
 ) -> ChatCompletionLogProbs | None:
     """A chat choice's `logprobs`: each token's, with its `top` alternatives (None: none
-    asked for)."""
+    asked for); each token named `token_id:{id}` with `as_ids`."""
     if logprobs is None:
         return None
     text = engine.intake.token_text
+    name = _id_name if as_ids else text
     content = []
     for lp in logprobs:
-        token = text(lp.token_id)
         content.append(
             ChatCompletionLogProbsContent(
-                token=token,
+                token=name(lp.token_id),
                 logprob=max(lp.logprob, _MIN_LOGPROB),
-                bytes=list(token.encode()),
+                bytes=list(text(lp.token_id).encode()),
                 top_logprobs=[
                     ChatCompletionLogProb(
-                        token=text(t),
+                        token=name(t),
                         logprob=max(v, _MIN_LOGPROB),
                         bytes=list(text(t).encode()),
                     )
@@ -61,7 +66,8 @@ def completion_logprobs(
 ) -> CompletionLogProbs | None:
     """A completion choice's `logprobs` (the prompt's first when it is echoed), its text
     offsets counted from `offset`; the choice's own logprobs unless `logprobs` are given (a
-    stream's delta). None when the request asked for none."""
+    stream's delta). None when the request asked for none. Tokens are named `token_id:{id}`
+    when the request asks for `return_tokens_as_token_ids`."""
     if req.logprobs is None:
         return None
     entries: list[tuple[int, TokenLogprob | None]] = []
@@ -72,18 +78,25 @@ def completion_logprobs(
     source = choice.logprobs if logprobs is None else logprobs
     entries += [(lp.token_id, lp) for lp in source or ()]
     text = engine.intake.token_text
+    as_ids = bool(req.return_tokens_as_token_ids)
+    name = _id_name if as_ids else text
     out = CompletionLogProbs()
     for token_id, lp in entries:
-        token = text(token_id)
+        shown = text(token_id)
+        token = _id_name(token_id) if as_ids else shown
         out.text_offset.append(offset)
-        offset += len(token)
+        offset += len(shown)
         out.tokens.append(token)
         if lp is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
             continue
         out.token_logprobs.append(max(lp.logprob, _MIN_LOGPROB))
-        top = {text(t): max(v, _MIN_LOGPROB) for t, v in lp.top[: req.logprobs]}
+        top = {name(t): max(v, _MIN_LOGPROB) for t, v in lp.top[: req.logprobs]}
         top.setdefault(token, max(lp.logprob, _MIN_LOGPROB))
         out.top_logprobs.append(top)
     return out
+
+
+def _id_name(token_id: int) -> str:
+    return f"token_id:{token_id}"

@@ -120,6 +120,10 @@ class _GenerationRequest(_Body, kw_only=True):
     kv_transfer_params: dict[str, Any] | None = None
     # Only requests with the same salt share cached prefix blocks (vLLM's field).
     cache_salt: _CacheSalt | None = None
+    # vLLM's: the prompt's and the generated token ids in the answer; logprobs' tokens named
+    # `token_id:{id}` rather than by their text
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
     # Accepted and ignored: they do not change the answer.
     metadata: Any = None
     store: Any = None
@@ -143,8 +147,6 @@ class _GenerationRequest(_Body, kw_only=True):
     truncate_prompt_tokens: Any = None
     bad_words: Any = None
     logits_processors: Any = None
-    return_tokens_as_token_ids: Any = None
-    return_token_ids: Any = None
     vllm_xargs: Any = None
 
     _REFUSED = {
@@ -152,8 +154,6 @@ class _GenerationRequest(_Body, kw_only=True):
         "truncate_prompt_tokens": "prompt truncation",
         "bad_words": "bad_words",
         "logits_processors": "custom logits processors",
-        "return_tokens_as_token_ids": "return_tokens_as_token_ids",
-        "return_token_ids": "return_token_ids",
         "vllm_xargs": "vllm_xargs",
     }
 

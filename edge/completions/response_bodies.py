@@ -64,6 +64,7 @@ class ChatCompletionResponseChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # the generated ids, with `return_token_ids`
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -76,6 +77,8 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     system_fingerprint: str | None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    prompt_token_ids: list[int] | None = None  # with `return_token_ids`
+    weight_version: int = 0  # of the weights that made the last tokens
 
 
 class FunctionCallOut(msgspec.Struct, kw_only=True):
@@ -113,6 +116,7 @@ class ChatCompletionResponseStreamChoice(msgspec.Struct, kw_only=True):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # the delta's ids, with `return_token_ids`
 
 
 class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):
@@ -123,6 +127,8 @@ class ChatCompletionStreamResponse(msgspec.Struct, kw_only=True):
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # on the first chunks, with `return_token_ids`
+    weight_version: int = 0
 
 
 class CompletionLogProbs(msgspec.Struct, kw_only=True):
@@ -140,6 +146,9 @@ class CompletionResponseChoice(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    # with `return_token_ids`: the prompt's ids and the generated ones (not the echo's)
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -151,6 +160,7 @@ class CompletionResponse(msgspec.Struct, kw_only=True):
     usage: UsageInfo
     system_fingerprint: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    weight_version: int = 0  # of the weights that made the last tokens
 
 
 class CompletionResponseStreamChoice(msgspec.Struct, kw_only=True):
@@ -159,6 +169,9 @@ class CompletionResponseStreamChoice(msgspec.Struct, kw_only=True):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # with `return_token_ids`: the prompt's ids on a choice's first chunk, the delta's ids
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionStreamResponse(msgspec.Struct, kw_only=True):
@@ -169,6 +182,7 @@ class CompletionStreamResponse(msgspec.Struct, kw_only=True):
     choices: list[CompletionResponseStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    weight_version: int = 0
 
 
 class ModelCard(msgspec.Struct, kw_only=True):
@@ -179,6 +193,7 @@ class ModelCard(msgspec.Struct, kw_only=True):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    weight_version: int = 0  # 0: the weights the engine started with; one more per update
 
 
 class ModelList(msgspec.Struct, kw_only=True):

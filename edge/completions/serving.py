@@ -22,7 +22,7 @@ from ..http import Request, respond_json
 from ..tenancy import request_cache_salt
 from ..tools.choice import template_renders_tools
 from .chat_tools import CallReaders, ChatTools, tool_message
-from .generation import Generation, Prompt, usage_of
+from .generation import Generation, Prompt, prompt_token_ids, usage_of, weight_version_of
 from .logprobs import chat_logprobs, completion_logprobs
 from .prompt_embeds import decode_prompt_embeds
 from .request_bodies import ChatCompletionRequest, CompletionRequest, decode_request
@@ -101,18 +101,21 @@ class Serving(Generation):
             request, prompts, params, request_id, None, req.kv_transfer_params, stop_when=readers
         )
         prompt = prompts[0]
+        token_ids, as_ids = bool(req.return_token_ids), bool(req.return_tokens_as_token_ids)
         choices = []
         for c in prompt.choices:
             message, finish_reason = ChatMessageOut(content=c.text), c.finish_reason
             if readers is not None:
                 message, finish_reason = tool_message(readers.of[c.index], c.finish_reason)
+            logprobs = chat_logprobs(self.engine, c.logprobs, req.top_logprobs or 0, as_ids=as_ids)
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
                     message=message,
-                    logprobs=chat_logprobs(self.engine, c.logprobs, req.top_logprobs or 0),
+                    logprobs=logprobs,
                     finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
+                    token_ids=c.token_ids if token_ids else None,
                 )
             )
         response = ChatCompletionResponse(
@@ -121,6 +124,8 @@ class Serving(Generation):
             choices=choices,
             usage=usage_of(prompts),
             kv_transfer_params=prompt.kv_transfer_params,
+            prompt_token_ids=prompt_token_ids(req, prompt),
+            weight_version=weight_version_of(prompts),
         )
         await respond_json(request.send, response)
 
@@ -179,6 +184,8 @@ class Serving(Generation):
                         logprobs=completion_logprobs(self.engine, prompt, c, req, echo=bool(echo)),
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        prompt_token_ids=prompt_token_ids(req, prompt),
+                        token_ids=c.token_ids if req.return_token_ids else None,
                     )
                 )
         response = CompletionResponse(
@@ -187,6 +194,7 @@ class Serving(Generation):
             choices=choices,
             usage=usage_of(prompts),
             kv_transfer_params=prompts[0].kv_transfer_params,
+            weight_version=weight_version_of(prompts),
         )
         await respond_json(request.send, response)
 

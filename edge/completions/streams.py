@@ -2,7 +2,10 @@
 
 A stream sends each delta as an SSE chunk as soon as it exists; a slow reader only makes the
 next delta bigger (outputs coalesce in the request's stream, never in an unbounded queue here).
-A formatter turns each delta output into the chunks of its response type.
+A formatter turns each delta output into the chunks of its response type. Every chunk carries
+the version of the weights that made the latest tokens (`weight_version`); with
+`return_token_ids`, each choice's chunk carries its delta's token ids, and a choice's first chunk
+the prompt's.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from ..http import Request, encode_json
 from ..sse import DONE, KEEPALIVE, SSE_HEADERS, event
 from ..tools.calls import ContentDelta, ToolCallStream
 from .chat_tools import ChatTools
-from .generation import Generation, Prompt, usage_of
+from .generation import Generation, Prompt, prompt_token_ids, usage_of
 from .logprobs import chat_logprobs, completion_logprobs
 from .request_bodies import ChatCompletionRequest, CompletionRequest
 from .response_bodies import (
@@ -104,14 +107,20 @@ class StreamFormatter:
         self.continuous_usage = self.include_usage and bool(
             options and options.continuous_usage_stats
         )
+        self.token_ids = bool(req.return_token_ids)
+        self.as_ids = bool(req.return_tokens_as_token_ids)
+        # the latest output's; until one came, the engine's as last seen
+        self.weight_version = serving.weight_version
 
-    def _chunk(self, choices: list[Any], usage: UsageInfo | None = None) -> bytes:
+    def _chunk(self, choices: list[Any], usage: UsageInfo | None = None, **extra: Any) -> bytes:
         response = self.envelope(
             id=self.id,
             created=self.created,
             model=self.serving.model_name,
             choices=choices,
             usage=usage,
+            weight_version=self.weight_version,
+            **extra,
         )
         return event(encode_json(response))
 
@@ -158,11 +167,14 @@ class ChatStream(StreamFormatter):
             )
             for i in range(self.n)
         ]
-        return [self._chunk([choice]) for choice in first]
+        ids = prompt_token_ids(self.req, self.prompts[0])
+        return [self._chunk([choice], prompt_token_ids=ids) for choice in first]
 
     def chunks(self, index: int, out: RequestOutput) -> list[bytes]:
+        self.weight_version = out.weight_version
         result = []
         usage = self._running_usage()
+        top = self.req.top_logprobs or 0
         for c in out.outputs:
             if not (c.text or c.token_ids or c.finish_reason):
                 continue
@@ -174,9 +186,10 @@ class ChatStream(StreamFormatter):
             choice = ChatCompletionResponseStreamChoice(
                 index=c.index,
                 delta=delta,
-                logprobs=chat_logprobs(self.serving.engine, c.logprobs, self.req.top_logprobs or 0),
+                logprobs=chat_logprobs(self.serving.engine, c.logprobs, top, as_ids=self.as_ids),
                 finish_reason=finish_reason,
                 stop_reason=c.stop_reason,
+                token_ids=c.token_ids if self.token_ids else None,
             )
             result.append(self._chunk([choice], usage))
         return result
@@ -229,6 +242,7 @@ class CompletionStream(StreamFormatter):
         self.offsets: dict[tuple[int, int], int] = {}
 
     def chunks(self, index: int, out: RequestOutput) -> list[bytes]:
+        self.weight_version = out.weight_version
         prompt = self.prompts[index]
         usage = self._running_usage()
         result = []
@@ -256,6 +270,8 @@ class CompletionStream(StreamFormatter):
                 logprobs=logprobs,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                prompt_token_ids=prompt_token_ids(self.req, prompt) if first else None,
+                token_ids=c.token_ids if self.token_ids else None,
             )
             result.append(self._chunk([choice], usage))
         return result
