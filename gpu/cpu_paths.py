@@ -91,8 +91,9 @@ def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def pack_cpu_weights(model: nn.Module) -> int:
-    """Pack every linear projection of `model` for the CPU; returns how many were packed."""
-    modules = [m for m in model.modules() if hasattr(m, "pack_for_cpu")]
+    """Pack every linear projection of `model` for the CPU that is not packed yet (all of them
+    after loading; those that took new weights after an update); returns how many were packed."""
+    modules = [m for m in model.modules() if hasattr(m, "pack_for_cpu") and m.packed is None]
     for module in modules:
         module.pack_for_cpu()
     return len(modules)

@@ -145,6 +145,13 @@ class LinearBase(nn.Module):
         self.packed = pack_cpu_weight(self.weight)
         self.weight.data = self.weight.data.new_empty(0)  # the packed copy replaces it
 
+    def unpack(self) -> None:
+        """W back in its plain layout, read out of the oneDNN copy (an exact reorder), so new
+        values can be written into it; `pack_for_cpu` packs it again."""
+        if self.packed is not None:
+            self.weight.data = self.packed.to_dense()
+            self.packed = None
+
     def attach_int4(self, weight: Int4Weight) -> None:
         """Run a step's decode rows (`rows.decodes`) on `weight`, W in 4 bits."""
         if weight.shape != (self.output_size, self.input_size):
@@ -316,6 +323,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         """A oneDNN-blocked copy for the projection; the plain weight stays for the embedding
         it is tied to."""
         self.packed = pack_cpu_weight(self.weight)
+
+    def unpack(self) -> None:
+        """Drop the oneDNN copy, so the plain weight (kept) can take new values."""
+        self.packed = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole vocabulary on TP rank 0; None on the other ranks."""

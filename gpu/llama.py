@@ -254,41 +254,53 @@ class LlamaForCausalLM(nn.Module):
             return not model.last_stage
         return False
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face checkpoint tensors into our (merged, sharded) parameters.
+    def checkpoint_targets(self, name: str) -> list[tuple[str, str | int | None]]:
+        """Where checkpoint tensor `name` goes on this rank: (our parameter, its shard of a
+        merged projection or None) pairs; none for a tensor this rank skips (another pipeline
+        stage's, the tied LM head, rotary tables)."""
+        if "rotary_emb.inv_freq" in name:
+            return []
+        tied = self.config.tie_word_embeddings
+        if name == "lm_head.weight" and tied:
+            return []
+        targets: list[tuple[str, str | int | None]] = []
+        # a last stage that does not also embed loads the tied LM head from the embedding
+        if name == "model.embed_tokens.weight" and tied and self.lm_head is not None:
+            if not self.model.first_stage:
+                targets.append(("lm_head.weight", None))
+        if self._elsewhere(name):
+            return targets
+        parts = name.split(".")
+        shard: str | int | None = None
+        if len(parts) > 1 and parts[-2] in self.packed_modules:
+            parts[-2], shard = self.packed_modules[parts[-2]]
+        targets.append((".".join(parts), shard))
+        return targets
 
-        Raises if a tensor has no home or a parameter stays unloaded, so a wrong mapping fails
-        at start-up instead of generating garbage.
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, partial: bool = False
+    ) -> set[str]:
+        """Copy Hugging Face checkpoint tensors into our (merged, sharded) parameters; returns
+        the names of the parameters written.
+
+        Raises if a tensor has no home or, unless `partial` (new values for some of the
+        weights), a parameter stays unloaded, so a wrong mapping fails at start-up instead of
+        generating garbage.
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        tied = self.config.tie_word_embeddings
-        # a last stage that does not also embed loads the tied LM head from the embedding
-        untied_copy = tied and self.lm_head is not None and not self.model.first_stage
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and tied:
-                continue
-            if name == "model.embed_tokens.weight" and untied_copy:
-                assert self.lm_head is not None
-                self.lm_head.weight.weight_loader(self.lm_head.weight, tensor)  # type: ignore[attr-defined]
-                loaded.add("lm_head.weight")
-            if self._elsewhere(name):
-                continue
-            parts = name.split(".")
-            if len(parts) > 1 and parts[-2] in self.packed_modules:
-                parts[-2], shard_id = self.packed_modules[parts[-2]]
-                name = ".".join(parts)
-                param = self._param(params, name)
-                param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
-            else:
-                param = self._param(params, name)
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            loaded.add(name)
+            for target, shard_id in self.checkpoint_targets(name):
+                param = self._param(params, target)
+                if shard_id is not None:
+                    param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+                else:
+                    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                loaded.add(target)
         missing = set(params) - loaded
-        if missing:
+        if missing and not partial:
             raise ValueError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
+        return loaded
 
     def load_int4_weights(self, weights: dict[str, Int4Weight]) -> int:
         """Give each projection whose every shard `weights` holds (by Hugging Face name) its

@@ -120,19 +120,13 @@ class ModelRunner:
         self.eos_token_id: int | None = eos[0] if eos else None
         self.extra_eos_token_ids = eos[1:]
 
-        with _defaults(self.dtype, self.device), torch.no_grad():
-            self.model = model_class(self.config)(self.config, max_position=self.max_model_len)
-            self.model.load_weights(safetensors_weights(self.model_dir))
-            if self.device.type == "cpu" and cpu_weight_packing_supported(self.dtype):
-                pack_cpu_weights(self.model)
-            self.int4_projections = 0
-            if quantization == "auto" and int4.kernel_available(self.dtype, self.device):
-                weights = int4.load_int4_weights(self.model_dir)
-                self.int4_projections = self.model.load_int4_weights(weights)
-        self._row_paths = share_row_paths(self.model)
+        self.quantization = quantization
         # oneDNN's bfloat16 products are where a row's result depends on the row count
         self._pad_prompts = self.device.type == "cpu" and self.dtype == torch.bfloat16
-        self.model.eval()
+        # what may not run now (`sleep`): "kv_cache", "weights"; a step refuses while any does
+        self.sleeping: frozenset[str] = frozenset()
+        self.kv_cache = torch.empty(0)  # allocated once the model says its geometry
+        self.load_model(self.model_dir)
         self.kv_connector: KVConnectorWorker | None = None
         if kv_transfer_config is not None:
             self.kv_connector = KVConnectorWorker(kv_transfer_config, self.parallel.rank)
@@ -144,6 +138,24 @@ class ModelRunner:
             self.kv_connector.register_kv_caches(self.kv_cache)
             endpoints = parallel_state.all_gather(self.kv_connector.endpoint, str | None)
             self.kv_endpoints = [e for e in endpoints if e is not None]
+        self.sampler = Sampler()
+        self._requests: dict[str, _Request] = {}
+
+    def load_model(self, weights_dir: Path) -> None:
+        """Build the model and load its weights from `weights_dir` (a checkpoint of this
+        runner's config): at start, and again on waking from a sleep that freed the weights.
+
+        The weights are packed for the CPU where that is faster, the 4-bit codes that
+        `weights_dir` keeps attached, the kernels bound, and the KV cache's views given to the
+        new attention layers.
+        """
+        with _defaults(self.dtype, self.device), torch.no_grad():
+            self.model = model_class(self.config)(self.config, max_position=self.max_model_len)
+            self.model.load_weights(safetensors_weights(weights_dir))
+            self.pack_weights()
+            self.int4_projections = self.attach_int4(weights_dir)
+        self._row_paths = share_row_paths(self.model)
+        self.model.eval()
         # decode attention from the paged cache in place, where the C kernel is built (CPU,
         # bfloat16); float32 stays on torch's attention, which the reference comparisons pin
         kernel = None
@@ -161,8 +173,22 @@ class ModelRunner:
             ops = cpu_kernels.fused_ops()
         use_fused_ops(self.model, ops)
         self._fused = ops
-        self.sampler = Sampler()
-        self._requests: dict[str, _Request] = {}
+        self.bind_kv_cache()
+
+    def pack_weights(self) -> int:
+        """Pack the projections not packed yet for oneDNN where this CPU gains from it (see
+        `cpu_paths`); returns how many were packed."""
+        if self.device.type == "cpu" and cpu_weight_packing_supported(self.dtype):
+            with torch.no_grad():
+                return pack_cpu_weights(self.model)
+        return 0
+
+    def attach_int4(self, weights_dir: Path) -> int:
+        """Attach the 4-bit codes `weights_dir` keeps (`int4.py`) where this device has a
+        kernel for them and the quantization allows; returns how many projections took them."""
+        if self.quantization != "auto" or not int4.kernel_available(self.dtype, self.device):
+            return 0
+        return self.model.load_int4_weights(int4.load_int4_weights(weights_dir))
 
     @classmethod
     def from_engine_args(cls, engine_args: Mapping[str, Any], **placement: Any) -> ModelRunner:
@@ -201,9 +227,18 @@ class ModelRunner:
             self.kv_cache = self.kv_connector.allocate(shape, self.dtype, self.device)
         else:
             self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, attn in enumerate(layers):
-            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.bind_kv_cache()
         return num_blocks
+
+    def bind_kv_cache(self) -> None:
+        """Give every attention layer of this stage its views of the KV cache (none while the
+        cache is unallocated or asleep)."""
+        for i, layer in enumerate(self.model.model.stage_layers):
+            attn = layer.self_attn.attn
+            if self.kv_cache.numel():
+                attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+            else:
+                attn.k_cache = attn.v_cache = torch.empty(0)
 
     @torch.inference_mode()
     def execute(
@@ -261,6 +296,9 @@ class ModelRunner:
             raise ValueError(f"{len(sched.requests)} requests exceed max_num_seqs")
         if not sched.requests:
             return ModelRunnerOutput(step=sched.step)
+        if self.sleeping:
+            asleep = " and ".join(sorted(self.sleeping))
+            raise RuntimeError(f"a step came while the {asleep} sleep: wake_up first")
 
         batch = self._prepare(sched.requests)
         decodes = batch.meta.num_decodes  # the leading rows (see cpu_paths.RowPaths)
