@@ -514,6 +514,24 @@ def test_pause_resume_and_the_engines_refusals(servers: tuple[Server, Server]) -
 
 
 @pytest.mark.slow
+def test_sleep_and_wake_up(servers: tuple[Server, Server]) -> None:
+    _, admin = servers
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=admin.url, headers=_auth(), timeout=60) as client:
+        before = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        asleep = client.post("/sleep", params={"level": "1"})
+        assert asleep.status_code == 200, asleep.text
+        assert asleep.json()["is_sleeping"] is True
+        assert client.get("/is_sleeping").json() == {"is_sleeping": True}
+        again = client.post("/sleep", params=[("tags", "kv_cache")])
+        assert again.status_code == 409 and again.json()["error"]["code"] == "conflict"
+        assert client.post("/wake_up", params=[("tags", "kv_cache")]).status_code == 200
+        assert client.get("/is_sleeping").json() == {"is_sleeping": False}
+        after = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        assert after == before
+
+
+@pytest.mark.slow
 def test_a_pause_whose_client_went_away_still_happens(servers: tuple[Server, Server]) -> None:
     """A wait pause returns once the running requests are done; its client gives up before
     that, and the pause happens all the same."""
