@@ -192,7 +192,8 @@ def _args(logged: dict[str, Any]) -> str:
 
 async def weight_version(engine: Engine, last: int) -> int:
     """The engine's weight version, or `last` (the last one seen) when the engine does not
-    answer within `WEIGHT_VERSION_TIMEOUT` or cannot."""
+    answer within `WEIGHT_VERSION_TIMEOUT` or cannot. Never raises; cancelling it leaves
+    nothing behind (the engine's late answer is dropped)."""
     if engine.dead is not None:
         return last
     with trio.move_on_after(WEIGHT_VERSION_TIMEOUT):
