@@ -37,9 +37,12 @@ from triode.wire import (
     ProtocolError,
     Ready,
     SchedulerOutput,
+    WorkerCall,
     WorkerMessageType,
+    WorkerReply,
 )
 from triode.wire.cluster_key import ClusterKey, apply_options
+from triode.wire.operations import OperationError
 from triode.wire.ring_wait import RingClosed, RingTimeout
 from triode.wire.shm_ring import RingHandle, ShmRingReader
 
@@ -119,6 +122,7 @@ class Worker:
             device=str(self.device),
             num_threads=len(cpus),
         )
+        self._operations: Any = None  # built by the first call
         # a ring's local readers are this node's ranks; the remote ones are numbered from 0
         # over the ranks of every other node
         self.remote = not options.local
@@ -177,14 +181,14 @@ class Worker:
     def run(self, stop: threading.Event) -> None:
         """The step loop, until SHUTDOWN on the broadcast or `stop`. Blocks; run in a thread."""
         decoder = Decoder(SchedulerOutput)
+        calls = Decoder(WorkerCall)
         encoder = Encoder()
-        results = None
-        if self.layout.is_driver:
-            results = self.zmq_context.socket(zmq.PUSH)
-            apply_options(results, self.result_options)
-            results.setsockopt(zmq.LINGER, 1000)
-            results.setsockopt(zmq.SNDHWM, 0)
-            results.connect(self.result_address)
+        # every rank answers calls; only the driver answers steps
+        results = self.zmq_context.socket(zmq.PUSH)
+        apply_options(results, self.result_options)
+        results.setsockopt(zmq.LINGER, 1000)
+        results.setsockopt(zmq.SNDHWM, 0)
+        results.connect(self.result_address)
         try:
             while not stop.is_set():
                 try:
@@ -202,6 +206,11 @@ class Worker:
                     log.info("rank %d: shutdown after %d steps", self.layout.rank, self.steps)
                     return
                 try:
+                    if kind == WorkerMessageType.CALL.value:
+                        reply = self.call(calls.decode(frames[1:]))
+                        message = [WorkerMessageType.CALL.value, *encoder.encode(reply)]
+                        results.send_multipart(message, copy=False)
+                        continue
                     if kind != WorkerMessageType.EXECUTE.value:
                         raise ProtocolError(f"unknown worker message type {kind[:4]!r}")
                     sched = decoder.decode(frames[1:])
@@ -210,12 +219,31 @@ class Worker:
                     continue
                 output = self.runner.execute(sched)
                 self.steps += 1
-                if results is not None:
+                if self.layout.is_driver:
                     output.protocol_errors = self.protocol_errors
                     results.send_multipart(encoder.encode(output), copy=False)
         finally:
-            if results is not None:
-                results.close()
+            results.close()
+
+    def call(self, call: WorkerCall) -> WorkerReply:
+        """One of this rank's `Operations`, by name: its result, or how it failed."""
+        reply = WorkerReply(call.call_id, self.layout.rank)
+        try:
+            if self._operations is None:
+                # the operations' module (transformers' configs), once one is called
+                from .operations import Operations
+
+                self._operations = Operations(self.runner)
+            if call.method not in self._operations.METHODS:
+                reply.error = f"no operation {call.method[:64]!r}"
+                return reply
+            reply.result = getattr(self._operations, call.method)(**call.kwargs)
+        except OperationError as e:
+            reply.error, reply.error_kind = e.message, e.kind
+        except Exception as e:
+            log.exception("rank %d: %s failed", self.layout.rank, call.method)
+            reply.error = f"{type(e).__name__}: {e}"
+        return reply
 
     def _protocol_error(self, error: ProtocolError) -> None:
         self.protocol_errors += 1

@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import trio
 
+from triode.actors import EngineAdmin
 from triode.edge.app import App
 from triode.edge.settings import Settings
 
@@ -46,12 +47,20 @@ class StubEngine:
     vocab_size: int = 256
     model_dir: Path = Path("stub")
     stats: Any = field(default_factory=lambda: SchedulerStats(0, 0, 0.0))
+    # weights never updated: every operation answers version 0
+    admin: EngineAdmin = field(default_factory=lambda: EngineAdmin(_version_zero))
 
     async def seconds_stalled(self) -> float:
         return 0.0
 
     async def get_stats(self) -> dict[str, Any]:
         return {"num_running_reqs": 0, "num_waiting_reqs": 0, "kv_cache_usage": 0.0}
+
+
+async def _version_zero(method: str, *args: Any) -> list[Any]:
+    if method != "weight_version":
+        raise RuntimeError(f"the stub engine has no {method}")
+    return [0]
 
 
 def make_app(**settings: Any) -> App:

@@ -10,6 +10,7 @@ aborts are taken in while the model computes.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections import deque
@@ -35,10 +36,12 @@ from triode.wire import (
     UtilityCall,
     UtilityOutput,
 )
+from triode.wire.operations import OperationError
 
 from ..prompt_embeds import receive_prompt_embeds
 from ..vocabulary import out_of_vocabulary
 from .executor import Executor
+from .operations import EngineOperations
 from .publisher import Publisher
 from .scheduler import Scheduler
 
@@ -65,6 +68,8 @@ class EngineCore:
         engine_index: int = 0,
         data_parallel_size: int = 1,
         recorder: Recorder | None = None,
+        profiler_dir: str | None = None,
+        world_size: int = 1,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
@@ -75,12 +80,17 @@ class EngineCore:
         self.data_parallel_size = data_parallel_size
         self._stats_sent = 0.0
         self.structured = scheduler.structured
-        self._compiling: set[str] = set()  # constrained requests whose grammar is compiling
+        # constrained requests whose grammar is compiling, and their clients
+        self._compiling: dict[str, int] = {}
         self.grammar_errors = 0
         self.protocol_errors = 0
         self.steps = 0
         self.overlapped_steps = 0  # steps submitted while an earlier one was in flight
-        self.sleeping = False
+        # why no new step may start (`operations.Hold`: asleep, paused, an operation on the
+        # workers); the step loop parks, with no step in flight, while any is held
+        self.holds: set[str] = set()
+        self._parked = trio.Event()  # set while parked
+        self.operations = EngineOperations(self, profiler_dir=profiler_dir, world_size=world_size)
         # when the engine core last made progress (trio's clock): a step, or work coming to
         # an idle loop
         self._progress_at = 0.0
@@ -115,19 +125,22 @@ class EngineCore:
         while True:
             if not in_flight:
                 idle = False
-                while self.sleeping or not (
+                while self.holds or not (
                     self.scheduler.has_unfinished_requests()
                     or self.scheduler.has_pending_transfers()
                 ):
                     idle = True
+                    self._parked.set()
                     await self._wait_for_input()
                 if idle:  # a stall counts from when the work came, not from the last step
+                    self._parked = trio.Event()
                     self._progress_at = trio.current_time()
-            if len(in_flight) < depth and not self.sleeping:
+            if len(in_flight) < depth and not self.holds:
                 scheduler_output = self.scheduler.schedule(
                     max_requests=self._micro_batch(depth), preempt=not in_flight
                 )
                 if scheduler_output.requests or scheduler_output.kv_connector_metadata:
+                    self.operations.timeline.scheduled(scheduler_output)
                     if depth == 1:
                         output = await self.executor.execute(
                             scheduler_output, self.scheduler.fill_bitmask
@@ -163,7 +176,9 @@ class EngineCore:
     ) -> None:
         self.steps += 1
         self._progress_at = trio.current_time()
+        self.operations.timeline.done(scheduler_output)
         per_client = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.operations.check_drained()
         stats = self.scheduler.get_stats()
         for client, outputs in per_client.items():
             outputs.scheduler_stats = stats
@@ -188,6 +203,40 @@ class EngineCore:
         await self._work.wait()
         self._work = trio.Event()
 
+    async def hold(self, reason: str) -> None:
+        """Start no new step for `reason` until `release`; returns once no step is in flight
+        (the workers are then free for a call)."""
+        self.holds.add(reason)
+        self._work.set()
+        await self._parked.wait()
+
+    def release(self, reason: str) -> None:
+        self.holds.discard(reason)
+        self._work.set()
+
+    async def tell(self, told: list[tuple[int, EngineCoreOutput]]) -> None:
+        """Send outputs the engine decided on its own (aborts) to their requests' clients."""
+        per_client: dict[int, list[EngineCoreOutput]] = {}
+        for client, output in told:
+            per_client.setdefault(client, []).append(output)
+        stats = self.scheduler.get_stats()
+        for client, outputs in per_client.items():
+            finished = [o.request_id for o in outputs]
+            told_outputs = EngineCoreOutputs(
+                outputs=outputs, scheduler_stats=stats, finished_requests=finished
+            )
+            await self._outbox.send((client, told_outputs))
+
+    def abort_compiling(self) -> list[tuple[int, EngineCoreOutput]]:
+        """Drop the requests whose grammar is still compiling (they are not queued yet): what
+        tells their clients."""
+        told = [
+            (client, EngineCoreOutput(request_id, finish_reason=FinishReason.ABORT))
+            for request_id, client in self._compiling.items()
+        ]
+        self._compiling.clear()
+        return told
+
     async def _receive(self, socket: Socket) -> None:
         decoder = InputDecoder()
         while True:
@@ -205,12 +254,14 @@ class EngineCore:
                 await self._add(payload)
             elif kind is EngineCoreRequestType.ABORT_REQUEST:
                 assert isinstance(payload, list)
-                self._compiling.difference_update(payload)
+                for request_id in payload:
+                    self._compiling.pop(request_id, None)
                 self.scheduler.abort_requests(payload)
             else:
                 assert isinstance(payload, UtilityCall)
                 await self._call_utility(payload)
             self._work.set()
+            self.operations.check_drained()
 
     async def _add(self, request: EngineCoreRequest) -> None:
         if not request.arrival_time:
@@ -236,7 +287,7 @@ class EngineCore:
                 await self._reject(request, self.scheduler.refusal(request.request_id))
                 return
             else:
-                self._compiling.add(request.request_id)
+                self._compiling[request.request_id] = request.client_index
                 self._nursery.start_soon(self._compile_then_add, request, embeds)
                 return
         rejected = (
@@ -265,7 +316,7 @@ class EngineCore:
             rejected = None
         if request.request_id not in self._compiling:  # aborted while compiling
             return
-        self._compiling.discard(request.request_id)
+        del self._compiling[request.request_id]
         if rejected is None:
             rejected = self.scheduler.add_request(request, grammar, embeds)
         await self._reject(request, rejected)
@@ -281,15 +332,36 @@ class EngineCore:
             await self._outbox.send((request.client_index, outputs))
 
     async def _call_utility(self, call: UtilityCall) -> None:
-        result = UtilityOutput(call.call_id)
+        """A utility method, answered in order; an operation (`operations.py`), which may
+        take long (a pause that waits, new weights), in a task of its own, so that inputs
+        (aborts among them) keep coming in meanwhile."""
         method = _UTILITIES.get(call.method)
-        if method is None:
-            result.failure_message = f"unknown utility method {call.method!r}"
+        if method is not None:
+            await self._answer(call, method, self)
+        elif call.method in EngineOperations.METHODS:
+            method = getattr(EngineOperations, call.method)
+            self._nursery.start_soon(self._answer, call, method, self.operations)
         else:
-            try:
-                result.result = method(self, *call.args)
-            except Exception as e:
-                result.failure_message = f"{call.method} failed: {type(e).__name__}: {e}"
+            result = UtilityOutput(call.call_id)
+            result.failure_message = f"unknown utility method {call.method!r}"
+            await self._outbox.send((call.client_index, EngineCoreOutputs(utility_output=result)))
+
+    async def _answer(self, call: UtilityCall, method: Any, owner: Any) -> None:
+        result = UtilityOutput(call.call_id)
+        try:
+            inspect.signature(method).bind(owner, *call.args)
+        except TypeError as e:  # arguments the method does not take
+            result.failure_message, result.failure_kind = f"{call.method}: {e}", "invalid"
+            await self._outbox.send((call.client_index, EngineCoreOutputs(utility_output=result)))
+            return
+        try:
+            answer = method(owner, *call.args)
+            result.result = await answer if inspect.isawaitable(answer) else answer
+        except OperationError as e:
+            result.failure_message, result.failure_kind = e.message, e.kind
+        except Exception as e:
+            log.exception("%s failed", call.method)
+            result.failure_message = f"{call.method} failed: {type(e).__name__}: {e}"
         await self._outbox.send((call.client_index, EngineCoreOutputs(utility_output=result)))
 
     def _orphaned(self, client: int) -> None:
@@ -316,9 +388,6 @@ class EngineCore:
 
     # Utility methods: called by name through UTILITY messages; results must be msgpack-able.
 
-    def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
-
     def get_stats(self) -> dict[str, Any]:
         stats = self.scheduler.get_stats()
         named = {name: getattr(stats, name) for name in stats.__struct_fields__}
@@ -336,30 +405,10 @@ class EngineCore:
 
     def seconds_stalled(self) -> float:
         """How long the engine core has made no step while it has requests to work on: 0
-        with none, or asleep (it is told to take no steps then)."""
-        if self.sleeping or not self.scheduler.has_unfinished_requests():
+        with none, or held (asleep, paused: it is told to take no steps then)."""
+        if self.holds or not self.scheduler.has_unfinished_requests():
             return 0.0
         return trio.current_time() - self._progress_at
 
-    def sleep(self, level: int = 1) -> None:
-        """Stop taking steps; requests wait (and keep their KV blocks) until `wake_up`."""
-        self.sleeping = True
 
-    def wake_up(self) -> None:
-        self.sleeping = False
-
-    def is_sleeping(self) -> bool:
-        return self.sleeping
-
-
-_UTILITIES = {
-    name: getattr(EngineCore, name)
-    for name in (
-        "reset_prefix_cache",
-        "get_stats",
-        "sleep",
-        "wake_up",
-        "is_sleeping",
-        "seconds_stalled",
-    )
-}
+_UTILITIES = {name: getattr(EngineCore, name) for name in ("get_stats", "seconds_stalled")}

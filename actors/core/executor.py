@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import trio
@@ -67,6 +67,12 @@ class Executor(Protocol):
         """The result of the oldest submitted step, which must be `scheduler_output`."""
         ...
 
+    async def call_workers(self, method: str, **kwargs: Any) -> list[dict[str, Any]]:
+        """`method` of every rank's `triode.gpu.operations.Operations`, only with no step in
+        flight; each rank's result, in rank order. A rank's refusal raises its
+        `OperationError`, any other failure a RuntimeError naming the rank."""
+        ...
+
 
 class InProcessExecutor:
     """Runs the model in this process, on one thread beside the trio loop, a step at a time."""
@@ -76,6 +82,7 @@ class InProcessExecutor:
     worker_pids: list[int] = []  # the model runs in this process
 
     def __init__(self, args: EngineArgs) -> None:
+        # torch and the model, in this process only when the model runs here
         from triode.gpu.model_runner import ModelRunner
 
         started = time.perf_counter()
@@ -102,6 +109,7 @@ class InProcessExecutor:
             self.block_size,
         )
 
+        self._operations: Any = None  # built by the first call
         self._thread = trio.CapacityLimiter(1)
         self._filler = trio.CapacityLimiter(1)
         self._overlap_bitmask = self._runner.device.type != "cpu"
@@ -149,6 +157,22 @@ class InProcessExecutor:
 
     async def receive(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         raise RuntimeError("the in-process executor runs one step at a time: call execute")
+
+    async def call_workers(self, method: str, **kwargs: Any) -> list[dict[str, Any]]:
+        """On the model's thread, between steps; not abandoned when cancelled (an operation
+        half done would leave the model in between)."""
+        return [await trio.to_thread.run_sync(self._call, method, kwargs, limiter=self._thread)]
+
+    def _call(self, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if self._operations is None:
+            # the operations' module (torch, transformers' configs), once one is called
+            from triode.gpu.operations import Operations
+
+            self._operations = Operations(self._runner)
+        if method not in self._operations.METHODS:
+            raise RuntimeError(f"no operation {method!r}")
+        result: dict[str, Any] = getattr(self._operations, method)(**kwargs)
+        return result
 
     def shutdown(self) -> None:
         self._runner.shutdown()

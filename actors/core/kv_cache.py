@@ -145,6 +145,10 @@ class BlockPool:
         return True
 
 
+# a table's count of hashed blocks that no table reaches: it registers no more
+_NEVER = 1 << 62
+
+
 class KVCacheManager:
     """Block tables of requests on top of a `BlockPool`, plus the prefix-cache policy."""
 
@@ -253,6 +257,20 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()
+
+    def forget_prefixes(self) -> int:
+        """Forget every cached prefix at once, also those of blocks in use, whose content no
+        longer stands (the weights that computed it changed, or its memory went away); returns
+        how many were forgotten. The requests holding blocks now register none of theirs: a
+        block they fill is computed over the old content. One preempted or finished later
+        registers again from a clean table."""
+        forgotten = len(self.pool.cached)
+        for block in self.pool.cached.values():
+            block.block_hash = None
+        self.pool.cached.clear()
+        for request_id in self.req_blocks:
+            self._num_cached_blocks[request_id] = _NEVER
+        return forgotten
 
     def _cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_tokens: int

@@ -107,6 +107,8 @@ async def serve_engine_core(ctx: ChildContext) -> None:
             engine_index=ctx.options.get("engine_index", 0),
             data_parallel_size=args.data_parallel_size,
             recorder=recorder,
+            profiler_dir=args.profiler_dir,
+            world_size=args.world_size,
         )
         await core.run(input_socket, output_socket)
 

@@ -21,6 +21,7 @@ which is the same death.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import shutil
@@ -43,9 +44,12 @@ from triode.wire import (
     Ready,
     SchedulerOutput,
     Socket,
+    WorkerCall,
     WorkerMessageType,
+    WorkerReply,
 )
 from triode.wire.cluster_key import ClusterGate, ClusterKey
+from triode.wire.operations import OPERATION_ERROR_KINDS, OperationError
 from triode.wire.ports import free_port
 from triode.wire.ring_wait import RingTimeout
 from triode.wire.shm_ring import ShmRingWriter
@@ -165,8 +169,12 @@ class MultiprocExecutor:
         group: WorkerGroup,
         ready: Ready,
         max_concurrent_batches: int = 1,
+        world_size: int = 1,
     ) -> None:
         self.max_concurrent_batches = max_concurrent_batches
+        self.world_size = world_size  # every rank answers a call, on any node
+        self._call_ids = itertools.count()
+        self._reply_decoder = Decoder(WorkerReply)
         self._ring = ring
         self._results = results
         self._encoder = Encoder()
@@ -209,6 +217,8 @@ class MultiprocExecutor:
         """The driver answers steps in the order they were broadcast: every stage takes them
         in that order."""
         reply = await self._results.recv_multipart()
+        if reply[0].buffer == WorkerMessageType.CALL.value:
+            raise WorkerDied("a rank answered a call while a step was in flight")
         try:
             output = self._decoder.decode([f.buffer for f in reply])
         except ProtocolError as e:
@@ -220,6 +230,32 @@ class MultiprocExecutor:
             )
         self.protocol_errors = output.protocol_errors
         return output
+
+    async def call_workers(self, method: str, **kwargs: Any) -> list[dict[str, Any]]:
+        """Broadcast the call; every rank answers on the results socket (the engine core
+        makes calls only with no step in flight, so no step's answer is among them)."""
+        call_id = next(self._call_ids)
+        frames = self._encoder.encode(WorkerCall(call_id, method, kwargs))
+        await self.broadcast([WorkerMessageType.CALL.value, *frames])
+        replies: dict[int, WorkerReply] = {}
+        while len(replies) < self.world_size:
+            message = await self._results.recv_multipart()
+            if message[0].buffer != WorkerMessageType.CALL.value:
+                raise WorkerDied("the driver rank answered a step during a call")
+            try:
+                reply = self._reply_decoder.decode([f.buffer for f in message[1:]])
+            except ProtocolError as e:
+                raise WorkerDied(f"a rank answered a call undecodably: {e}") from e
+            if reply.call_id == call_id:  # else the late answer to a call cancelled before
+                replies[reply.rank] = reply
+        failed = [r for r in replies.values() if r.error is not None]
+        if failed:
+            first = min(failed, key=lambda r: r.rank)
+            assert first.error is not None
+            if first.error_kind in OPERATION_ERROR_KINDS:
+                raise OperationError(first.error_kind, first.error)  # type: ignore[arg-type]
+            raise RuntimeError(f"rank {first.rank}: {first.error}")
+        return [replies[rank].result for rank in sorted(replies)]
 
     async def broadcast(self, frames: list[Any]) -> None:
         """Put one message on the ring for every rank. Only when the slowest reader still
@@ -289,7 +325,12 @@ async def open_multiproc_executor(args: EngineArgs) -> AsyncIterator[MultiprocEx
             first = group.children[0].ready
             assert first is not None
             executor = MultiprocExecutor(
-                ring, results, group, first, max_concurrent_batches=args.pipeline_parallel_size
+                ring,
+                results,
+                group,
+                first,
+                max_concurrent_batches=args.pipeline_parallel_size,
+                world_size=world,
             )
             log.info(
                 "%d model workers ready (tensor parallel %d x pipeline parallel %d, %d nodes)",

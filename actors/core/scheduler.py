@@ -42,6 +42,7 @@ from .kv_connector import KVConnectorScheduler
 from .kv_transfers import KVTransfers
 from .request import Request, RequestStatus
 from .scheduler_config import SchedulerConfig
+from .scheduler_stats import scheduler_stats
 from .step_results import advance_grammar, check_stop, unsent_prompt_logprobs
 
 if TYPE_CHECKING:
@@ -86,6 +87,10 @@ class Scheduler:
         # the KV connector's loads and holds, and their blocks
         self.transfers = None if connector is None else KVTransfers(connector, self.kv_cache)
         self.prompt_tokens_computed = 0  # prompt positions scheduled for the forward
+        # False while paused with `wait`: only requests that already started are scheduled
+        self.admitting = True
+        # the weights' version, which every output carries (`EngineCoreOutput.weight_version`)
+        self.weight_version = 0
 
     # Intake
 
@@ -255,7 +260,10 @@ class Scheduler:
             and budget > 0
             and len(scheduled) < room
         ):
-            req = self.waiting[0]
+            head = self._admissible()
+            if head is None:
+                break
+            req = self.waiting[head]
             if req.num_computed_tokens:  # its prompt's KV was loaded into blocks it holds
                 hit_blocks, num_hit = [], req.num_computed_tokens
             else:
@@ -267,14 +275,14 @@ class Scheduler:
                     if num_external and load:
                         if not self.transfers.start_load(req, hit_blocks, num_external):
                             break
-                        self.waiting.pop(0)  # parked until its KV is loaded
+                        self.waiting.pop(head)  # parked until its KV is loaded
                         continue
             num_new = min(req.num_tokens - num_hit, budget)
             if limit and new_prompt_tokens and new_prompt_tokens + num_new > limit:
                 break  # the next step starts it
             if self.kv_cache.allocate_slots(req, num_new, hit_blocks) is None:
                 break  # head-of-line blocking keeps the order fair
-            self.waiting.pop(0)
+            self.waiting.pop(head)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
@@ -285,6 +293,37 @@ class Scheduler:
             new_prompt_tokens += num_new
 
         return self._build_output(scheduled)
+
+    def _admissible(self) -> int | None:
+        """The index in `waiting` of the next request to start: the head, or while not
+        `admitting`, the first that had started before (preempted since)."""
+        if self.admitting:
+            return 0
+        return next((i for i, r in enumerate(self.waiting) if r.num_preemptions), None)
+
+    def started_requests(self) -> int:
+        """Requests that started and have not finished: running, or preempted and waiting to
+        run again."""
+        return len(self.running) + sum(1 for r in self.waiting if r.num_preemptions)
+
+    def preempt_all(self) -> int:
+        """Preempt every running request (their KV is about to go away): each waits to be
+        computed again. Only between steps. Returns how many."""
+        victims, self.running = self.running, []
+        for req in victims:
+            self._preempt(req)
+        return len(victims)
+
+    def abort_all(self) -> list[tuple[int, EngineCoreOutput]]:
+        """Abort every live request. Returns what tells each one's client, (client index,
+        output with finish reason `abort`), for the caller to send at once: an abort the
+        client did not ask for must reach it."""
+        live = list(self.requests.values())
+        self.abort_requests([r.request_id for r in live])
+        return [
+            (r.client_index, EngineCoreOutput(r.request_id, finish_reason=FinishReason.ABORT))
+            for r in live
+        ]
 
     def _preempt(self, req: Request) -> None:
         """Recompute-only preemption: drop the request's KV cache and queue it again."""
@@ -401,6 +440,7 @@ class Scheduler:
             new_prompt_logprobs=prompt_logprobs,
             kv_transfer_params=req.kv_transfer_params_out,
             num_cached_tokens=max(0, req.num_cached_tokens),
+            weight_version=self.weight_version,
         )
 
     # Queries
@@ -436,30 +476,14 @@ class Scheduler:
         workers to report it."""
         return self.connector is not None and self.connector.pending
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget all cached prefixes; False while any request holds blocks."""
-        return self.kv_cache.reset_prefix_cache()
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached prefixes, also those of blocks in use (`forget_prefixes`);
+        returns how many."""
+        return self.kv_cache.forget_prefixes()
 
     def get_stats(self) -> SchedulerStats:
         """A snapshot; the prefix-cache counters (tokens) and preemptions are cumulative."""
-        kv = self.kv_cache
-        return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=kv.usage,
-            num_free_blocks=kv.num_free_blocks,
-            num_total_blocks=kv.num_blocks,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
-            num_loading_reqs=len(self.loading),
-            num_held_reqs=len(self.held),
-            prompt_tokens_computed=self.prompt_tokens_computed,
-            prompt_tokens_transferred=self.prompt_tokens_transferred,
-            kv_load_failures=self.kv_load_failures,
-            kv_protocol_errors=self.kv_protocol_errors,
-            kv_params_refused=0 if self.connector is None else self.connector.seal_refusals,
-        )
+        return scheduler_stats(self)
 
 
 def _sort_key(req: Request) -> tuple[int, int]:

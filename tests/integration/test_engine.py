@@ -281,11 +281,11 @@ async def test_utility_calls_sleep_wake_and_reset_prefix_cache(
     async with open_engine(str(model_dir), **F32) as engine:
         await _generate(engine, prompt, params)
         assert (await _generate(engine, prompt, params)).num_cached_tokens > 0
-        assert await engine.reset_prefix_cache() is True
+        assert await engine.admin.reset_prefix_cache() is True
         assert (await _generate(engine, prompt, params)).num_cached_tokens == 0
 
-        await engine.sleep()
-        assert await engine.is_sleeping() is True
+        await engine.admin.sleep(level=0)
+        assert await engine.admin.is_sleeping() is True
         results = []
 
         async def run() -> None:
@@ -297,6 +297,6 @@ async def test_utility_calls_sleep_wake_and_reset_prefix_cache(
             assert not results  # asleep: no steps are taken
             stats = await engine.get_stats()
             assert stats["num_waiting_reqs"] == 1
-            await engine.wake_up()
+            await engine.admin.wake_up()
         assert results[0].outputs[0].token_ids == reference.greedy(tuple(prompt), 4)
-        assert await engine.is_sleeping() is False
+        assert await engine.admin.is_sleeping() is False

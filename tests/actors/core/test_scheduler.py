@@ -484,17 +484,68 @@ def test_without_prefix_caching_nothing_is_shared() -> None:
     assert h.sched.get_stats().prefix_cache_queries == 0
 
 
-def test_reset_prefix_cache_is_refused_while_blocks_are_in_use() -> None:
+def test_reset_prefix_cache_forgets_blocks_in_use_and_their_later_blocks() -> None:
+    """After new weights, no block computed before them may be hit: neither the cached ones a
+    running request holds, nor the blocks it fills afterwards over its old content."""
     h = Harness(block_size=4)
     shared = prompt_of(5, 8)
-    h.add("a", [*shared, 1], max_tokens=3)
+    h.add("a", [*shared, 1], max_tokens=9)
     h.step()
-    assert h.sched.reset_prefix_cache() is False
-    h.run()
-    assert h.sched.reset_prefix_cache() is True
-    h.add("b", [*shared, 1], max_tokens=1)
+    assert h.sched.reset_prefix_cache() == 2  # its two full prompt blocks
+    h.run()  # "a" fills two more blocks, computed over the forgotten ones
+    assert h.sched.kv_cache.pool.cached == {}
+    h.add("b", [*shared, 1, *h.tokens("a")], max_tokens=1)
     out = h.step()
-    assert out.requests[0].num_computed_tokens == 0
+    assert out.requests[0].num_computed_tokens == 0  # nothing of "a" is reused
+    h.run()
+    h.add("c", [*shared, 1], max_tokens=1)
+    out = h.step()
+    assert out.requests[0].num_computed_tokens == 8  # "b", computed after the reset, is
+
+
+def test_paused_with_wait_starts_nothing_new_but_finishes_what_started() -> None:
+    h = Harness(block_size=4, num_blocks=8)
+    h.add("a", prompt_of(1, 12), max_tokens=12)
+    h.step()
+    h.sched.admitting = False
+    h.add("new", prompt_of(40, 4), max_tokens=2)
+    h.add("b", prompt_of(60, 12), max_tokens=12)
+    assert h.sched.started_requests() == 1
+    while h.sched.started_requests():
+        out = h.step()
+        assert {r.request_id for r in out.requests} == {"a"}
+    assert h.finished("a") and not h.outputs["new"] and not h.outputs["b"]
+    h.sched.admitting = True
+    h.run()
+    assert h.finished("new") and h.finished("b")
+
+
+def test_preempt_all_recomputes_every_running_request_the_same() -> None:
+    h = Harness(block_size=4)
+    h.add("a", prompt_of(1, 6), max_tokens=6)
+    h.add("b", prompt_of(20, 9), max_tokens=6)
+    h.step()
+    h.step()
+    assert h.sched.preempt_all() == 2
+    assert h.sched.kv_cache.num_free_blocks == h.config.num_blocks
+    assert h.sched.started_requests() == 2
+    h.run()
+    assert h.tokens("a") == reference(prompt_of(1, 6), 6)
+    assert h.tokens("b") == reference(prompt_of(20, 9), 6)
+
+
+def test_abort_all_tells_each_client_and_frees_every_block() -> None:
+    h = Harness(block_size=4)
+    h.add("a", prompt_of(1, 6), max_tokens=6, client_index=0)
+    h.add("b", prompt_of(20, 9), max_tokens=6, client_index=3)
+    h.step()
+    h.add("c", prompt_of(40, 5), max_tokens=6, client_index=3)
+    told = h.sched.abort_all()
+    assert sorted((client, o.request_id, str(o.finish_reason)) for client, o in told) == [
+        (0, "a", "abort"), (3, "b", "abort"), (3, "c", "abort"),
+    ]  # fmt: skip
+    assert not h.sched.has_unfinished_requests()
+    assert h.sched.kv_cache.num_free_blocks == h.config.num_blocks
 
 
 def test_prompt_logprobs_skip_the_cache_and_cover_every_prompt_token() -> None:
