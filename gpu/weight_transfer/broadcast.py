@@ -10,7 +10,8 @@ Joining: each engine rank counts itself in on the trainer's store before it buil
 so the trainer, which must build it too, waits only as long as ranks keep arriving and can give
 up at once when the server refuses the `init` call (the `abandoned` callbacks). A broadcast's
 sender waits for its receivers, so a trainer whose `/update_weights` the server refused before
-any rank received sees its broadcast stall, gives up the same way, and closes the group; a rank
+the ranks received sees its broadcast stall, gives up the same way (after `ABANDON_GRACE`), and
+closes the group; a rank
 that closes its end makes the trainer's pending broadcast fail at once (the peer is gone), so
 neither side waits out the timeout for a failure the other already knows of.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -38,6 +40,8 @@ from ..parallel_state import _listen, backend_for
 log = logging.getLogger(__name__)
 
 PREFIX = "triode_weights/"
+# seconds a broadcast may take to complete once the server has answered (see TrainerGroup.send)
+ABANDON_GRACE = 2.0
 _ARRIVED = "arrived"
 _HELLO = 0x74726F64  # the handshake broadcast's second value
 
@@ -173,55 +177,67 @@ class BroadcastGroup(_Group):
             ) from None
 
 
-class TrainerGroup(_Group):
-    """The trainer's end: rank 0, hosting the group's store."""
+class Rendezvous:
+    """Where the trainer's group forms: its store, listening at `master_address`:`master_port`
+    from construction (OSError when the port is taken), so the engines can be told of it."""
 
-    @classmethod
-    def host(
-        cls,
+    def __init__(
+        self,
         master_address: str,
         master_port: int,
         world_size: int,
         *,
         transport: str,
         timeout: float,
-        abandoned: Callable[[], bool] = lambda: False,
-    ) -> TrainerGroup:
-        """Listen at `master_address`:`master_port`, wait for the other `world_size - 1` ranks
-        to arrive, and build the group with them. Raises Abandoned when `abandoned()` turns
-        true first, TimeoutError when they do not all arrive within `timeout` seconds."""
-        delta = datetime.timedelta(seconds=timeout)
-        store = dist.TCPStore(
+    ) -> None:
+        self.address = master_address
+        self.world_size = world_size
+        self.transport = transport
+        self.timeout = timeout
+        self._store: Any = dist.TCPStore(
             master_address,
             master_port,
             world_size,
             is_master=True,
-            timeout=delta,
+            timeout=datetime.timedelta(seconds=timeout),
             wait_for_workers=False,
             master_listen_fd=_listen(master_address, master_port),
         )
-        prefixed = dist.PrefixStore(PREFIX, store)
-        try:
-            deadline = time.monotonic() + timeout
-            pause = 1e-3
-            while (arrived := prefixed.add(_ARRIVED, 0)) < world_size - 1:
-                if abandoned():
-                    raise Abandoned
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"{arrived} of {world_size - 1} engine ranks joined within {timeout} s"
-                    )
-                time.sleep(pause)
-                pause = min(2 * pause, 0.05)
-            if transport == "nccl":
-                device = torch.device("cuda", torch.cuda.current_device())
-            else:
-                device = torch.device("cpu")
-            pg = _process_group(prefixed, 0, world_size, transport, delta, master_address)
-        except BaseException:
-            del store, prefixed  # the traceback keeps this frame, which would keep them listening
-            raise
-        group = cls(pg, store, rank=0, size=world_size, transport=transport, device=device)
+        self._prefixed: Any = dist.PrefixStore(PREFIX, self._store)
+
+    def join(self, abandoned: Callable[[], bool] = lambda: False) -> TrainerGroup:
+        """Wait for the other `world_size - 1` ranks to arrive and build the group with them,
+        as rank 0. Raises Abandoned when `abandoned()` turns true first, TimeoutError when they
+        do not all arrive within `timeout` seconds, what the backend raises when the group
+        cannot form."""
+        # No local names the store: a traceback keeps this frame, and the store would listen on.
+        if self._store is None:
+            raise RuntimeError("the rendezvous is closed")
+        deadline = time.monotonic() + self.timeout
+        pause = 1e-3
+        while (arrived := self._prefixed.add(_ARRIVED, 0)) < self.world_size - 1:
+            if abandoned():
+                raise Abandoned
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{arrived} of {self.world_size - 1} engine ranks joined within "
+                    f"{self.timeout} s"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+        if self.transport == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+        delta = datetime.timedelta(seconds=self.timeout)
+        group = TrainerGroup(
+            _process_group(self._prefixed, 0, self.world_size, self.transport, delta, self.address),
+            self._store,
+            rank=0,
+            size=self.world_size,
+            transport=self.transport,
+            device=device,
+        )
         try:
             group._hello(check=False)
         except BaseException:
@@ -229,17 +245,32 @@ class TrainerGroup(_Group):
             raise
         return group
 
+    def close(self) -> None:
+        """Let go of the store: it stops listening once no group holds it (a joined group
+        keeps it until it closes). Idempotent."""
+        self._store = self._prefixed = None
+
+
+class TrainerGroup(_Group):
+    """The trainer's end, rank 0, from `Rendezvous.join`."""
+
     def send(self, tensors: Sequence[torch.Tensor], *, abandoned: Callable[[], bool]) -> None:
         """Broadcast `tensors` in order (each copied to the transport's device first where it is
-        elsewhere). Raises Abandoned when `abandoned()` turns true while one waits for its
-        receivers, and what the backend raises when a broadcast fails; either way the group is
-        no longer usable (close it)."""
+        elsewhere). `abandoned()` turns true when the server has answered with a refusal: the
+        broadcast under way then has `ABANDON_GRACE` seconds to complete (the engine may have
+        received it just before answering), and none starts after it. Raises Abandoned when one
+        did not complete, and what the backend raises when a broadcast fails; either way the
+        group is out of step with the engine's (close it)."""
         for tensor in tensors:
+            if abandoned():
+                raise Abandoned
             work = self._broadcast(tensor.detach().to(self.device).contiguous())
             try:
-                pause = 1e-4
+                pause, deadline = 1e-4, math.inf
                 while not work.is_completed():
-                    if abandoned():
+                    if deadline == math.inf and abandoned():
+                        deadline = time.monotonic() + ABANDON_GRACE
+                    if time.monotonic() > deadline:
                         raise Abandoned
                     time.sleep(pause)
                     pause = min(2 * pause, 0.01)

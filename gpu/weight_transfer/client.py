@@ -26,7 +26,7 @@ from triode.wire.ports import free_port
 from triode.wire.shm_segment import unlink_untracked
 from triode.wire.weight_update import ALIGN, BACKENDS, MAX_TIMEOUT, TRANSPORTS
 
-from .broadcast import Abandoned, TrainerGroup
+from .broadcast import Abandoned, Rendezvous, TrainerGroup
 from .shm import dtype_name, write_bucket
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -124,22 +124,28 @@ class WeightSyncClient:
             "transport": self._transport,
             "timeout": self.timeout,
         }
-        answer = self._pool.submit(
-            self._call, "/init_weight_transfer_engine", {"init_info": init_info}
-        )
         try:
-            group = TrainerGroup.host(
+            rendezvous = Rendezvous(
                 self._master_address,
                 port,
                 world,
                 transport=self._transport,
                 timeout=self.timeout,
-                abandoned=lambda: _failed(answer),
             )
-        except Exception as e:
-            if _failed(answer):
-                answer.result()  # raises the server's refusal, which made the trainer stop
-            raise WeightSyncError(f"the group at {self._master_address}:{port}: {e}") from e
+        except (RuntimeError, OSError) as e:
+            raise WeightSyncError(f"cannot listen at {self._master_address}:{port}: {e}") from e
+        try:
+            answer = self._pool.submit(
+                self._call, "/init_weight_transfer_engine", {"init_info": init_info}
+            )
+            try:
+                group = rendezvous.join(abandoned=lambda: _failed(answer))
+            except Exception as e:
+                if _failed(answer):
+                    answer.result()  # raises the server's refusal, which made the trainer stop
+                raise WeightSyncError(f"the group at {self._master_address}:{port}: {e}") from e
+        finally:
+            rendezvous.close()  # a traceback holding this frame must not keep the store
         try:
             answer.result()
         except BaseException:
