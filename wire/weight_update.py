@@ -55,8 +55,8 @@ def tensor_bytes(dtype: str, shape: tuple[int, ...]) -> int:
 
 
 def check_tensor(where: str, dtype: str, shape: tuple[int, ...]) -> int:
-    """`tensor_bytes` of a tensor described as `where`; ValueError for a dtype the codec has no
-    name for or a size over `MAX_SEGMENT_BYTES`."""
+    """The size of a tensor of `dtype` and `shape`; ValueError, naming it as `where`, for a
+    dtype the codec has no name for or a size over `MAX_SEGMENT_BYTES`."""
     if dtype not in _ITEMSIZE:
         raise ValueError(f"{where}: unknown dtype {dtype[:32]!r}")
     size = tensor_bytes(dtype, shape)

@@ -11,9 +11,8 @@ so the trainer, which must build it too, waits only as long as ranks keep arrivi
 up at once when the server refuses the `init` call (the `abandoned` callbacks). A broadcast's
 sender waits for its receivers, so a trainer whose `/update_weights` the server refused before
 the ranks received sees its broadcast stall, gives up the same way (after `ABANDON_GRACE`), and
-closes the group; a rank
-that closes its end makes the trainer's pending broadcast fail at once (the peer is gone), so
-neither side waits out the timeout for a failure the other already knows of.
+closes the group; a rank that closes its end makes the trainer's pending broadcast fail at once
+(the peer is gone). Neither side waits out the timeout for a failure the other knows of.
 
 Gloo's sockets bind the address that routes to the trainer (on the trainer, `master_address`
 itself), whatever `GLOO_SOCKET_IFNAME` says for the workers' own groups.
