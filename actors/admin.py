@@ -37,6 +37,11 @@ class EngineAdmin:
     async def is_sleeping(self) -> bool:
         return any(await self._call_all("is_sleeping"))
 
+    async def memory(self) -> dict[str, Any]:
+        """The resident memory of each engine core's process and its ranks' (`rss_bytes`:
+        their sum; `processes`: each)."""
+        return combined(await self._call_all("memory"))
+
     async def pause(self, mode: str = "abort") -> dict[str, Any]:
         """`abort`: end in-flight requests now (finish reason `abort`); `wait`: let them finish,
         starting nothing new, and return when they have; `keep`: freeze them with their KV."""
