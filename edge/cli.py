@@ -32,6 +32,7 @@ BENCHMARKS = {
         "triode.edge.bench.throughput", "offline generation against transformers"
     ),
     "structured": Benchmark("triode.edge.bench.structured", "what constrained decoding costs"),
+    "weights": Benchmark("triode.edge.bench.weights", "new weights and sleep, against a restart"),
     "step": Benchmark("triode.gpu.bench.step", "one decode step at several batch sizes, profiled"),
     "collectives": Benchmark(
         "triode.gpu.bench.collectives", "tensor and pipeline parallelism's exchanges"
