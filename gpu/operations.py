@@ -12,7 +12,7 @@ changed nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -142,10 +142,10 @@ class Operations:
         runner = self.runner
         path = Path(model_path).expanduser().absolute()
         names = self._checked_architecture().check_checkpoint(path, runner.model)
-        result: dict[str, Any] = {"model_path": str(path), "loaded": False}
+        result: dict[str, Any] = {"model_path": str(path), "loaded": False, "tensors": 0}
         if "weights" in runner.sleeping:
             self.source = path
-            return self._report(**result)
+            return self._report(**result, int4_detached=0, int4_attached=0)
         written, detached = write_weights(runner.model, safetensors_weights(path), names)
         runner.int4_projections -= detached
         runner.pack_weights()
@@ -175,11 +175,7 @@ class Operations:
         non-floating dtype is `invalid`, naming it. Another pipeline stage's tensors, and a
         tied model's `lm_head.weight`, are accepted and skipped. Returns `tensors` (this
         rank's parameters written)."""
-        if "weights" in self.runner.sleeping:
-            raise OperationError("conflict", WEIGHTS_ASLEEP)
-        update = self._update
-        if update is None:
-            raise OperationError("conflict", "no weight update is open: start_weight_update")
+        update = self._open_update()
         bucket = list(weights)  # bounded by the transport's bucket size
         model = self.runner.model
         self._checked_architecture().check_tensors(bucket, model)
@@ -189,13 +185,24 @@ class Operations:
         update.int4_detached += detached
         return self._report(tensors=written)
 
+    def check_weights(self, specs: Iterable[tuple[str, torch.dtype, Sequence[int]]]) -> None:
+        """What `apply_weights` checks, on (name, dtype, shape) before the tensors exist: a
+        transport refuses a bucket before receiving it. Not a `WorkerCall` method."""
+        self._open_update()
+        self._checked_architecture().check_specs(list(specs), self.runner.model)
+
+    def _open_update(self) -> _Update:
+        if "weights" in self.runner.sleeping:
+            raise OperationError("conflict", WEIGHTS_ASLEEP)
+        if self._update is None:
+            raise OperationError("conflict", "no weight update is open: start_weight_update")
+        return self._update
+
     def finish_weight_update(self) -> dict[str, Any]:
         """Close the open update: the projections that took new weights are packed again for
         the CPU (where the runner packs them). Returns `tensors` (parameters written over the
         update), `int4_detached` (projections that lost their 4-bit codes) and `packed`."""
-        update = self._update
-        if update is None:
-            raise OperationError("conflict", "no weight update is open: start_weight_update")
+        update = self._open_update()
         self._update = None
         packed = self.runner.pack_weights()
         release_memory(self.runner.device)  # the plain weights that packing replaced

@@ -79,22 +79,39 @@ class Architecture:
         if not floating:
             raise invalid(f"tensor {name!r} is {dtype}, not a floating-point dtype")
 
-    def check_tensors(self, weights: Weights, model: LlamaForCausalLM) -> None:
-        """OperationError `invalid` unless every one of `weights` is a known tensor, each
-        once, and has a home in `model`."""
+    def check_specs(
+        self, specs: Iterable[tuple[str, torch.dtype, Sequence[int]]], model: LlamaForCausalLM
+    ) -> None:
+        """OperationError `invalid` unless every (name, dtype, shape) of `specs` is a known
+        tensor, each once, with a home in `model`."""
         seen: set[str] = set()
+        for spec in specs:
+            if not (
+                isinstance(spec, tuple)
+                and len(spec) == 3
+                and isinstance(spec[0], str)
+                and isinstance(spec[1], torch.dtype)
+            ):
+                raise invalid(f"tensors are given by (name, dtype, shape), not {spec!r:.100}")
+            name, dtype, shape = spec
+            if name in seen:
+                raise invalid(f"tensor {name!r} is given twice")
+            seen.add(name)
+            kind = str(dtype).removeprefix("torch.")
+            self.check_tensor(name, shape, kind, dtype.is_floating_point)
+        _check_homes(model, seen)
+
+    def check_tensors(self, weights: Weights, model: LlamaForCausalLM) -> None:
+        """`check_specs` of (name, tensor) pairs."""
+        specs = []
         for item in weights:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
                 raise invalid(f"weights are (name, tensor) pairs, not {type(item).__name__}")
             name, tensor = item
             if not isinstance(tensor, torch.Tensor):
                 raise invalid(f"tensor {name!r} is a {type(tensor).__name__}, not a tensor")
-            if name in seen:
-                raise invalid(f"tensor {name!r} is given twice")
-            seen.add(name)
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            self.check_tensor(name, tensor.shape, dtype, tensor.is_floating_point())
-        _check_homes(model, seen)
+            specs.append((name, tensor.dtype, tuple(tensor.shape)))
+        self.check_specs(specs, model)
 
     def check_checkpoint(self, path: Path, model: LlamaForCausalLM) -> list[str]:
         """The tensor names of checkpoint directory `path`, once its config and every
