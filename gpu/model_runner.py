@@ -150,8 +150,9 @@ class ModelRunner:
         new attention layers.
         """
         with _defaults(self.dtype, self.device), torch.no_grad():
-            self.model = model_class(self.config)(self.config, max_position=self.max_model_len)
-            self.model.load_weights(safetensors_weights(weights_dir))
+            model = model_class(self.config)(self.config, max_position=self.max_model_len)
+            model.load_weights(safetensors_weights(weights_dir))  # raising, it keeps the old
+            self.model = model
             self.pack_weights()
             self.int4_projections = self.attach_int4(weights_dir)
         self._row_paths = share_row_paths(self.model)

@@ -61,9 +61,11 @@ class Operations:
 
     def sleep(self, tags: list[str]) -> dict[str, Any]:
         """Free the KV cache and/or the weights and give their memory back to the system;
-        returns `freed_bytes` (the tensors' bytes) and `asleep` (every part asleep now).
+        returns `freed_bytes` (the tensors' bytes), `asleep` (every part asleep now) and, with
+        weights, `model_path`, what waking loads them from.
 
-        A KV cache that sleeps wakes zeroed: the engine core forgets what it cached. With a KV
+        A KV cache that sleeps wakes zeroed: the engine core forgets what it cached. Weights
+        wake as their source holds them: what a push wrote since is gone. With a KV
         connector the cache is registered with its transport and may not sleep
         (`unsupported`); a part asleep already, or the weights during a pushed update, is a
         `conflict`.
@@ -84,12 +86,14 @@ class Operations:
             freed += tensor_bytes([runner.kv_cache])
             runner.kv_cache = torch.empty(0)
             runner.bind_kv_cache()
+        extra: dict[str, Any] = {}
         if "weights" in wanted:
             freed += tensor_bytes(model_tensors(runner.model))
             free_model(runner.model)
+            extra["model_path"] = str(self.source)
         runner.sleeping |= wanted
         release_memory(runner.device)
-        return self._report(freed_bytes=freed, asleep=sorted(runner.sleeping))
+        return self._report(freed_bytes=freed, asleep=sorted(runner.sleeping), **extra)
 
     def wake_up(self, tags: list[str]) -> dict[str, Any]:
         """Bring sleeping parts back: the KV cache zeroed, of its old shape; the weights
@@ -103,7 +107,11 @@ class Operations:
             raise OperationError("conflict", f"{', '.join(sorted(awake))} not asleep")
         extra: dict[str, Any] = {}
         if "weights" in wanted:
-            runner.load_model(self.source)  # binds the KV cache's views, awake or not
+            try:
+                runner.load_model(self.source)  # binds the KV cache's views, awake or not
+            except BaseException:
+                release_memory(runner.device)  # the half-built model: still asleep
+                raise
             runner.sleeping -= {"weights"}
             extra["model_path"] = str(self.source)
         if "kv_cache" in wanted:
@@ -139,6 +147,8 @@ class Operations:
         on it attaches them)."""
         if self._update is not None:
             raise OperationError("conflict", "a pushed weight update is open: finish it first")
+        if not isinstance(model_path, str) or not model_path:
+            raise OperationError("invalid", "model_path must be a checkpoint directory's path")
         runner = self.runner
         path = Path(model_path).expanduser().absolute()
         names = self._checked_architecture().check_checkpoint(path, runner.model)
@@ -154,8 +164,8 @@ class Operations:
         runner.int4_projections += attached
         self.source = path
         release_memory(runner.device)
-        result |= {"loaded": True, "tensors": written, "int4_detached": detached}
-        return self._report(**result, int4_attached=attached)
+        result |= {"loaded": True, "tensors": written}
+        return self._report(**result, int4_detached=detached, int4_attached=attached)
 
     def start_weight_update(self) -> dict[str, Any]:
         """Open an update pushed in buckets (`apply_weights`), closed by

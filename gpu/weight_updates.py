@@ -126,6 +126,8 @@ class Architecture:
             raise invalid(f"{path} has no *.safetensors files")
         found: dict[str, str] = {}
         for file in files:
+            if not file.is_file():  # a FIFO would block the open, a device stream forever
+                raise invalid(f"{file} is not a regular file")
             try:
                 with safe_open(file, framework="pt") as f:
                     for name in f.keys():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -166,6 +167,7 @@ def test_weights_sleep_gives_their_memory_back_and_wake_rebuilds_the_same_model(
 
     slept = ops.sleep(["weights"])
     assert slept["freed_bytes"] >= weight_bytes and slept["asleep"] == ["weights"]
+    assert slept["model_path"] == str(large)  # what waking loads
     assert rss - slept["rss_bytes"] >= weight_bytes
     assert all(p.numel() == 0 for p in runner.model.parameters())
     with pytest.raises(RuntimeError, match="weights sleep"):
@@ -266,6 +268,19 @@ def test_update_from_disk_while_asleep_becomes_what_waking_loads(
     assert ops.wake_up(["weights"])["model_path"] == str(changed)
     _assert_same(_greedy(runner), _greedy(_runner(changed)))
 
+    # a source gone by the time it wakes: the weights stay asleep, and wake from another
+    gone = _copy_checkpoint(tiny, tmp_path / "gone")
+    ops.sleep(["weights"])
+    ops.update_weights_from_disk(str(gone))
+    (gone / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError):
+        ops.wake_up(["weights"])
+    assert ops.memory()["asleep"] == ["weights"]
+    assert all(p.numel() == 0 for p in runner.model.parameters())
+    ops.update_weights_from_disk(str(tiny))
+    ops.wake_up(["weights"])
+    _assert_same(_greedy(runner), _greedy(_runner(tiny)))
+
 
 def _bad_checkpoints(tiny: Path, root: Path) -> dict[str, tuple[Path, str]]:
     """Checkpoints no update may take, each with what its refusal names."""
@@ -311,6 +326,7 @@ def _bad_checkpoints(tiny: Path, root: Path) -> dict[str, tuple[Path, str]]:
         lambda p: (p / "config.json").write_text(" " * (2 * MiB) + "{}"),
         "bytes",
     )
+    variant("fifo", lambda p: os.mkfifo(p / "model-2.safetensors"), "not a regular file")
     out["not-a-directory"] = (tiny / "config.json", "not a directory")
     return out
 
@@ -325,6 +341,10 @@ def test_a_bad_checkpoint_is_refused_before_anything_loads(tiny: Path, tmp_path:
         assert e.value.kind == "invalid", case
         assert named in str(e.value), (case, str(e.value))
         assert ops.source == tiny
+    for not_a_path in (7, "", None):
+        with pytest.raises(OperationError) as e:
+            ops.update_weights_from_disk(not_a_path)  # type: ignore[arg-type]
+        assert e.value.kind == "invalid"
     _assert_same(_greedy(runner), before)
 
 
