@@ -469,10 +469,22 @@ def test_a_push_into_packed_projections_unpacks_them_and_packs_them_again(
     runner = _runner(tiny)
     qkv = runner.model.model.stage_layers[0].self_attn.qkv_proj
     assert qkv.packed is not None and qkv.weight.numel() == 0
-    result = _push(Operations(runner), list(change.items()))
+    ops = Operations(runner)
+    result = _push(ops, list(change.items()))
     assert result["packed"] == 4  # QKV, gate_up, o_proj and the tied LM head
     assert qkv.packed is not None and qkv.weight.numel() == 0
     _assert_same(_greedy(runner), _greedy(_runner(patched)))
+    # a sleep frees the packed copies too; waking packs the source's weights again
+    packed_bytes = sum(
+        memory.tensor_bytes([m.packed])
+        for m in runner.model.modules()
+        if getattr(m, "packed", None) is not None
+    )
+    assert ops.sleep(["weights"])["freed_bytes"] >= packed_bytes > 0
+    assert all(getattr(m, "packed", None) is None for m in runner.model.modules())
+    ops.wake_up(["weights"])
+    assert runner.model.model.stage_layers[0].self_attn.qkv_proj.packed is not None
+    _assert_same(_greedy(runner), _greedy(_runner(tiny)))
 
 
 def _with_int4_codes(tiny: Path, root: Path) -> Path:
