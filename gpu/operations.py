@@ -24,6 +24,7 @@ from .memory import free_model, memory_report, model_tensors, release_memory, te
 from .model_files import safetensors_weights
 from .model_runner import ModelRunner
 from .profiling import Profiler
+from .weight_transfer import WeightTransfer
 from .weight_updates import Architecture, write_weights
 
 SLEEP_TAGS = ("kv_cache", "weights")
@@ -46,6 +47,8 @@ class Operations:
             "start_profile",
             "stop_profile",
             "memory",
+            "init_weight_transfer",
+            "update_weights",
         }
     )
 
@@ -56,6 +59,13 @@ class Operations:
         self._architecture: Architecture | None = None
         self._update: _Update | None = None  # a pushed update between start and finish
         self._profiler = Profiler(runner.device, runner.parallel.rank)
+        # a trainer's pushes: the transport's state (shm, or a broadcast group joined)
+        self._transfer = WeightTransfer(
+            self.apply_weights,
+            rank=runner.parallel.rank,
+            device=runner.device,
+            check=self.check_weights,
+        )
 
     # --- sleep ----------------------------------------------------------------------------------
 
@@ -224,6 +234,19 @@ class Operations:
         if self._architecture is None:  # built on first use: it costs start-up nothing
             self._architecture = Architecture(self.runner.config)
         return self._architecture
+
+    def init_weight_transfer(self, init_info: dict[str, Any], rank_offset: int) -> dict[str, Any]:
+        """Set up a trainer's transport (`WeightTransfer.init`): for the broadcast, join its
+        group as rank `rank_offset` + this rank, blocking until the whole group has."""
+        return self._report(**self._transfer.init(init_info, rank_offset))
+
+    def update_weights(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        """One bucket of an open update through the transport, into `apply_weights`."""
+        return self._transfer.update(update_info)
+
+    def close(self) -> None:
+        """Leave a trainer's broadcast group, if one was joined."""
+        self._transfer.close()
 
     # --- profiling ------------------------------------------------------------------------------
 

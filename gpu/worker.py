@@ -263,6 +263,8 @@ class Worker:
             raise RuntimeError(f"rank {self.layout.rank}: the world's rank 0 is gone ({e})") from e
 
     def close(self) -> None:
+        if self._operations is not None:
+            self._operations.close()
         self.runner.shutdown()
         self.reader.close()
         parallel_state.destroy_distributed()

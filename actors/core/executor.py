@@ -175,6 +175,8 @@ class InProcessExecutor:
         return result
 
     def shutdown(self) -> None:
+        if self._operations is not None:
+            self._operations.close()
         self._runner.shutdown()
         self._runner = None  # type: ignore[assignment]
 

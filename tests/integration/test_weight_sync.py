@@ -1,5 +1,5 @@
 """Weights from a trainer into a real `triode serve`: the README's `WeightSyncClient` example
-runs as written, each backend replaces every weight (greedy fp32 output turns into another
+runs as written, each backend replaces every weight of both tensor-parallel ranks (greedy fp32 output turns into another
 model's, then back into the first's exactly), and no segment is left behind."""
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ def no_segment_outlives_a_test() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("weight-sync") / "serve.log"
-    with running_server(["tiny-random", "--api-key", KEY, "--dtype", "float32"], log) as s:
+    # two tensor-parallel ranks: each keeps its own shard of what comes
+    command = ["tiny-random", "--api-key", KEY, "--dtype", "float32", "--enable-admin-api"]
+    command += ["--tensor-parallel-size", "2"]
+    with running_server(command, log) as s:
         yield s
 
 
