@@ -36,22 +36,29 @@ PROMPT = "The capital of France is"
 MiB = 1 << 20
 
 
-def tree_rss(leader: int) -> int:
-    """The resident memory of every process in `leader`'s process group (the server runs in
-    one of its own), in bytes."""
-    total = 0
+def tree_rss(root: int) -> int:
+    """The resident memory of `root` and every process descended from it (the server, its
+    engine cores, their workers), in bytes."""
+    parent_of: dict[int, int] = {}
+    rss_of: dict[int, int] = {}
+    page = os.sysconf("SC_PAGE_SIZE")
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
             stat = Path(entry.path, "stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[2]) != leader:  # pgrp
-                continue
-            total += int(fields[21]) * os.sysconf("SC_PAGE_SIZE")  # rss, in pages
-        except (OSError, ValueError, IndexError):
+        except OSError:
             continue  # gone meanwhile
-    return total
+        fields = stat[stat.rindex(")") + 2 :].split()
+        pid = int(entry.name)
+        parent_of[pid], rss_of[pid] = int(fields[1]), int(fields[21]) * page
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parent_of.items() if ppid == parent and pid not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return sum(rss_of.get(pid, 0) for pid in tree)
 
 
 async def _greedy(client: httpx.AsyncClient) -> list[int]:
