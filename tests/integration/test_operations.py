@@ -216,9 +216,10 @@ async def test_update_weights_from_disk_serves_the_new_weights(tiny: Path, tmp_p
     prompts = [[1, *range(30, 50)], [1, *range(70, 75)]]
     async with open_engine(str(changed), dtype="float32") as fresh:
         expected = await _tokens(fresh, prompts)
-    async with open_engine(str(tiny), dtype="float32") as engine:
-        old = await _tokens(engine, prompts)
-        assert old != expected
+    # two data-parallel engine cores: each takes every operation
+    async with open_engine(str(tiny), dtype="float32", data_parallel_size=2) as engine:
+        old = await _tokens(engine, prompts * 2)
+        assert old[:2] == old[2:] and old[:2] != expected
         assert (await _generate(engine, prompts[0])).num_cached_tokens > 0
 
         wrong = build_tiny_model(tmp_path / "wrong", hidden_size=64)
@@ -226,11 +227,17 @@ async def test_update_weights_from_disk_serves_the_new_weights(tiny: Path, tmp_p
             with pytest.raises(OperationError) as refused:
                 await engine.admin.update_weights_from_disk(str(path))
             assert refused.value.kind == kind
-        assert await _tokens(engine, prompts) == old  # still the old weights
+        assert await _tokens(engine, prompts * 2) == old  # still the old weights
         assert await engine.admin.weight_version() == 0
 
         updated = await engine.admin.update_weights_from_disk(str(changed))
-        assert updated["weight_version"] == 1
+        assert [e["weight_version"] for e in updated["engines"]] == [1, 1]
         out = await _generate(engine, prompts[0])
         assert out.num_cached_tokens == 0 and out.weight_version == 1
-        assert await _tokens(engine, prompts) == expected
+        assert await _tokens(engine, prompts * 2) == expected * 2
+        # a level 2 sleep reloads the weights from the checkpoint given last
+        slept = await engine.admin.sleep(level=2)
+        assert len(slept["engines"]) == 2
+        await engine.admin.wake_up()
+        assert await _tokens(engine, prompts * 2) == expected * 2
+        assert await engine.admin.weight_version() == 1

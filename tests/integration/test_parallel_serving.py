@@ -230,7 +230,8 @@ def test_two_nodes_on_loopback_match_a_world_of_one(
 
     world = two_nodes(cluster_key, *F32)
     with headless_node(world, tmp_path / "node1.log") as node1:
-        with running_server([*world, "--node-rank", "0"], tmp_path / "node0.log") as server:
+        node0 = [*world, "--node-rank", "0", "--enable-admin-api"]
+        with running_server(node0, tmp_path / "node0.log") as server:
             remote = descendants(node1.pid)
             assert len(actors(remote)) == 1  # node 1 hosts rank 1
             assert len(actors(descendants(server.engine_pid()))) == 1  # node 0 hosts rank 0
@@ -253,6 +254,12 @@ def test_two_nodes_on_loopback_match_a_world_of_one(
             texts = _completions(server.url, reference)
             heard = listener.poll(0)
             context.destroy(linger=0)
+            # the administrative calls reach the rank on node 1 too, and it answers
+            slept = httpx.post(f"{server.url}/sleep", params={"level": 2}, timeout=60)
+            ranks = [p for p in slept.json()["processes"] if p["role"].startswith("rank-")]
+            assert slept.status_code == 200 and len(ranks) == 2
+            assert httpx.post(f"{server.url}/wake_up", timeout=60).status_code == 200
+            assert _completions(server.url, reference) == texts
         assert texts == [reference.tokenizer.decode(e) for e in expected]
         assert not heard
         # the engine's SHUTDOWN reaches node 1's worker over ZMQ: that node ends by itself
