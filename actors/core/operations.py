@@ -89,6 +89,7 @@ class EngineOperations:
                     "unsupported",
                     "the KV cache cannot sleep with a KV connector (other instances read it)",
                 )
+            held_before = Hold.SLEEP in core.holds
             await core.hold(Hold.SLEEP)
             preempted = 0
             if "kv_cache" in free:  # the memory goes: what it held is computed again
@@ -99,6 +100,10 @@ class EngineOperations:
                 results = await core.executor.call_workers(
                     "sleep" if free else "memory", **({"tags": sorted(free)} if free else {})
                 )
+            except OperationError:  # every rank refused alike: nothing went
+                if not held_before and not self.asleep:
+                    core.release(Hold.SLEEP)
+                raise
             except BaseException:
                 # some ranks may have let go: a wake takes it all back
                 self.asleep |= free

@@ -99,7 +99,8 @@ class Trace:
         assert not kv.req_blocks and not self.sched.requests
         assert not self.sched.running and not self.sched.waiting
         assert all(track.finishes == 1 for track in self.tracks), "a request never finished"
-        assert self.sched.reset_prefix_cache(), "prefix cache reset refused with no requests"
+        self.sched.reset_prefix_cache()
+        assert not kv.pool.cached, "a prefix survived the reset"
 
     def op(self, op: int) -> None:
         if op == ADD:
@@ -119,8 +120,10 @@ class Trace:
                 self.add(request_id)
             self.update(out)
         elif op == RESET:
-            in_use = self.sched.kv_cache.num_free_blocks < self.config.num_blocks
-            assert self.sched.reset_prefix_cache() is not in_use
+            free = self.sched.kv_cache.num_free_blocks
+            self.sched.reset_prefix_cache()  # blocks in use too: none keeps a hash
+            assert not self.sched.kv_cache.pool.cached, "a prefix survived the reset"
+            assert self.sched.kv_cache.num_free_blocks == free, "the reset freed or took blocks"
         else:
             for _ in range(self.src.int(1, 8)):
                 self.step()

@@ -143,7 +143,8 @@ def test_kv_cache_sleep_gives_its_memory_back_and_wakes_zeroed_to_the_same_outpu
 
     slept = ops.sleep(["kv_cache"])
     assert slept["freed_bytes"] == kv_bytes and slept["asleep"] == ["kv_cache"]
-    assert rss - slept["rss_bytes"] >= kv_bytes
+    # all of it, less what else the process took meanwhile (a few pages, in a full run)
+    assert rss - slept["rss_bytes"] >= 0.95 * kv_bytes
     with pytest.raises(RuntimeError, match="kv_cache sleep"):
         _greedy(runner)
 
@@ -168,7 +169,7 @@ def test_weights_sleep_gives_their_memory_back_and_wake_rebuilds_the_same_model(
     slept = ops.sleep(["weights"])
     assert slept["freed_bytes"] >= weight_bytes and slept["asleep"] == ["weights"]
     assert slept["model_path"] == str(large)  # what waking loads
-    assert rss - slept["rss_bytes"] >= weight_bytes
+    assert rss - slept["rss_bytes"] >= 0.95 * weight_bytes
     assert all(p.numel() == 0 for p in runner.model.parameters())
     with pytest.raises(RuntimeError, match="weights sleep"):
         _greedy(runner)

@@ -67,9 +67,9 @@ async def test_only_time_without_a_step_while_requests_wait_counts_as_a_stall(
         executor.stick()
         await trio.sleep(90)
         assert 89 < core.seconds_stalled() < 91
-        core.sleeping = True  # told to take no steps: not a stall
+        core.holds.add("sleep")  # told to take no steps: not a stall
         assert core.seconds_stalled() == 0.0
-        core.sleeping = False
+        core.holds.discard("sleep")
         executor.free()
         await trio.sleep(5)
         assert core.seconds_stalled() < 1
