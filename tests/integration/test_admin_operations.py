@@ -10,7 +10,6 @@ from contextlib import aclosing
 from pathlib import Path
 
 import pytest
-import torch
 import trio
 from safetensors.torch import load_file, save_file
 
@@ -88,7 +87,7 @@ async def test_sleep_gives_the_kv_cache_and_weights_back_and_wakes_the_same(
         assert results[0].outputs[0].token_ids == before
         assert results[0].num_cached_tokens == 0  # the prefix cache went with the memory
 
-        weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
+        weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))  # noqa: ASYNC240
         awake = await admin.memory()
         asleep = await admin.sleep(level=2)
         assert asleep["asleep"] == ["kv_cache", "weights"]
@@ -101,51 +100,82 @@ async def test_sleep_gives_the_kv_cache_and_weights_back_and_wakes_the_same(
         assert await admin.weight_version() == 0
 
 
-@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
-async def test_sleep_and_wake_on_every_rank(tiny: Path, parallel: dict[str, int]) -> None:
+async def test_sleep_wake_and_profile_on_every_rank(tiny: Path, tmp_path: Path) -> None:
+    """Tensor x pipeline parallel 2 x 2: every rank gives its memory back and takes it again
+    (greedy outputs unchanged), and each writes its profile beside the step timeline."""
     prompts = [[1, *range(30, 50)], [1, *range(70, 75)]]
     kv = 64 * MiB
-    async with open_engine(str(tiny), dtype="float32", kv_cache_memory=kv, **parallel) as engine:
+    directory = tmp_path / "profiles"
+    async with open_engine(
+        str(tiny),
+        dtype="float32",
+        kv_cache_memory=kv,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        profiler_dir=str(directory),
+    ) as engine:
         before = await _tokens(engine, prompts)
         awake = await engine.admin.memory()
         asleep = await engine.admin.sleep(level=2)
         ranks = [p for p in asleep["processes"] if p["role"].startswith("rank-")]
-        assert len(ranks) == 2
+        assert len(ranks) == 4
         # each rank holds its share of a cache of `kv` bytes
         assert awake["rss_bytes"] - asleep["rss_bytes"] >= 0.9 * kv
         await engine.admin.wake_up()
         assert await _tokens(engine, prompts) == before
 
+        with pytest.raises(OperationError) as refused:
+            await engine.admin.stop_profile()
+        assert refused.value.kind == "conflict"
+        await engine.admin.start_profile()
+        await _generate(engine, [1, *range(5, 40)])
+        done = await engine.admin.stop_profile()
+    files = [Path(f) for f in done["files"]]
+    assert sorted(f.name for f in files) == [
+        *(f"engine-0-rank-{r}.json" for r in range(4)), "engine-0-steps.json",
+    ]  # fmt: skip
+    for path in files:
+        assert json.loads(path.read_text())["traceEvents"]
+    steps = json.loads((directory / "engine-0-steps.json").read_text())["traceEvents"]
+    assert sum(e["args"]["tokens"] for e in steps) >= 35 + 11
+    rank0 = json.loads((directory / "engine-0-rank-0.json").read_text())["traceEvents"]
+    assert any(e.get("name") in ("aten::mm", "aten::linear", "aten::addmm") for e in rank0)
+
+
+class Seen(list):  # type: ignore[type-arg]
+    """A request's outputs as they come, and an event set by the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = trio.Event()
+
 
 async def _stream(engine, prompt, params, seen):  # type: ignore[no-untyped-def]
-    """Generate, noting each output; the last one."""
-    last = None
+    """Generate, noting each output in `seen`."""
     async with aclosing(engine.generate(prompt, params)) as outputs:
         async for out in outputs:
             seen.append(out)
-            last = out
-    return last
+            seen.first.set()
 
 
 async def test_pause_abort_wait_and_keep_with_requests_in_flight(tiny: Path) -> None:
-    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     prompt = [1, *range(10, 20)]
     async with open_engine(str(tiny), dtype="float32") as engine:
         admin = engine.admin
         reference = (await _generate(engine, prompt, long)).outputs[0].token_ids
 
         # abort: the stream ends at once, cleanly, with finish reason "abort"
-        seen: list = []
+        seen = Seen()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_stream, engine, prompt, long, seen)
-            while not seen:
-                await trio.sleep(0.01)
+            await seen.first.wait()
             paused = await admin.pause(mode="abort")
         assert paused["aborted"] == 1 and await admin.is_paused()
         assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
-        assert len(seen[-1].outputs[0].token_ids) < 400
+        assert len(seen[-1].outputs[0].token_ids) < 200
         # a request sent while paused waits, and runs after the resume
-        results: list = []
+        results = Seen()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: _stream(engine, prompt, GREEDY, results))
             await trio.sleep(0.3)
@@ -154,25 +184,24 @@ async def test_pause_abort_wait_and_keep_with_requests_in_flight(tiny: Path) -> 
         assert results[-1].outputs[0].token_ids == reference[:12]
 
         # keep: frozen with its KV, then continued to the same tokens
-        seen = []
+        seen = Seen()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_stream, engine, prompt, long, seen)
-            while not seen:
-                await trio.sleep(0.01)
+            await seen.first.wait()
             await admin.pause(mode="keep")
-            count = len(seen)
+            steps = (await engine.get_stats())["steps"]
             await trio.sleep(0.3)
-            assert len(seen) == count and not seen[-1].finished
+            assert (await engine.get_stats())["steps"] == steps  # frozen: no step taken
+            assert not seen[-1].finished
             await admin.resume()
         assert seen[-1].outputs[0].token_ids == reference
         assert seen[-1].outputs[0].finish_reason == "length"
 
         # wait: the started request finishes; one that had not started waits for the resume
-        seen, queued = [], []
+        seen, queued = Seen(), Seen()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_stream, engine, prompt, long, seen)
-            while not seen:
-                await trio.sleep(0.01)
+            await seen.first.wait()
             with trio.fail_after(60):
                 async with trio.open_nursery() as pausing:
                     pausing.start_soon(admin.pause, "wait")
@@ -185,30 +214,6 @@ async def test_pause_abort_wait_and_keep_with_requests_in_flight(tiny: Path) -> 
         assert queued[-1].outputs[0].token_ids == reference[:12]
         stats = await engine.get_stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
-
-
-async def test_profile_writes_loadable_traces(tiny: Path, tmp_path: Path) -> None:
-    directory = tmp_path / "profiles"
-    async with open_engine(
-        str(tiny), dtype="float32", profiler_dir=str(directory), tensor_parallel_size=2
-    ) as engine:
-        with pytest.raises(OperationError) as refused:
-            await engine.admin.stop_profile()
-        assert refused.value.kind == "conflict"
-        await engine.admin.start_profile()
-        await _generate(engine, [1, *range(5, 40)])
-        done = await engine.admin.stop_profile()
-    files = [Path(f) for f in done["files"]]
-    assert sorted(f.name for f in files) == [
-        "engine-0-rank-0.json", "engine-0-rank-1.json", "engine-0-steps.json",
-    ]  # fmt: skip
-    for path in files:
-        events = json.loads(path.read_text())["traceEvents"]
-        assert events
-    steps = json.loads((directory / "engine-0-steps.json").read_text())["traceEvents"]
-    assert sum(e["args"]["tokens"] for e in steps) >= 35 + 11
-    rank0 = json.loads((directory / "engine-0-rank-0.json").read_text())["traceEvents"]
-    assert any(e.get("name") in ("aten::mm", "aten::linear", "aten::addmm") for e in rank0)
 
 
 async def test_update_weights_from_disk_serves_the_new_weights(tiny: Path, tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
-"""Weights from a trainer into a real `triode serve`: the README's `WeightSyncClient` example
-runs as written, each backend replaces every weight of both tensor-parallel ranks (greedy fp32 output turns into another
-model's, then back into the first's exactly), and no segment is left behind."""
+"""Weights from a trainer into a real `triode serve` of two tensor-parallel ranks: the README's
+`WeightSyncClient` example runs as written, each backend replaces every weight of both ranks
+(greedy fp32 output turns into another model's, then back into the first's exactly), and no
+segment is left behind."""
 
 from __future__ import annotations
 
