@@ -86,14 +86,16 @@ async def call(
     *,
     key: str | None = None,
     headers: list[tuple[bytes, bytes]] | None = None,
+    query: bytes = b"",
 ) -> Answer:
-    """One request through `app`, whole: its status, headers and body."""
-    raw = b"" if body is None else msgspec.json.encode(body)
+    """One request through `app`, whole: its status, headers and body (`body` as JSON, or
+    bytes as they are)."""
+    raw = body if isinstance(body, bytes) else b"" if body is None else msgspec.json.encode(body)
     all_headers = [(b"content-type", b"application/json"), *(headers or [])]
     if key is not None:
         all_headers.append((b"authorization", f"Bearer {key}".encode()))
     scope = {
-        "type": "http", "method": method, "path": path, "root_path": "", "query_string": b"",
+        "type": "http", "method": method, "path": path, "root_path": "", "query_string": query,
         "headers": all_headers,
     }  # fmt: skip
     incoming = [{"type": "http.request", "body": raw, "more_body": False}]

@@ -17,7 +17,7 @@ import httpx
 import msgspec
 import pytest
 import trio
-from app_harness import Answer, StubEngine
+from app_harness import Answer, StubEngine, call
 from integration.server import Server, running_servers
 from processes import alive
 
@@ -92,30 +92,7 @@ async def _call(
     key: str | None = KEY,
 ) -> Answer:
     """One request through `app`, with a query string."""
-    raw = body if isinstance(body, bytes) else b"" if body is None else msgspec.json.encode(body)
-    headers = [(b"content-type", b"application/json")]
-    if key is not None:
-        headers.append((b"authorization", f"Bearer {key}".encode()))
-    scope = {
-        "type": "http", "method": method, "path": path, "root_path": "", "query_string": query,
-        "headers": headers,
-    }  # fmt: skip
-    incoming = [{"type": "http.request", "body": raw, "more_body": False}]
-    sent: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        if incoming:
-            return incoming.pop(0)
-        await trio.sleep_forever()
-        raise AssertionError
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    await app(scope, receive, send)
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    content = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return Answer(start["status"], dict(start.get("headers", [])), content)
+    return await call(app, method, path, body, key=key, query=query)
 
 
 def _error(answer: Answer) -> dict[str, Any]:

@@ -18,39 +18,26 @@ import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
 from processes import alive, listening_sockets
+from shm_segments import no_segment_outlives_a_test  # noqa: F401 - autouse
 
 from triode.gpu.weight_transfer import WeightTransfer, mapped_weights, write_bucket
 from triode.gpu.weight_transfer.client import WeightSyncClient, WeightSyncError, buckets
 from triode.wire import OperationError
 from triode.wire.shm_segment import unlink_untracked
-from triode.wire.tensor_ipc import NAME_PREFIX
 from triode.wire.weight_update import ShmBucket, ShmUpdate
 
-SHM = Path("/dev/shm")
 # the edge's answer to an OperationError of each kind
 STATUS = {
     "invalid": (400, "BadRequestError"),
     "unsupported": (400, "BadRequestError"),
     "conflict": (409, "ConflictError"),
 }
-
-
-def _segments() -> set[str]:
-    return {p.name for p in SHM.glob(NAME_PREFIX + "*")}
-
-
-@pytest.fixture(autouse=True)
-def no_segment_outlives_a_test() -> Iterator[None]:
-    before = _segments()
-    yield
-    assert _segments() <= before
 
 
 def _model() -> dict[str, torch.Tensor]:

@@ -14,27 +14,15 @@ import httpx
 import pytest
 import torch
 from server import Server, running_server
+from shm_segments import no_segment_outlives_a_test  # noqa: F401 - autouse
 
 from triode.gpu.weight_transfer.client import WeightSyncClient, WeightSyncError
-from triode.wire.tensor_ipc import NAME_PREFIX
 
 pytestmark = pytest.mark.slow
 
 README = Path(__file__).resolve().parents[2] / "README.md"
-SHM = Path("/dev/shm")
 KEY = "trainer-key"
 PROMPT = "The weights of this model are"
-
-
-def _segments() -> set[str]:
-    return {p.name for p in SHM.glob(NAME_PREFIX + "*")}
-
-
-@pytest.fixture(autouse=True)
-def no_segment_outlives_a_test() -> Iterator[None]:
-    before = _segments()
-    yield
-    assert _segments() <= before
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from shm_segments import no_segment_outlives_a_test, segments  # noqa: F401
 
 from triode.wire import (
     Decoder,
@@ -23,17 +23,6 @@ from triode.wire import (
 from triode.wire.tensor_ipc import NAME_PREFIX, open_shared, share
 
 SHM = Path("/dev/shm")
-
-
-def _segments() -> set[str]:
-    return {p.name for p in SHM.glob(NAME_PREFIX + "*")}
-
-
-@pytest.fixture(autouse=True)
-def no_segment_outlives_a_test() -> Iterator[None]:
-    before = _segments()
-    yield
-    assert _segments() <= before
 
 
 def _through_the_wire(handle: TensorHandle) -> TensorHandle:
@@ -50,7 +39,7 @@ def test_an_array_round_trips_and_the_receiver_unlinks_it(dtype: str) -> None:
 
     copy = open_shared(_through_the_wire(handle), unlink=True)
 
-    assert handle.shm_name not in _segments()
+    assert handle.shm_name not in segments()
     assert copy.dtype == array.dtype and np.array_equal(copy, array)
     assert copy.flags.writeable and copy.flags.c_contiguous
     owner.unlink()  # idempotent: the receiver was first
@@ -71,10 +60,10 @@ def test_a_non_contiguous_or_big_endian_array_is_shared_in_c_order() -> None:
     handle, owner = share(array)
     try:
         assert np.array_equal(open_shared(handle), array)
-        assert handle.shm_name in _segments()  # the receiver did not unlink: still there
+        assert handle.shm_name in segments()  # the receiver did not unlink: still there
     finally:
         owner.unlink()
-    assert handle.shm_name not in _segments()
+    assert handle.shm_name not in segments()
 
 
 @pytest.mark.parametrize(
@@ -128,7 +117,7 @@ def test_a_segment_of_another_size_is_refused_and_still_unlinked(shape: tuple[in
     with pytest.raises(ProtocolError, match="holds 16 bytes"):
         open_shared(forged, unlink=True)
 
-    assert handle.shm_name not in _segments()
+    assert handle.shm_name not in segments()
 
 
 def test_an_empty_segment_is_a_protocol_error() -> None:
@@ -156,10 +145,10 @@ def _share_in_a_process_that_exits() -> TensorHandle:
 
 def test_a_dead_sender_leaves_the_segment_to_the_receiver_which_unlinks_it() -> None:
     handle = _share_in_a_process_that_exits()
-    assert handle.shm_name in _segments()  # no resource tracker took it down with its sender
+    assert handle.shm_name in segments()  # no resource tracker took it down with its sender
 
     assert np.array_equal(open_shared(handle, unlink=True), np.arange(6, dtype=np.float32))
-    assert handle.shm_name not in _segments()
+    assert handle.shm_name not in segments()
 
 
 def test_a_sender_that_unlinks_before_any_receiver_leaves_nothing() -> None:

@@ -5,12 +5,12 @@ segments an update names, however often it runs."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from shm_segments import no_segment_outlives_a_test, segments  # noqa: F401
 
 from triode.wire import OperationError
 from triode.wire.tensor_ipc import NAME_PREFIX, share
@@ -31,17 +31,6 @@ from triode.wire.weight_update import (
 
 SHM = Path("/dev/shm")
 SEGMENT = NAME_PREFIX + "0" * 32
-
-
-def _segments() -> set[str]:
-    return {p.name for p in SHM.glob(NAME_PREFIX + "*")}
-
-
-@pytest.fixture(autouse=True)
-def no_segment_outlives_a_test() -> Iterator[None]:
-    before = _segments()
-    yield
-    assert _segments() <= before
 
 
 def _tensor(name: str = "model.w", offset: int = 0, **fields: Any) -> dict[str, Any]:
@@ -214,9 +203,9 @@ def test_unlink_buckets_removes_the_named_segments_once() -> None:
         {"buckets": [{"shm_name": n, "nbytes": 64, "tensors": []} for n in names]}, "shm"
     )
     assert isinstance(update, ShmUpdate)
-    assert set(names) <= _segments()
+    assert set(names) <= segments()
     assert unlink_buckets(update) == 2
-    assert not set(names) & _segments()
+    assert not set(names) & segments()
     assert unlink_buckets(update) == 0
 
 
@@ -233,6 +222,6 @@ def test_unlink_buckets_takes_an_update_that_did_not_decode_and_only_its_segment
         ]
     }
     assert unlink_buckets(body) == 1
-    assert handle.shm_name not in _segments()
+    assert handle.shm_name not in segments()
     for hostile in ({"buckets": "x"}, {"buckets": None}, {}, [1, 2], "text"):
         assert unlink_buckets(hostile) == 0  # type: ignore[arg-type]
