@@ -210,6 +210,10 @@ class EngineCore:
         self._work.set()
         await self._parked.wait()
 
+    def spawn(self, task: Any) -> None:
+        """Run `task` beside the step loop and the input actor, until the engine stops."""
+        self._nursery.start_soon(task)
+
     def release(self, reason: str) -> None:
         self.holds.discard(reason)
         self._work.set()

@@ -35,6 +35,9 @@ SLEEP_TAGS = ("kv_cache", "weights")
 LEVEL_TAGS = {0: (), 1: ("kv_cache",), 2: ("kv_cache", "weights")}
 PAUSE_MODES = ("abort", "wait", "keep")
 MAX_MODEL_PATH = 4096
+# a trainer's update that no call touched for this long is finished by the engine itself: a
+# trainer that died between start and finish must not leave the engine held for good
+UPDATE_IDLE_TIMEOUT = 300.0
 # the most steps one profile's timeline keeps (a profile left running must not grow without
 # bound): about 30 MB of trace
 MAX_TIMELINE_STEPS = 200_000
@@ -71,6 +74,7 @@ class EngineOperations:
         self.from_source = True  # the weights are their on-disk source's (not a trainer's)
         self.transfer: str | None = None  # the weight transfer backend, once initialised
         self.updating = False  # between start_weight_update and finish_weight_update
+        self._touched = 0.0  # when a call of the open update last came (trio's clock)
         self.timeline = StepTimeline()
         self._busy: str | None = None
         self._drained: trio.Event | None = None  # while a `wait` pause waits
@@ -277,6 +281,8 @@ class EngineOperations:
                 self.core.release(Hold.UPDATE)
                 raise
             self.updating = True
+            self._touched = trio.current_time()
+            self.core.spawn(self._expire_update)
             return {"weight_version": self.version}
 
     async def update_weights(self, update_info: dict[str, Any]) -> dict[str, Any]:
@@ -285,6 +291,7 @@ class EngineOperations:
         with self._operation("update_weights"):
             if not self.updating:
                 raise OperationError("conflict", "call /start_weight_update first")
+            self._touched = trio.current_time()
             try:
                 results = await self.core.executor.call_workers(
                     "update_weights", update_info=update_info
@@ -309,6 +316,26 @@ class EngineOperations:
 
     def weight_version(self) -> int:
         return self.version
+
+    async def _expire_update(self) -> None:
+        """Finish the open update once no call has come for `UPDATE_IDLE_TIMEOUT` seconds
+        (counted again from the end of one that runs that long)."""
+        while self.updating:
+            deadline = self._touched + UPDATE_IDLE_TIMEOUT
+            if trio.current_time() < deadline:
+                await trio.sleep_until(deadline)
+            elif self._busy is not None:
+                self._touched = trio.current_time()
+            else:
+                log.warning(
+                    "no call of the weight update for %.0f s: finishing it (the trainer left)",
+                    UPDATE_IDLE_TIMEOUT,
+                )
+                try:
+                    await self.finish_weight_update()
+                except Exception:
+                    log.exception("finishing the abandoned weight update failed")
+                return
 
     def _new_version(self, *, from_source: bool) -> None:
         """New weights: every cached prefix is stale, every output says which weights."""
