@@ -336,15 +336,19 @@ class EngineCore:
             await self._outbox.send((request.client_index, outputs))
 
     async def _call_utility(self, call: UtilityCall) -> None:
-        """A utility method, answered in order; an operation (`operations.py`), which may
-        take long (a pause that waits, new weights), in a task of its own, so that inputs
-        (aborts among them) keep coming in meanwhile."""
+        """A utility method, answered in order; an operation (`operations.py`) that acts,
+        which may take long (a pause that waits, new weights), in a task of its own, so that
+        inputs (aborts among them) keep coming in meanwhile: its answer may come after those
+        of later calls."""
         method = _UTILITIES.get(call.method)
         if method is not None:
             await self._answer(call, method, self)
         elif call.method in EngineOperations.METHODS:
             method = getattr(EngineOperations, call.method)
-            self._nursery.start_soon(self._answer, call, method, self.operations)
+            if inspect.iscoroutinefunction(method):
+                self._nursery.start_soon(self._answer, call, method, self.operations)
+            else:  # a question about the state: answered in order, like the rest
+                await self._answer(call, method, self.operations)
         else:
             result = UtilityOutput(call.call_id)
             result.failure_message = f"unknown utility method {call.method!r}"

@@ -110,6 +110,7 @@ class _Session:
                 continue
             if self.owed[answer.call_id] > 0:
                 self.owed[answer.call_id] -= 1
+                self._answered.set()
             elif answer.call_id > _SYNC_BASE:
                 self._answers[answer.call_id] = answer
                 self._answered.set()
@@ -182,6 +183,11 @@ class _Session:
                 f"the engine counted {stats['protocol_errors']} protocol errors for "
                 f"{self.expected_errors} undecodable messages"
             )
+        # an operation that acts (wake_up) is answered when done, maybe after later calls
+        with trio.move_on_after(ANSWER_TIMEOUT):
+            while +self.owed:
+                await self._answered.wait()
+                self._answered = trio.Event()
         if owed := +self.owed:
             raise Violation(f"utility calls left unanswered: {dict(owed)}")
         if self.problem is not None:
