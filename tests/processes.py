@@ -1,8 +1,31 @@
-"""What the tests ask of processes they started: whether one still runs."""
+"""What the tests ask of processes they started: whether one still runs; and a world of rank
+processes run to their end."""
 
 from __future__ import annotations
 
+import multiprocessing
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
+
+
+def run_ranks(target: Callable[..., None], args_of_rank: Sequence[tuple[Any, ...]]) -> None:
+    """Run `target(*args)` in one spawned process per entry of `args_of_rank`, all at once;
+    each must exit with status 0 within 240 s, and none outlives the call."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args) for args in args_of_rank]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=240)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert not any(p.is_alive() for p in procs)
 
 
 def alive(pid: int) -> bool:

@@ -5,7 +5,6 @@ decodes on those weights."""
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
 import shutil
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from processes import run_ranks
 from safetensors.torch import load_file, save_file
 
 from triode.gpu.local_group import free_port
@@ -129,25 +129,10 @@ def test_every_rank_takes_its_share_of_each_operation(tmp_path: Path) -> None:
         "patched": _copy(original, tmp_path / "patched", PUSHED, 1),
         "changed": _copy(original, tmp_path / "changed", None, 2),
     }
-    ctx = multiprocessing.get_context("spawn")
     port, out = free_port(), tmp_path / "results.pkl"
     names = {k: str(v) for k, v in dirs.items()}
-    procs = [
-        ctx.Process(target=_rank_main, args=(ParallelLayout(2, 2, rank), port, names, str(out)))
-        for rank in range(4)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=240)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert not any(p.is_alive() for p in procs)
+    layouts = [ParallelLayout(2, 2, rank) for rank in range(4)]
+    run_ranks(_rank_main, [(layout, port, names, str(out)) for layout in layouts])
     got = pickle.loads(out.read_bytes())
     for name in ("patched", "changed"):
         expected = _decode(_runner(dirs[name]), lambda tokens: tokens, 0)

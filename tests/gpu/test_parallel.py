@@ -8,11 +8,11 @@ within 1e-4.
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
 from pathlib import Path
 
 import pytest
+from processes import run_ranks
 
 from triode.gpu.local_group import free_port
 from triode.gpu.parallel_state import ParallelLayout, partition
@@ -96,27 +96,10 @@ def _plain(output: object) -> list[tuple[str, int | None, object, object]]:
 
 
 def _run_world(model_dir: Path, tp: int, pp: int, tmp_path: Path) -> list[object]:
-    ctx = multiprocessing.get_context("spawn")
     port = free_port()
     out = tmp_path / f"tp{tp}-pp{pp}.pkl"
-    procs = [
-        ctx.Process(
-            target=_rank_main, args=(ParallelLayout(tp, pp, rank), port, str(model_dir), str(out))
-        )
-        for rank in range(tp * pp)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout=240)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert not any(p.is_alive() for p in procs)
+    layouts = [ParallelLayout(tp, pp, rank) for rank in range(tp * pp)]
+    run_ranks(_rank_main, [(layout, port, str(model_dir), str(out)) for layout in layouts])
     return pickle.loads(out.read_bytes())
 
 
