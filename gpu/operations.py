@@ -67,6 +67,14 @@ class Operations:
             check=self.check_weights,
         )
 
+    def call(self, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """`method` (one of `METHODS`: a `WorkerCall`'s) with `kwargs`; RuntimeError for
+        any other name."""
+        if method not in self.METHODS:
+            raise RuntimeError(f"no operation {method[:64]!r}")
+        result: dict[str, Any] = getattr(self, method)(**kwargs)
+        return result
+
     # --- sleep ----------------------------------------------------------------------------------
 
     def sleep(self, tags: list[str]) -> dict[str, Any]:

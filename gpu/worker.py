@@ -48,6 +48,7 @@ from triode.wire.shm_ring import RingHandle, ShmRingReader
 
 from . import parallel_state
 from .model_runner import ModelRunner
+from .operations import Operations
 from .parallel_state import ParallelLayout
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ class Worker:
             device=str(self.device),
             num_threads=len(cpus),
         )
-        self._operations: Any = None  # built by the first call
+        self.operations = Operations(self.runner)
         # a ring's local readers are this node's ranks; the remote ones are numbered from 0
         # over the ranks of every other node
         self.remote = not options.local
@@ -229,15 +230,7 @@ class Worker:
         """One of this rank's `Operations`, by name: its result, or how it failed."""
         reply = WorkerReply(call.call_id, self.layout.rank)
         try:
-            if self._operations is None:
-                # the operations' module (transformers' configs), once one is called
-                from .operations import Operations
-
-                self._operations = Operations(self.runner)
-            if call.method not in self._operations.METHODS:
-                reply.error = f"no operation {call.method[:64]!r}"
-                return reply
-            reply.result = getattr(self._operations, call.method)(**call.kwargs)
+            reply.result = self.operations.call(call.method, call.kwargs)
         except OperationError as e:
             reply.error, reply.error_kind = e.message, e.kind
         except Exception as e:
@@ -263,8 +256,7 @@ class Worker:
             raise RuntimeError(f"rank {self.layout.rank}: the world's rank 0 is gone ({e})") from e
 
     def close(self) -> None:
-        if self._operations is not None:
-            self._operations.close()
+        self.operations.close()
         self.runner.shutdown()
         self.reader.close()
         parallel_state.destroy_distributed()

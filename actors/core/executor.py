@@ -84,6 +84,7 @@ class InProcessExecutor:
     def __init__(self, args: EngineArgs) -> None:
         # torch and the model, in this process only when the model runs here
         from triode.gpu.model_runner import ModelRunner
+        from triode.gpu.operations import Operations
 
         started = time.perf_counter()
         log.info("loading %s (dtype %s)", args.model or "the default model", args.dtype)
@@ -109,7 +110,7 @@ class InProcessExecutor:
             self.block_size,
         )
 
-        self._operations: Any = None  # built by the first call
+        self._operations = Operations(self._runner)
         self._thread = trio.CapacityLimiter(1)
         self._filler = trio.CapacityLimiter(1)
         self._overlap_bitmask = self._runner.device.type != "cpu"
@@ -161,22 +162,11 @@ class InProcessExecutor:
     async def call_workers(self, method: str, **kwargs: Any) -> list[dict[str, Any]]:
         """On the model's thread, between steps; not abandoned when cancelled (an operation
         half done would leave the model in between)."""
-        return [await trio.to_thread.run_sync(self._call, method, kwargs, limiter=self._thread)]
-
-    def _call(self, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-        if self._operations is None:
-            # the operations' module (torch, transformers' configs), once one is called
-            from triode.gpu.operations import Operations
-
-            self._operations = Operations(self._runner)
-        if method not in self._operations.METHODS:
-            raise RuntimeError(f"no operation {method!r}")
-        result: dict[str, Any] = getattr(self._operations, method)(**kwargs)
-        return result
+        call = self._operations.call
+        return [await trio.to_thread.run_sync(call, method, kwargs, limiter=self._thread)]
 
     def shutdown(self) -> None:
-        if self._operations is not None:
-            self._operations.close()
+        self._operations.close()
         self._runner.shutdown()
         self._runner = None  # type: ignore[assignment]
 
