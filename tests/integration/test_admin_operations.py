@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from engine_calls import final_output
 from safetensors.torch import load_file, save_file
 
 from triode.actors import OperationError, SamplingParams, open_engine
@@ -23,11 +24,7 @@ MiB = 1 << 20
 
 
 async def _generate(engine, prompt, params=GREEDY):  # type: ignore[no-untyped-def]
-    final = None
-    async for out in engine.generate(prompt, params):
-        final = out
-    assert final is not None and final.finished
-    return final
+    return await final_output(engine, prompt, params)
 
 
 async def _tokens(engine, prompts):  # type: ignore[no-untyped-def]

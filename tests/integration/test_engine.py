@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from engine_calls import final_output
 from reference import Reference
 
 from triode.actors import EngineDeadError, RequestError, SamplingParams, open_engine
@@ -31,11 +32,7 @@ F32 = {"dtype": "float32"}
 
 
 async def _generate(engine, prompt, params=GREEDY):  # type: ignore[no-untyped-def]
-    final = None
-    async for out in engine.generate(prompt, params):
-        final = out
-    assert final is not None and final.finished
-    return final
+    return await final_output(engine, prompt, params)
 
 
 async def _all(engine, prompts, params=GREEDY):  # type: ignore[no-untyped-def]
