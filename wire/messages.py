@@ -34,6 +34,10 @@ MAX_LOGIT_BIAS = 300
 # adds to it, with a margin; the salt is hashed once per request, so the bound is about memory.
 MAX_WIRE_CACHE_SALT = 1024
 
+# Longest LoRA adapter name (`EngineCoreRequest.lora_name`): served names are short; the bound
+# keeps a request's lookup key small.
+MAX_LORA_NAME = 256
+
 
 class EngineCoreRequestType(enum.Enum):
     """The one-byte first frame of every message on the input socket."""
@@ -223,6 +227,9 @@ class EngineCoreRequest(msgspec.Struct, **_HOT):
     # salt share cached prefix blocks (vLLM's `cache_salt`; the edge may fold in the caller's
     # key digest).
     cache_salt: str | None = None
+    # The LoRA adapter the request runs with, by the name the engine core registered it under
+    # (None: the base model). The engine core resolves it when the request arrives.
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.request_id), "request_id", "must not be empty")
@@ -232,6 +239,11 @@ class EngineCoreRequest(msgspec.Struct, **_HOT):
             self.cache_salt is None or 0 < len(self.cache_salt) <= MAX_WIRE_CACHE_SALT,
             "cache_salt",
             f"must be a non-empty string of at most {MAX_WIRE_CACHE_SALT} characters",
+        )
+        _check(
+            self.lora_name is None or 0 < len(self.lora_name) <= MAX_LORA_NAME,
+            "lora_name",
+            f"must be a non-empty string of at most {MAX_LORA_NAME} characters",
         )
 
 

@@ -25,6 +25,9 @@ class NewRequestData(msgspec.Struct, **_HOT):
     # Set when the prompt came as embeddings (its token ids are placeholders): their dtype,
     # which each chunk's `ScheduledRequest.prompt_embeds` rows are in.
     prompt_embeds_dtype: str | None = None
+    # The LoRA adapter the request runs with: the id the engine core loaded it on every rank
+    # under (`add_lora`); 0 is the base model.
+    lora_id: int = 0
 
 
 class ScheduledRequest(msgspec.Struct, **_HOT):

@@ -443,6 +443,7 @@ DEFAULT_REQUEST = {
     "kv_transfer_params": None,
     "prompt_embeds": None,
     "cache_salt": None,
+    "lora_name": None,
 }
 _SHM = "triode_tensor_" + "ab" * 16
 
@@ -536,6 +537,9 @@ def test_hand_built_valid_request_decodes() -> None:
         {"prompt_embeds": [_SHM, "float32", [1 << 40], 1 << 42]},  # beyond the largest tensor
         {"prompt_embeds": [_SHM, "float32", [2, 3]]},
         {"prompt_embeds": {"shm_name": _SHM}},
+        {"lora_name": ""},
+        {"lora_name": "a" * 257},
+        {"lora_name": 7},
     ],
     ids=repr,
 )
