@@ -163,14 +163,16 @@ async def _body(app: App, request: Request, kind: type[_BodyT]) -> _BodyT:
 
 
 async def _call(request: Request, call: Awaitable[Any]) -> Any:
-    """`call`'s result. A refusal is a 400 (`invalid`, `unsupported`) or a 409 (`conflict`)
-    with the engine's message, a dead engine a 503, any other failure a 500 whose details go
-    only to the log."""
+    """`call`'s result. A refusal is a 400 (`invalid`, `unsupported`), a 404 (`not_found`) or
+    a 409 (`conflict`) with the engine's message, a dead engine a 503, any other failure a 500
+    whose details go only to the log."""
     try:
         return await call
     except OperationError as e:
         if e.kind == "conflict":  # OpenAI's name for a 409, which nothing else here answers
             raise APIError(409, e.message, type="ConflictError", code=e.kind) from None
+        if e.kind == "not_found":
+            raise APIError(404, e.message, code=e.kind) from None
         raise APIError(400, e.message, code=e.kind) from None
     except EngineDeadError as e:
         raise engine_error(e) from None

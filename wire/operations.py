@@ -18,9 +18,15 @@ from .messages import _HOT
 # How an operation was refused, which the edge turns into its HTTP status: `invalid` (400:
 # the arguments are wrong: a path that is no checkpoint of this architecture, a tensor of the
 # wrong name, shape or dtype), `conflict` (409: not now: a sleep while asleep, an update while
-# another runs), `unsupported` (400: not with this server's configuration).
-OperationErrorKind = Literal["invalid", "conflict", "unsupported"]
-OPERATION_ERROR_KINDS: tuple[OperationErrorKind, ...] = ("invalid", "conflict", "unsupported")
+# another runs), `unsupported` (400: not with this server's configuration), `not_found` (404:
+# what the call names does not exist: a LoRA adapter never loaded).
+OperationErrorKind = Literal["invalid", "conflict", "unsupported", "not_found"]
+OPERATION_ERROR_KINDS: tuple[OperationErrorKind, ...] = (
+    "invalid",
+    "conflict",
+    "unsupported",
+    "not_found",
+)
 
 # The largest method name a worker call may carry
 MAX_METHOD = 64
