@@ -44,6 +44,7 @@ STRING_IMPORTS = {
     "triode.edge.api_servers:serve_api_server",
     "triode.edge.bench.ab",
     "triode.edge.bench.frontend",
+    "triode.edge.bench.lora",
     "triode.edge.bench.serve",
     "triode.edge.bench.structured",
     "triode.edge.bench.throughput",

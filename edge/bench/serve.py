@@ -16,6 +16,7 @@ runs a launched server; the other benchmarks reuse this module's workload and cl
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -140,7 +141,7 @@ KEEPALIVE_EXPIRY = 2.0
 async def run_benchmark(
     base_url: str,
     *,
-    model: str | None,
+    model: str | Sequence[str] | None,
     prompts: list[str],
     output_len: int,
     max_concurrency: int,
@@ -150,10 +151,11 @@ async def run_benchmark(
 ) -> dict[str, Any]:
     """Stream a completion for each prompt from the server at `base_url` and summarize.
 
-    `model` None is the first model the server lists. One short warm-up request goes first and
-    is not measured. Returns `summarize`'s dict plus `base_url`, `model` and the per-request
-    `requests`. Failed requests are counted, not raised; raises `RuntimeError` if the warm-up
-    fails and `httpx.HTTPError` if the server cannot be reached. Cancelling it abandons the
+    `model` None is the first model the server lists; a list of names (LoRA adapters beside the
+    base) is taken in turn, request by request as they start. One short warm-up request per name
+    goes first and is not measured. Returns `summarize`'s dict plus `base_url`, `model` and the
+    per-request `requests`. Failed requests are counted, not raised; raises `RuntimeError` if a
+    warm-up fails and `httpx.HTTPError` if the server cannot be reached. Cancelling it abandons the
     requests in flight (the server sees the connections close)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     # An idle connection is dropped here well before servers drop it (uvicorn and hypercorn
@@ -169,10 +171,12 @@ async def run_benchmark(
     ) as client:
         if model is None:
             model = await first_model_id(client)
+        names = [model] if isinstance(model, str) else list(model)
+        turn = itertools.cycle(names)
 
         def one(prompt: str, max_tokens: int = output_len) -> Awaitable[RequestResult]:
             body = {
-                "model": model,
+                "model": next(turn),
                 "prompt": prompt,
                 "max_tokens": max_tokens,
                 "temperature": 0,
@@ -182,9 +186,10 @@ async def run_benchmark(
             }
             return stream_completion(client, body)
 
-        warmup = await one(WARMUP_PROMPT, min(output_len, 4))
-        if not warmup.ok:
-            raise RuntimeError(f"the warm-up request failed: {warmup.error}")
+        for _ in names:
+            warmup = await one(WARMUP_PROMPT, min(output_len, 4))
+            if not warmup.ok:
+                raise RuntimeError(f"the warm-up request failed: {warmup.error}")
         results, duration = await _drive(prompts, one, max_concurrency, request_rate, seed)
     summary = summarize(results, duration)
     return {

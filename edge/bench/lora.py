@@ -1,0 +1,153 @@
+"""`triode bench lora`: what serving LoRA adapters costs, against the base model, in one run.
+
+Writes `--adapters` random PEFT adapters (rank `--rank`, every projection of every layer) for the
+model, starts one `triode serve --enable-lora` with all of them loaded (`--max-loras` as many), and
+at each of `--concurrencies` streams the same workload (`bench serve`'s: greedy completions of
+exactly `--output-len` tokens, `ignore_eos`) three ways, one after the other: every request on the
+base model, every request on one adapter, and requests taking the adapters in turn (mixed in every
+step). Prints output tok/s and median TPOT for each, and each adapter load's ratio to the base's.
+The loads share one server and alternate at each concurrency, so the ratios compare like with like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from triode.wire.ports import free_port
+
+from .frontend import cpu_model, model_dir
+from .lora_adapters import write_random_adapter
+from .serve import run_benchmark, synthetic_prompts
+from .server_process import open_server, serve_command
+
+BASE = "base"
+LOADS = ("base", "one adapter", "mixed adapters")
+
+
+async def measure(args: argparse.Namespace, adapters: dict[str, Path]) -> list[dict[str, Any]]:
+    """One server with every adapter; each load at each concurrency, a row each."""
+    port = free_port()
+    command = serve_command(args.model, port, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
+    command += ["--served-model-name", BASE, "--enable-lora", "--max-loras", str(len(adapters))]
+    command += ["--max-lora-rank", str(args.rank), "--lora-modules"]
+    command += [f"{name}={path}" for name, path in adapters.items()]
+    base_url = f"http://127.0.0.1:{port}"
+    names = list(adapters)
+    models: dict[str, str | list[str]] = {
+        "base": BASE,
+        "one adapter": names[0],
+        "mixed adapters": names,
+    }
+    rows = []
+    async with open_server(command, base_url, ready_timeout=600.0):
+        for concurrency in args.concurrency_list:
+            prompts = synthetic_prompts(
+                max(args.min_prompts, args.prompts_per_stream * concurrency),
+                args.input_len,
+                args.seed + concurrency,
+            )
+            for load in LOADS:
+                print(f"{load}: {len(prompts)} requests at {concurrency}", file=sys.stderr)
+                result = await run_benchmark(
+                    base_url,
+                    model=models[load],
+                    prompts=prompts,
+                    output_len=args.output_len,
+                    max_concurrency=concurrency,
+                )
+                result.pop("requests")
+                result.update(load=load, concurrency=concurrency)
+                rows.append(result)
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    by = {(r["load"], r["concurrency"]): r for r in rows}
+    lines = [
+        f"LoRA against the base model: {Path(args.model or 'default model').name}, "
+        f"{args.adapters} adapters of rank {args.rank} on all projections, "
+        f"{args.output_len} output tokens per request, dtype {args.dtype or 'auto'}",
+        "",
+        "| streams | base tok/s | one adapter tok/s | ratio | mixed tok/s | ratio "
+        "| TPOT p50 ms (base / one / mixed) | failed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in args.concurrency_list:
+        cells = [by.get((load, c)) for load in LOADS]
+        if any(cell is None for cell in cells):
+            continue
+        base, one, mixed = cells
+        assert base is not None and one is not None and mixed is not None
+
+        def ratio(row: dict[str, Any], base: dict[str, Any] = base) -> str:
+            if not base["output_throughput"]:
+                return "-"
+            return f"{row['output_throughput'] / base['output_throughput']:.2f}x"
+
+        tpot = " / ".join(f"{r['median_tpot_ms']:.1f}" for r in (base, one, mixed))
+        failed = sum(r["failed"] for r in (base, one, mixed))
+        lines.append(
+            f"| {c} | {base['output_throughput']:,.1f} | {one['output_throughput']:,.1f} | "
+            f"{ratio(one)} | {mixed['output_throughput']:,.1f} | {ratio(mixed)} | {tpot} | "
+            f"{failed} |"
+        )
+    lines.append(f"CPUs: {len(os.sched_getaffinity(0))} ({cpu_model()})")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="triode bench lora",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--model", help="the base model (default: the default model)")
+    parser.add_argument("--dtype", help="the server's --dtype (default: its own, auto)")
+    parser.add_argument("--adapters", type=int, default=4, help="adapters in the mixed load")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--concurrencies", default="1,8,32", help="comma-separated")
+    parser.add_argument("--prompts-per-stream", type=int, default=2)
+    parser.add_argument("--min-prompts", type=int, default=8)
+    parser.add_argument("--input-len", type=int, default=36, help="prompt length in words")
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args(argv)
+    try:
+        args.concurrency_list = [int(c) for c in args.concurrencies.split(",")]
+    except ValueError:
+        parser.error("--concurrencies takes integers, e.g. 1,8,32")
+    if not args.concurrency_list or min(args.concurrency_list) < 1:
+        parser.error("--concurrencies must be >= 1")
+    if args.adapters < 1 or args.rank < 1:
+        parser.error("--adapters and --rank must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    base_dir = model_dir(args.model)
+    with tempfile.TemporaryDirectory(prefix="triode-lora-bench-") as scratch:
+        adapters = {
+            f"adapter-{i}": write_random_adapter(
+                base_dir, Path(scratch) / f"adapter-{i}", rank=args.rank, seed=args.seed + i
+            )
+            for i in range(args.adapters)
+        }
+        rows = trio.run(measure, args, adapters)
+    print(format_table(rows, args))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
