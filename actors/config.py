@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -11,6 +12,7 @@ import msgspec
 
 from triode.wire.cluster_key import MAKE_ONE
 from triode.wire.kv_transfer import parse_kv_transfer_config
+from triode.wire.messages import MAX_LORA_NAME
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -27,6 +29,8 @@ def parse_size(value: int | str) -> int:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none")
+# vLLM's allowed --max-lora-rank values
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 EXECUTOR_BACKENDS = ("mp", "inproc")
 
 
@@ -173,8 +177,51 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = None
 
+    # LoRA adapters (vLLM's flags): PEFT adapters over the one base model, mixed in a batch
+    enable_lora: Annotated[
+        bool, EngineFlag("serve LoRA adapters (--lora-modules, and loaded at run time)")
+    ] = False
+    # each `name=path` or vLLM's JSON '{"name": ..., "path": ..., "base_model_name": ...}'
+    # (a dict given in Python is kept as that JSON)
+    lora_modules: Annotated[
+        list[str],
+        EngineFlag(
+            "LoRA adapters to serve from the start, each name=path or JSON "
+            '\'{"name": "n", "path": "p", "base_model_name": "m"}\'',
+            metavar="NAME=PATH",
+        ),
+    ] = []
+    max_loras: Annotated[int, EngineFlag("distinct LoRA adapters in one batch (default 1)")] = 1
+    max_lora_rank: Annotated[
+        int,
+        EngineFlag(
+            "the highest LoRA rank an adapter may have (default 16; one of "
+            f"{', '.join(map(str, LORA_RANKS))})"
+        ),
+    ] = 16
+    # None: max_loras
+    max_cpu_loras: Annotated[
+        int | None,
+        EngineFlag(
+            "LoRA adapters kept loaded (default --max-loras; >= it): the least recently used "
+            "idle one is dropped, and loaded again when a request asks for it"
+        ),
+    ] = None
+    lora_dtype: Annotated[
+        str, EngineFlag("the LoRA weights' dtype (auto: the model's)", choices=DTYPES)
+    ] = "auto"
+    allowed_lora_paths: Annotated[
+        list[str],
+        EngineFlag(
+            "directories under which LoRA adapters may be loaded at run time "
+            "(/v1/load_lora_adapter; the paths of --lora-modules are always allowed)",
+            metavar="DIR",
+        ),
+    ] = []
+
     def __post_init__(self) -> None:
         self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        self._check_lora()
         if self.kv_transfer_config is not None:
             config = parse_kv_transfer_config(self.kv_transfer_config)
             self.kv_transfer_config = msgspec.to_builtins(config)
@@ -236,6 +283,48 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.record_wire is not None and not self.record_wire.strip():
             raise ValueError("record_wire must name a directory")
 
+    def _check_lora(self) -> None:
+        # a dict (Python callers) is kept as its JSON: the field crosses to the engine as text
+        self.lora_modules = [json.dumps(m) if isinstance(m, dict) else m for m in self.lora_modules]
+        if not self.enable_lora:
+            given = [
+                f"--{name.replace('_', '-')}"
+                for name, default in _LORA_DEFAULTS.items()
+                if getattr(self, name) != default
+            ]
+            if given:
+                raise ValueError(f"{', '.join(given)} need --enable-lora")
+            return
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(
+                f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))}, "
+                f"not {self.max_lora_rank}"
+            )
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        if self.lora_dtype not in DTYPES:
+            raise ValueError(
+                f"lora_dtype must be auto, float32, bfloat16 or float16, not {self.lora_dtype!r}"
+            )
+        if any(not isinstance(p, str) or not p.strip() for p in self.allowed_lora_paths):
+            raise ValueError("allowed_lora_paths must name directories")
+        names = [module.name for module in self.lora_module_list()]
+        for name in names:
+            problem = lora_name_problem(name)
+            if problem is not None:
+                raise ValueError(f"lora_modules: {problem}")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"lora_modules: {', '.join(map(repr, twice))} given more than once")
+
+    def lora_module_list(self) -> list[LoRAModule]:
+        """`lora_modules`, each parsed (`parse_lora_module`)."""
+        return [parse_lora_module(text) for text in self.lora_modules]
+
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
@@ -245,3 +334,57 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
         return "inproc" if self.world_size == 1 else "mp"
+
+
+_LORA_DEFAULTS: dict[str, Any] = {
+    "lora_modules": [],
+    "max_loras": 1,
+    "max_lora_rank": 16,
+    "max_cpu_loras": None,
+    "lora_dtype": "auto",
+    "allowed_lora_paths": [],
+}
+
+
+class LoRAModule(msgspec.Struct, forbid_unknown_fields=True):
+    """One `--lora-modules` entry: the adapter's name, its PEFT directory, and the model it was
+    trained on (None: the served one)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def lora_name_problem(name: object) -> str | None:
+    """Why `name` cannot name a LoRA adapter, or None: it must be 1 to `MAX_LORA_NAME`
+    printable characters with no whitespace (it is an OpenAI model name)."""
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_LORA_NAME:
+        return f"an adapter's name must be 1 to {MAX_LORA_NAME} characters"
+    if not name.isprintable() or any(c.isspace() for c in name):
+        return f"the adapter name {name!r} must be printable, with no whitespace"
+    return None
+
+
+_MODULE_FORMS = 'give name=path, or JSON \'{"name": "n", "path": "p", "base_model_name": "m"}\''
+
+
+def parse_lora_module(text: str) -> LoRAModule:
+    """A `--lora-modules` entry: `name=path`, or vLLM's JSON object. ValueError naming the
+    entry for anything else."""
+    if not isinstance(text, str):
+        raise ValueError(f"lora_modules: {text!r} is not text; {_MODULE_FORMS}")
+    if text.lstrip().startswith("{"):
+        try:
+            module = msgspec.json.decode(text, type=LoRAModule)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"lora_modules: {text!r}: {e}; {_MODULE_FORMS}") from None
+        except msgspec.DecodeError:
+            raise ValueError(f"lora_modules: {text!r} is not valid JSON; {_MODULE_FORMS}") from None
+    else:
+        name, equals, path = text.partition("=")
+        if not equals:
+            raise ValueError(f"lora_modules: {text!r} has no '='; {_MODULE_FORMS}")
+        module = LoRAModule(name.strip(), path.strip())
+    if not module.name or not module.path:
+        raise ValueError(f"lora_modules: {text!r} needs a name and a path; {_MODULE_FORMS}")
+    return module

@@ -31,9 +31,17 @@ FLAG_FIELDS = [field.name for field in _FIELDS if _flag(field).group is not None
 
 def _value_options(name: str, annotation: Any) -> dict[str, Any]:
     """How argparse reads the field's value: a bool is --x/--no-x; a field that takes text
-    (a size, JSON) gets it as given, for the struct to parse; an int or float is converted."""
+    (a size, JSON) gets it as given, for the struct to parse; an int or float is converted; a
+    list takes one or more values, and a flag given again adds to them
+    (`--lora-modules a=/p b=/q`)."""
     if typing.get_origin(annotation) is typing.Annotated:
         annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) is list:
+        return {
+            "nargs": "+",
+            "action": "extend",
+            **_value_options(name, *typing.get_args(annotation)),
+        }
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         members = set(typing.get_args(annotation)) - {type(None)}
     else:
