@@ -84,11 +84,23 @@ def read_secret(path: str | os.PathLike[str]) -> bytes:
     return secret
 
 
+def kv_salt(cache_salt: str | None, lora_name: str | None) -> str | bytes | None:
+    """What besides its token ids decides a request's KV, as `prompt_digest` takes it: the
+    cache salt alone for a base-model request (its digest is the same as before adapters
+    existed), else the salt bound with the LoRA adapter's name, as bytes (a client's salt is
+    text, so no salt of a client's reads as a bound one)."""
+    if lora_name is None:
+        return cache_salt
+    return _encoder.encode(("lora", lora_name, cache_salt))
+
+
 def prompt_digest(
     token_ids: Sequence[int] | np.ndarray, cache_salt: str | bytes | None = None
 ) -> str:
     """SHA-256 (hex) of what decides a prompt's KV: its token ids as int32, and its cache salt
-    when it has one (requests with different salts never share KV). ValueError for a token id
+    when it has one (requests with different salts never share KV): text, a client's, or
+    bytes, the salt bound with a LoRA adapter (`kv_salt`), so that params made for one
+    adapter's prompt are made for another prompt under any other. ValueError for a token id
     outside int32."""
     try:
         ids = np.asarray(token_ids, dtype=np.int32)
@@ -98,8 +110,9 @@ def prompt_digest(
     if cache_salt is None:
         h.update(b"\x00")
     else:
-        salt = cache_salt.encode() if isinstance(cache_salt, str) else bytes(cache_salt)
-        h.update(b"\x01" + len(salt).to_bytes(8, "little") + salt)
+        text = isinstance(cache_salt, str)
+        salt = cache_salt.encode() if text else bytes(cache_salt)
+        h.update((b"\x01" if text else b"\x02") + len(salt).to_bytes(8, "little") + salt)
     h.update(len(ids).to_bytes(8, "little"))
     h.update(ids.astype("<i4", copy=False).tobytes())
     return h.hexdigest()

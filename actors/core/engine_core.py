@@ -40,7 +40,9 @@ from triode.wire.operations import OperationError
 
 from ..prompt_embeds import receive_prompt_embeds
 from ..vocabulary import out_of_vocabulary
+from . import loras
 from .executor import Executor
+from .loras import LoRARegistry, LoRASettings
 from .operations import EngineOperations
 from .publisher import Publisher
 from .scheduler import Scheduler
@@ -70,6 +72,7 @@ class EngineCore:
         recorder: Recorder | None = None,
         profiler_dir: str | None = None,
         world_size: int = 1,
+        lora: LoRASettings | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
@@ -91,6 +94,9 @@ class EngineCore:
         self.holds: set[str] = set()
         self._parked = trio.Event()  # set while parked
         self.operations = EngineOperations(self, profiler_dir=profiler_dir, world_size=world_size)
+        # the LoRA adapters, which the scheduler asks which waiting requests may start
+        self.loras = LoRARegistry(self, lora or LoRASettings())
+        scheduler.loras = self.loras
         # when the engine core last made progress (trio's clock): a step, or work coming to
         # an idle loop
         self._progress_at = 0.0
@@ -139,6 +145,7 @@ class EngineCore:
                 scheduler_output = self.scheduler.schedule(
                     max_requests=self._micro_batch(depth), preempt=not in_flight
                 )
+                self.loras.tend()  # load what waiting requests want, drop what none holds
                 if scheduler_output.requests or scheduler_output.kv_connector_metadata:
                     self.operations.timeline.scheduled(scheduler_output)
                     if depth == 1:
@@ -179,6 +186,7 @@ class EngineCore:
         self.operations.timeline.done(scheduler_output)
         per_client = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.operations.check_drained()
+        self.loras.tend()
         stats = self.scheduler.get_stats()
         for client, outputs in per_client.items():
             outputs.scheduler_stats = stats
@@ -261,6 +269,7 @@ class EngineCore:
                 for request_id in payload:
                     self._compiling.pop(request_id, None)
                 self.scheduler.abort_requests(payload)
+                self.loras.tend()
             else:
                 assert isinstance(payload, UtilityCall)
                 await self._call_utility(payload)
@@ -281,6 +290,9 @@ class EngineCore:
             prompt=request.prompt_token_ids,
             params=request.sampling_params,
         )
+        if problem is None and request.lora_name is not None:
+            if self.loras.resolve(request.lora_name) is None:
+                problem = _not_loaded(request.lora_name)
         if problem is None and request.sampling_params.structured_outputs is not None:
             if self.structured is None:
                 problem = "structured_outputs: this model has no tokenizer.json to build grammars"
@@ -299,7 +311,7 @@ class EngineCore:
                 request.request_id, finish_reason=FinishReason.ERROR, stop_reason=problem
             )
             if problem
-            else self.scheduler.add_request(request, prompt_embeds=embeds)
+            else self._queue(request, None, embeds)
         )
         await self._reject(request, rejected)
 
@@ -322,9 +334,25 @@ class EngineCore:
             return
         del self._compiling[request.request_id]
         if rejected is None:
-            rejected = self.scheduler.add_request(request, grammar, embeds)
+            rejected = self._queue(request, grammar, embeds)
         await self._reject(request, rejected)
         self._work.set()
+
+    def _queue(
+        self, request: EngineCoreRequest, grammar: Any, embeds: np.ndarray | None
+    ) -> EngineCoreOutput | None:
+        """Queue the request with its LoRA adapter's entry, resolved now (it may have been
+        unloaded while the request's grammar compiled)."""
+        lora = None
+        if request.lora_name is not None:
+            lora = self.loras.resolve(request.lora_name)
+            if lora is None:
+                return EngineCoreOutput(
+                    request.request_id,
+                    finish_reason=FinishReason.ERROR,
+                    stop_reason=_not_loaded(request.lora_name),
+                )
+        return self.scheduler.add_request(request, grammar, embeds, lora)
 
     async def _reject(self, request: EngineCoreRequest, rejected: EngineCoreOutput | None) -> None:
         if rejected is not None:
@@ -343,12 +371,15 @@ class EngineCore:
         method = _UTILITIES.get(call.method)
         if method is not None:
             await self._answer(call, method, self)
-        elif call.method in EngineOperations.METHODS:
-            method = getattr(EngineOperations, call.method)
+        elif call.method in EngineOperations.METHODS or call.method in loras.METHODS:
+            owner: Any = self.operations
+            if call.method in loras.METHODS:
+                owner = self.loras
+            method = getattr(type(owner), call.method)
             if inspect.iscoroutinefunction(method):
-                self._nursery.start_soon(self._answer, call, method, self.operations)
+                self._nursery.start_soon(self._answer, call, method, owner)
             else:  # a question about the state: answered in order, like the rest
-                await self._answer(call, method, self.operations)
+                await self._answer(call, method, owner)
         else:
             result = UtilityOutput(call.call_id)
             result.failure_message = f"unknown utility method {call.method!r}"
@@ -409,6 +440,9 @@ class EngineCore:
             "grammars_compiled": self.structured.compiled if self.structured else 0,
             "grammar_cache_hits": self.structured.cache_hits if self.structured else 0,
             "grammar_errors": self.grammar_errors,
+            "loras_resident": len(self.loras.resident),
+            "lora_loads": self.loras.loads,
+            "lora_evictions": self.loras.evictions,
         }
 
     def seconds_stalled(self) -> float:
@@ -417,6 +451,10 @@ class EngineCore:
         if self.holds or not self.scheduler.has_unfinished_requests():
             return 0.0
         return trio.current_time() - self._progress_at
+
+
+def _not_loaded(name: str) -> str:
+    return f"the LoRA adapter {name!r} is not loaded"
 
 
 _UTILITIES = {name: getattr(EngineCore, name) for name in ("get_stats", "seconds_stalled")}

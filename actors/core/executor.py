@@ -69,7 +69,8 @@ class Executor(Protocol):
 
     async def call_workers(self, method: str, **kwargs: Any) -> list[dict[str, Any]]:
         """`method` of every rank's `triode.gpu.operations.Operations`, only with no step in
-        flight; each rank's result, in rank order. A rank's refusal raises its
+        flight; each rank's result, in rank order. Calls from several tasks run one at a
+        time. A rank's refusal raises its
         `OperationError`, any other failure a RuntimeError naming the rank."""
         ...
 
@@ -160,8 +161,9 @@ class InProcessExecutor:
         raise RuntimeError("the in-process executor runs one step at a time: call execute")
 
     async def call_workers(self, method: str, **kwargs: Any) -> list[dict[str, Any]]:
-        """On the model's thread, between steps; not abandoned when cancelled (an operation
-        half done would leave the model in between)."""
+        """On the model's thread, between steps, one call at a time (the thread's limiter);
+        not abandoned when cancelled (an operation half done would leave the model in
+        between)."""
         call = self._operations.call
         return [await trio.to_thread.run_sync(call, method, kwargs, limiter=self._thread)]
 

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from triode.wire.messages import EngineCoreRequest
+
 from .request import Request
 
 # The parent of a prompt's first block. Random per process, so that nobody outside can craft
@@ -45,6 +47,16 @@ def salt_root(cache_salt: str) -> bytes:
     return digest.digest()
 
 
+def lora_root(digest: str, parent: bytes | None = None) -> bytes:
+    """What starts the block-hash chain of a request run with a LoRA adapter, in place of
+    `NONE_HASH` (or of `parent`, a salted root): the adapter's content digest, not its name, so
+    that two adapters, or one name reloaded with new weights, never share a cached block."""
+    digest_ = hashlib.sha256(NONE_HASH if parent is None else parent)
+    digest_.update(b"lora\0")
+    digest_.update(digest.encode("ascii", "surrogateescape"))
+    return digest_.digest()
+
+
 def embeds_salt(dtype: str, embeds: np.ndarray, parent: bytes | None = None) -> bytes:
     """What starts the block-hash chain of a prompt given as embeddings, in place of
     `NONE_HASH` (or of `parent`, a salted root): its token ids are placeholders, so the chain
@@ -53,6 +65,23 @@ def embeds_salt(dtype: str, embeds: np.ndarray, parent: bytes | None = None) -> 
     digest.update(f"prompt_embeds {dtype} {list(embeds.shape)}".encode())
     digest.update(np.ascontiguousarray(embeds).reshape(-1).view(np.uint8))
     return digest.digest()
+
+
+def hash_root(
+    request: EngineCoreRequest, prompt_embeds: np.ndarray | None, lora_digest: str | None
+) -> bytes | None:
+    """What the request's block-hash chain starts from (None: `NONE_HASH`): its cache salt,
+    then the content digest of its LoRA adapter, then its prompt embeddings, each chained on
+    the one before, so that blocks are shared only where all three agree."""
+    root = None
+    if request.cache_salt is not None:
+        root = salt_root(request.cache_salt)
+    if lora_digest is not None:
+        root = lora_root(lora_digest, root)
+    if prompt_embeds is not None:
+        assert request.prompt_embeds is not None
+        root = embeds_salt(request.prompt_embeds.dtype, prompt_embeds, root)
+    return root
 
 
 class KVCacheBlock:

@@ -3,8 +3,9 @@
 
 It binds the engine core's input (PULL) and output (XPUB) sockets, opens the executor (and with
 it the model, or its worker processes), builds the scheduler with its KV connector and
-structured output manager to fit, says READY with what clients need to know of the model and
-the cache, and runs an `EngineCore` (`engine_core.py`) until it is cancelled.
+structured output manager to fit, loads the `--lora-modules` adapters on the ranks, says READY
+with what clients need to know of the model and the cache, and runs an `EngineCore`
+(`engine_core.py`) until it is cancelled.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..config import EngineArgs
 from .engine_core import EngineCore
 from .executor import open_executor
 from .kv_connector import KVConnectorScheduler
+from .loras import LoRASettings
 from .publisher import OUTPUT_HWM
 from .scheduler import Scheduler
 from .scheduler_config import SchedulerConfig
@@ -77,6 +79,19 @@ async def serve_engine_core(ctx: ChildContext) -> None:
             connector,
             structured,
         )
+        core = EngineCore(
+            scheduler,
+            executor,
+            num_clients=ctx.options.get("num_clients", 1),
+            engine_index=ctx.options.get("engine_index", 0),
+            data_parallel_size=args.data_parallel_size,
+            recorder=recorder,
+            profiler_dir=args.profiler_dir,
+            world_size=args.world_size,
+            lora=LoRASettings.from_engine_args(args),
+        )
+        # before READY: an adapter that does not load fails the start, with the ranks' word
+        await core.loras.load_modules()
         await ctx.ready(
             Ready(
                 num_kv_blocks=executor.num_kv_blocks,
@@ -99,16 +114,6 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                     "kv_secret_file": None if connector is None else connector.config.secret_file,
                 },
             )
-        )
-        core = EngineCore(
-            scheduler,
-            executor,
-            num_clients=ctx.options.get("num_clients", 1),
-            engine_index=ctx.options.get("engine_index", 0),
-            data_parallel_size=args.data_parallel_size,
-            recorder=recorder,
-            profiler_dir=args.profiler_dir,
-            world_size=args.world_size,
         )
         await core.run(input_socket, output_socket)
 

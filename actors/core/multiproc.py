@@ -174,6 +174,9 @@ class MultiprocExecutor:
         self.max_concurrent_batches = max_concurrent_batches
         self.world_size = world_size  # every rank answers a call, on any node
         self._call_ids = itertools.count()
+        # one call at a time: the administrative operations' and the LoRA adapters' calls
+        # come from tasks of their own, and the replies of two would interleave
+        self._calling = trio.Lock()
         self._reply_decoder = Decoder(WorkerReply)
         self._ring = ring
         self._results = results
@@ -233,7 +236,12 @@ class MultiprocExecutor:
 
     async def call_workers(self, method: str, **kwargs: Any) -> list[dict[str, Any]]:
         """Broadcast the call; every rank answers on the results socket (the engine core
-        makes calls only with no step in flight, so no step's answer is among them)."""
+        makes calls only with no step in flight, so no step's answer is among them). Calls
+        wait for each other's end."""
+        async with self._calling:
+            return await self._call_workers(method, kwargs)
+
+    async def _call_workers(self, method: str, kwargs: dict[str, Any]) -> list[dict[str, Any]]:
         call_id = next(self._call_ids)
         frames = self._encoder.encode(WorkerCall(call_id, method, kwargs))
         await self.broadcast([WorkerMessageType.CALL.value, *frames])

@@ -6,11 +6,15 @@ Pure data with a few derived properties; the scheduler and the KV cache manager 
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from triode.wire.kv_seal import kv_salt
 from triode.wire.messages import EngineCoreRequest, FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from .loras import LoRAEntry
 
 
 class RequestStatus(enum.IntEnum):
@@ -57,6 +61,11 @@ class Request:
     hashes' chain (`hash_root`), so that only the same embeddings share cached blocks.
     `cache_salt` (the client's, or one the edge made from the caller's key) enters `hash_root`
     too: requests share cached blocks only when their salts are equal.
+
+    A request run with a LoRA adapter holds its registry entry (`lora`, counted among the
+    entry's `users`) from when it is queued until it leaves (`release_lora`): the adapter's
+    content digest enters `hash_root`, and its name the `cache_salt` that KV-transfer seals
+    bind (`kv_seal.kv_salt`).
     """
 
     __slots__ = (
@@ -71,6 +80,7 @@ class Request:
         "kv_load_tried",
         "kv_transfer_params",
         "kv_transfer_params_out",
+        "lora",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
@@ -104,8 +114,9 @@ class Request:
         kv_transfer_params: dict[str, Any] | None = None,
         prompt_embeds: np.ndarray | None = None,
         prompt_embeds_dtype: str | None = None,
-        cache_salt: str | None = None,
+        cache_salt: str | bytes | None = None,
         hash_root: bytes | None = None,
+        lora: LoRAEntry | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -146,6 +157,9 @@ class Request:
         self.cache_salt = cache_salt
         # What the first block's hash chains from in place of the process's NONE_HASH.
         self.hash_root = hash_root
+        self.lora = lora
+        if lora is not None:
+            lora.users += 1
 
     @classmethod
     def from_engine_core_request(
@@ -154,9 +168,11 @@ class Request:
         seq: int,
         prompt_embeds: np.ndarray | None = None,
         hash_root: bytes | None = None,
+        lora: LoRAEntry | None = None,
     ) -> Request:
         """The scheduler's request for `request`, with its embeddings, copied out of shared
-        memory, when its prompt came as those, and the root of its block-hash chain."""
+        memory, when its prompt came as those, the root of its block-hash chain, and the
+        LoRA adapter it runs with."""
         handle = request.prompt_embeds
         return cls(
             request.request_id,
@@ -170,8 +186,9 @@ class Request:
             kv_transfer_params=request.kv_transfer_params,
             prompt_embeds=prompt_embeds,
             prompt_embeds_dtype=None if handle is None else handle.dtype,
-            cache_salt=request.cache_salt,
+            cache_salt=kv_salt(request.cache_salt, None if lora is None else lora.name),
             hash_root=hash_root,
+            lora=lora,
         )
 
     @property
@@ -190,6 +207,17 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def lora_id(self) -> int:
+        """The id every rank holds the request's adapter under; 0: the base model."""
+        return 0 if self.lora is None else self.lora.lora_id
+
+    def release_lora(self) -> None:
+        """The request leaves: it no longer holds its adapter's entry. Idempotent."""
+        if self.lora is not None:
+            self.lora.users -= 1
+            self.lora = None
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -37,7 +37,7 @@ from triode.wire.step import (
 )
 
 from ..prompt_embeds import embeds_error
-from .kv_cache import KVCacheBlock, KVCacheManager, embeds_salt, salt_root
+from .kv_cache import KVCacheBlock, KVCacheManager, hash_root
 from .kv_connector import KVConnectorScheduler
 from .kv_transfers import KVTransfers
 from .request import Request, RequestStatus
@@ -46,6 +46,7 @@ from .scheduler_stats import scheduler_stats
 from .step_results import advance_grammar, check_stop, unsent_prompt_logprobs
 
 if TYPE_CHECKING:
+    from .loras import LoRAEntry, LoRARegistry
     from .structured_output import Grammar, StructuredOutputManager
 
 
@@ -91,6 +92,8 @@ class Scheduler:
         self.admitting = True
         # the weights' version, which every output carries (`EngineCoreOutput.weight_version`)
         self.weight_version = 0
+        # the engine core's LoRA adapters: which of them a step may run (`LoRARegistry.admits`)
+        self.loras: LoRARegistry | None = None
 
     # Intake
 
@@ -99,12 +102,14 @@ class Scheduler:
         request: EngineCoreRequest,
         grammar: Grammar | None = None,
         prompt_embeds: np.ndarray | None = None,
+        lora: LoRAEntry | None = None,
     ) -> EngineCoreOutput | None:
         """Queue a request, or return the error output that finishes it at once when it could
         never run: a queued request that can never be scheduled would wait forever.
 
         A request with structured outputs comes with its compiled `grammar`, one whose prompt
-        came as embeddings with them (`prompt_embeds`, out of shared memory already)."""
+        came as embeddings with them (`prompt_embeds`, out of shared memory already), one run
+        with a LoRA adapter with its registry entry (`lora`, resolved by the engine core)."""
         error = self._admission_error(request)
         if error is None and (request.sampling_params.structured_outputs is None) != (
             grammar is None
@@ -126,12 +131,8 @@ class Scheduler:
                 )
         root = None
         if self.config.enable_prefix_caching:
-            if request.cache_salt is not None:
-                root = salt_root(request.cache_salt)
-            if prompt_embeds is not None:
-                assert request.prompt_embeds is not None
-                root = embeds_salt(request.prompt_embeds.dtype, prompt_embeds, root)
-        req = Request.from_engine_core_request(request, self._seq, prompt_embeds, root)
+            root = hash_root(request, prompt_embeds, None if lora is None else lora.digest)
+        req = Request.from_engine_core_request(request, self._seq, prompt_embeds, root, lora)
         req.grammar = grammar
         self._seq += 1
         self.requests[req.request_id] = req
@@ -190,15 +191,18 @@ class Scheduler:
                 # its load stops, but its blocks stay until every rank is through writing
                 # them (`KVTransfers.update`)
                 req.status = RequestStatus.FINISHED_ABORTED
+                req.release_lora()
                 del self.requests[request_id]
             else:
                 queue = self.running if req.status is RequestStatus.RUNNING else self.waiting
                 queue.remove(req)
-                self._finish(req, RequestStatus.FINISHED_ABORTED)
+                self.finish(req, RequestStatus.FINISHED_ABORTED)
             self._aborted[req.client_index].append(request_id)
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End a live request the caller took out of its queue: its blocks and adapter go."""
         req.status = status
+        req.release_lora()
         del self.requests[req.request_id]
         if self.transfers is not None:  # it may hold its prompt's blocks for another instance
             self.transfers.finish(req)
@@ -253,6 +257,7 @@ class Scheduler:
 
         # New admissions would only take blocks that the preempted requests need back.
         limit, new_prompt_tokens = self.config.max_new_prompt_tokens, 0
+        adapters = set() if self.loras is None else self.loras.active(self.running)
         while (
             not preempted
             and self.waiting
@@ -260,7 +265,7 @@ class Scheduler:
             and budget > 0
             and len(scheduled) < room
         ):
-            head = self._admissible()
+            head = self._admissible(adapters)
             if head is None:
                 break
             req = self.waiting[head]
@@ -294,12 +299,17 @@ class Scheduler:
 
         return self._build_output(scheduled)
 
-    def _admissible(self) -> int | None:
-        """The index in `waiting` of the next request to start: the head, or while not
-        `admitting`, the first that had started before (preempted since)."""
-        if self.admitting:
-            return 0
-        return next((i for i, r in enumerate(self.waiting) if r.num_preemptions), None)
+    def _admissible(self, adapters: set[int]) -> int | None:
+        """The index in `waiting` of the next request to start: the first (while not
+        `admitting`, the first that had started before, preempted since) whose LoRA adapter
+        may run in this step beside those of `adapters` (`LoRARegistry.admits`, which adds
+        it); one whose adapter may not waits, and the requests behind it go ahead."""
+        for i, r in enumerate(self.waiting):
+            if (self.admitting or r.num_preemptions) and (
+                r.lora is None or self.loras is None or self.loras.admits(r.lora, adapters)
+            ):
+                return i
+        return None
 
     def started_requests(self) -> int:
         """Requests that started and have not finished: running, or preempted and waiting to
@@ -354,7 +364,7 @@ class Scheduler:
             )
             if not req.runner_knows:
                 entry.new = NewRequestData(
-                    req.prompt_token_ids, req.sampling_params, req.prompt_embeds_dtype
+                    req.prompt_token_ids, req.sampling_params, req.prompt_embeds_dtype, req.lora_id
                 )
                 req.runner_knows = True
             if req.prompt_embeds is not None and start < req.num_prompt_tokens:
@@ -428,7 +438,7 @@ class Scheduler:
                 stop = advance_grammar(req, result.token_id)
             if stop is not None:
                 self.running.remove(req)
-                self._finish(req, stop)
+                self.finish(req, stop)
         if not new_token_ids and prompt_logprobs is None:
             return None
         return EngineCoreOutput(
