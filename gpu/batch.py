@@ -5,7 +5,7 @@ rows of the prompt embeddings that requests gave instead of tokens."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -13,6 +13,7 @@ import torch
 from triode.wire import ScheduledRequest
 
 from .attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from .lora.punica import adapter_runs
 
 # the longest chunk of prompt tokens whose attention the decode kernel computes, a token at a
 # time; longer chunks take torch's attention, faster than a pass per token from there
@@ -31,6 +32,8 @@ class Batch:
     start: dict[str, int]  # request id -> its first row
     # rows whose input is a given embedding instead of the lookup: (row indices, values)
     embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # [lo, hi) rows of each LoRA adapter, with its id (`punica.adapter_runs`)
+    lora_runs: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def flatten(
@@ -41,18 +44,24 @@ def flatten(
     dtype: torch.dtype,
     paged_kernel: bool,
     embeds_of: Callable[[ScheduledRequest], torch.Tensor] | None,
+    lora_of: Callable[[ScheduledRequest], int] = lambda r: 0,
 ) -> Batch:
     """The step's rows, decodes first. `paged_kernel`: decode attention (and that of short
     chunks) goes through the C kernel; `embeds_of` gives the rows of a request's prompt
-    embeddings (None: this stage takes no embeddings). Raises ValueError for a request with
-    fewer blocks than its tokens need."""
+    embeddings (None: this stage takes no embeddings); `lora_of` a request's LoRA adapter id
+    (0: the base model). Raises ValueError for a request with fewer blocks than its tokens
+    need."""
     bs = block_size
-    # decodes first, shortest context first, so that each group of similar lengths
-    # (`decode_groups`) is a run of rows
-    decodes = sorted(
-        (r for r in requests if len(r.token_ids) == 1), key=lambda r: r.num_computed_tokens
-    )
-    chunks = [r for r in requests if len(r.token_ids) != 1]
+
+    def decode_order(r: ScheduledRequest) -> tuple[int, int, int]:
+        """Each group of similar lengths (`decode_groups`) a run of rows, and within it each
+        adapter's rows one run (`LoraRuns`), shortest context first."""
+        context = r.num_computed_tokens
+        return _bucket(-(-(context + 1) // bs)), lora_of(r), context
+
+    decodes = sorted((r for r in requests if len(r.token_ids) == 1), key=decode_order)
+    # a chunk's place among the chunks is free: each adapter's chunks next to each other
+    chunks = sorted((r for r in requests if len(r.token_ids) != 1), key=lora_of)
 
     def in_kernel(r: ScheduledRequest) -> bool:
         """Whether `r`'s tokens attend through the kernel, each like a decode: decodes and
@@ -72,7 +81,9 @@ def flatten(
     prefills: list[PrefillChunk] = []
     embed_rows: list[int] = []
     embeds: list[torch.Tensor] = []
+    adapters: list[tuple[int, int]] = []  # (rows, lora id) of each request in row order
     for r in ordered:
+        adapters.append((len(r.token_ids), lora_of(r)))
         begin, end = r.num_computed_tokens, r.num_computed_tokens + len(r.token_ids)
         table = r.block_ids[: -(-end // bs)]
         if len(table) * bs < end:
@@ -116,6 +127,7 @@ def flatten(
         prefills=tuple(prefills),
     )
     batch = Batch(_tensor(device, ids), _tensor(device, positions), meta, starts)
+    batch.lora_runs = adapter_runs(adapters)
     if embeds:
         values = torch.cat(embeds).to(device=device, dtype=dtype)
         batch.embeds = (_tensor(device, embed_rows), values)

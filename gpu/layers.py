@@ -21,6 +21,7 @@ from torch import nn
 from . import parallel_state
 from .cpu_paths import RowPaths, pack_cpu_weight
 from .int4 import Int4Linear, Int4Weight
+from .lora.punica import LoraRuns
 
 if TYPE_CHECKING:
     from .cpu_kernels import FusedOps
@@ -68,6 +69,8 @@ class LinearBase(nn.Module):
     packed: torch.Tensor | None = None  # W in oneDNN's layout once `pack_for_cpu` ran
     int4: Int4Linear | None = None  # W's 4-bit codes (`int4.py`, `RowPaths`)
     rows: RowPaths = RowPaths()  # the model's, once the runner shares it (`share_row_paths`)
+    lora: LoraRuns = LoraRuns()  # the step's adapter runs, once shared (`LoraStore.share`)
+    lora_slot: int = -1  # this projection's index in each adapter's weights
 
     def __init__(
         self,
@@ -96,7 +99,29 @@ class LinearBase(nn.Module):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x, self.bias)
+        y = self._matmul(x, self.bias)
+        if self.lora.runs:
+            self.lora.add_delta(self.lora_slot, x, y)
+        return y
+
+    def lora_part(
+        self, a: torch.Tensor, b: torch.Tensor, shard_id: str | int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of one LoRA pair of a checkpoint projection (A [r, in], B
+        [out, r]; `shard_id` the projection's shard of a merged one): a column-parallel
+        projection keeps A whole and B's rows cut as the base weight's rows are; a row-parallel
+        one cuts A's columns as the base weight's input columns and keeps B whole, its partial
+        delta summed by the same all-reduce as the base product."""
+        if self.tp_size == 1 or self.tp_dim is None:
+            return a, b
+        if self.tp_dim == 0:
+            return a, b.narrow(0, *self._output_rows(shard_id, b.shape[0]))
+        size = a.shape[1] // self.tp_size
+        return a.narrow(1, *(self.shard or (self.tp_rank * size, size))), b
+
+    def local_rows(self, shard_id: str | int | None = None) -> tuple[int, int]:
+        """(offset, size) of shard `shard_id`'s rows in this rank's output."""
+        return 0, self.output_size
 
     def int4_part(self, weight: Int4Weight, shard_id: str | int | None = None) -> Int4Weight:
         """This rank's part of a checkpoint's whole 4-bit weight (one shard of a merged
@@ -189,6 +214,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         shard = loaded_weight.chunk(self.tp_size, 0)[self.tp_rank]
         default_weight_loader(param.data.narrow(0, offset, size), shard)  # type: ignore[arg-type]
 
+    def local_rows(self, shard_id: str | int | None = None) -> tuple[int, int]:
+        if not isinstance(shard_id, int):
+            raise ValueError(f"a merged projection's shards are 0..{len(self.output_sizes) - 1}")
+        size = self.output_sizes[shard_id] // self.tp_size
+        return sum(self.output_sizes[:shard_id]) // self.tp_size, size
+
 
 class QKVParallelLinear(LinearBase):
     """Q, K and V projections in one matmul, split by attention heads (`head_shard`).
@@ -209,16 +240,18 @@ class QKVParallelLinear(LinearBase):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: str | None = None
     ) -> None:
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if shard_id == "q":
-            offset, size, start = 0, q_size, self.heads.q_start
-        elif shard_id in ("k", "v"):
-            offset = q_size if shard_id == "k" else q_size + kv_size
-            size, start = kv_size, self.heads.kv_start
-        else:
-            raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', not {shard_id!r}")
+        offset, size = self.local_rows(shard_id)
+        start = self.heads.q_start if shard_id == "q" else self.heads.kv_start
         shard = loaded_weight.narrow(0, start * self.head_dim, size)
         default_weight_loader(param.data.narrow(0, offset, size), shard)  # type: ignore[arg-type]
+
+    def local_rows(self, shard_id: str | int | None = None) -> tuple[int, int]:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            return 0, q_size
+        if shard_id in ("k", "v"):
+            return (q_size if shard_id == "k" else q_size + kv_size), kv_size
+        raise ValueError(f"QKV shard_id must be 'q', 'k' or 'v', not {shard_id!r}")
 
     def _output_rows(self, shard_id: str | int | None, rows: int) -> tuple[int, int]:
         if shard_id == "q":
@@ -280,6 +313,8 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._matmul(x, self.bias if self.tp_rank == 0 else None)
+        if self.lora.runs:  # each rank's partial delta, summed with the base product's
+            self.lora.add_delta(self.lora_slot, x, y)
         if self.tp_size > 1:
             parallel_state.tp_all_reduce(y)
         return y

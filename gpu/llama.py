@@ -8,7 +8,8 @@ rows the runner needs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -387,3 +388,15 @@ def rope_parameters(config: Any) -> tuple[float, dict[str, Any] | None]:
     if isinstance(params, dict) and "rope_theta" in params:
         return float(params["rope_theta"]), params
     return float(getattr(config, "rope_theta", 10000.0)), getattr(config, "rope_scaling", None)
+
+
+@contextlib.contextmanager
+def parameter_defaults(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Create parameters directly in the target dtype and device (no float32 detour)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            yield
+    finally:
+        torch.set_default_dtype(previous)

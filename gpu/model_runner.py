@@ -7,9 +7,8 @@ projects to logits only the rows that sample or want prompt logprobs, and sample
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,9 +36,11 @@ from .cpu_paths import (
     use_fused_ops,
 )
 from .kv.connector import FinishedTransfers, KVConnectorWorker
-from .llama import head_dim, model_class
+from .llama import head_dim, model_class, parameter_defaults
 from .loader import resolve_model
 from .logits_processing import apply_token_bitmask
+from .lora.config import lora_config_of
+from .lora.store import LoraStore, start_lora_step
 from .model_files import context_limit, eos_token_ids, safetensors_weights
 from .sampler import Sampler, SamplerOutput, compute_logprobs, plain_greedy
 from .sampling_state import SamplingState
@@ -64,6 +65,7 @@ class _Request:
     sampling: SamplingState | None  # on the rank that samples (`ParallelLayout.is_driver`)
     next_prompt_logprob: int = 1  # prompt logprob rows before this one were already returned
     embeds_dtype: str | None = None  # a prompt given as embeddings: their dtype
+    lora_id: int = 0  # its LoRA adapter (`LoraStore`); 0: the base model
 
 
 class ModelRunner:
@@ -75,7 +77,8 @@ class ModelRunner:
     `device` as resolved. `quantization` "auto" runs the 4-bit projections a converted GGUF
     file kept (`int4.py`) where this device has a kernel for them; "none" runs the dequantized
     weights only. `device` None means CUDA when present; `num_threads` None means every CPU
-    this process may run on (CPU only).
+    this process may run on (CPU only). `lora_config` (None: LoRA off) sets the limits of the
+    LoRA adapters kept in `lora` (`LoraStore`).
 
     In a parallel world (`parallel_state`) the runner holds this rank's shard of its pipeline
     stage: every rank runs `execute` on the same `SchedulerOutput`; a later stage receives the
@@ -102,6 +105,7 @@ class ModelRunner:
         device: str | None = None,
         num_threads: int | None = None,
         kv_transfer_config: dict[str, Any] | None = None,
+        lora_config: dict[str, Any] | None = None,
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.parallel = parallel_state.layout()
@@ -126,6 +130,7 @@ class ModelRunner:
         # what may not run now (`sleep`): "kv_cache", "weights"; a step refuses while any does
         self.sleeping: frozenset[str] = frozenset()
         self.kv_cache = torch.empty(0)  # allocated once the model says its geometry
+        self.lora = None if lora_config is None else LoraStore(lora_config, self.dtype, self.device)
         self.load_model(self.model_dir)
         self.kv_connector: KVConnectorWorker | None = None
         if kv_transfer_config is not None:
@@ -149,13 +154,15 @@ class ModelRunner:
         `weights_dir` keeps attached, the kernels bound, and the KV cache's views given to the
         new attention layers.
         """
-        with _defaults(self.dtype, self.device), torch.no_grad():
+        with parameter_defaults(self.dtype, self.device), torch.no_grad():
             model = model_class(self.config)(self.config, max_position=self.max_model_len)
             model.load_weights(safetensors_weights(weights_dir))  # raising, it keeps the old
             self.model = model
             self.pack_weights()
             self.int4_projections = self.attach_int4(weights_dir)
         self._row_paths = share_row_paths(self.model)
+        if self.lora is not None:  # the resident adapters' pairs reach the new projections
+            self.lora.share(self.model)
         self.model.eval()
         # decode attention from the paged cache in place, where the C kernel is built (CPU,
         # bfloat16); float32 stays on torch's attention, which the reference comparisons pin
@@ -206,6 +213,7 @@ class ModelRunner:
             max_num_seqs=engine_args["max_num_seqs"],
             seed=engine_args["seed"],
             kv_transfer_config=engine_args.get("kv_transfer_config"),
+            lora_config=lora_config_of(engine_args),
             **placement,
         )
 
@@ -289,7 +297,7 @@ class ModelRunner:
                     known = [] if embeds_dtype is not None else prompt
                     state = SamplingState(params, known, self.eos_token_id, self.vocab_size)
                 self._requests[r.request_id] = _Request(
-                    prompt, params, state, embeds_dtype=embeds_dtype
+                    prompt, params, state, embeds_dtype=embeds_dtype, lora_id=r.new.lora_id
                 )
         if sched.num_scheduled_tokens > self.max_num_batched_tokens:
             raise ValueError(f"{sched.num_scheduled_tokens} tokens exceed max_num_batched_tokens")
@@ -302,6 +310,7 @@ class ModelRunner:
             raise RuntimeError(f"a step came while the {asleep} sleep: wake_up first")
 
         batch = self._prepare(sched.requests)
+        start_lora_step(self.lora, batch.lora_runs)
         decodes = batch.meta.num_decodes  # the leading rows (see cpu_paths.RowPaths)
         self._row_paths.decodes = decodes
         prompt_rows = any(
@@ -453,6 +462,7 @@ class ModelRunner:
             dtype=self.dtype,
             paged_kernel=self.paged_kernel,
             embeds_of=self._embeds if self.parallel.is_first_stage else None,
+            lora_of=lambda r: self._requests[r.request_id].lora_id,
         )
 
     def _embeds(self, r: ScheduledRequest) -> torch.Tensor:
@@ -476,15 +486,3 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
-@contextlib.contextmanager
-def _defaults(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
-    """Create parameters directly in the target dtype and device (no float32 detour)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with device:
-            yield
-    finally:
-        torch.set_default_dtype(previous)

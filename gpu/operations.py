@@ -1,6 +1,7 @@
 """The administrative operations of one model worker rank: sleep and wake (memory given back to
 the operating system), new weights (a checkpoint from disk, or a trainer's tensors pushed between
-`start_weight_update` and `finish_weight_update`), and profiling.
+`start_weight_update` and `finish_weight_update`), LoRA adapters added and removed, and
+profiling.
 
 The engine core calls them by name (`triode.wire.WorkerCall`, whose method must be in
 `Operations.METHODS`) on every rank, only between steps and from the thread that runs the
@@ -20,6 +21,7 @@ import torch
 
 from triode.wire import OperationError
 
+from .lora.store import LoraStore
 from .memory import free_model, memory_report, model_tensors, release_memory, tensor_bytes
 from .model_files import safetensors_weights
 from .model_runner import ModelRunner
@@ -34,7 +36,8 @@ WEIGHTS_ASLEEP = "the weights are asleep: wake_up with tags=weights first"
 class Operations:
     """The operations on `runner`, and what they leave behind: which parts sleep, where the
     weights come from on waking (the runner's model directory, or the last checkpoint given to
-    `update_weights_from_disk`), whether a pushed update is open, and the running profile."""
+    `update_weights_from_disk`), whether a pushed update is open, and the running profile.
+    LoRA adapters live in the runner's `LoraStore`, which outlives a rebuilt model."""
 
     METHODS: frozenset[str] = frozenset(
         {
@@ -49,6 +52,8 @@ class Operations:
             "memory",
             "init_weight_transfer",
             "update_weights",
+            "add_lora",
+            "remove_lora",
         }
     )
 
@@ -255,6 +260,34 @@ class Operations:
     def close(self) -> None:
         """Leave a trainer's broadcast group, if one was joined."""
         self._transfer.close()
+
+    # --- LoRA adapters --------------------------------------------------------------------------
+
+    def add_lora(self, lora_id: int, path: str, digest: str | None = None) -> dict[str, Any]:
+        """Read the PEFT adapter directory `path`, check it against this model and the LoRA
+        limits, and keep this rank's share (tensor-parallel cut, pipeline stage's layers) under
+        `lora_id` (`LoraStore.add`), weights awake or asleep. Returns `digest` (hex SHA-256 of
+        its files, `adapter_digest`), `rank`, `targets` (the projections it targets, Hugging
+        Face names, sorted) and `bytes` (this rank's share).
+
+        `invalid` for a bad adapter, naming the problem, or files whose digest is not `digest`
+        ("changed on disk"); `conflict` for an id resident already or when `max_cpu_loras`
+        are; `unsupported` where LoRA is off."""
+        return self._report(**self._lora_store().add(lora_id, path, digest))
+
+    def remove_lora(self, lora_ids: list[int]) -> dict[str, Any]:
+        """Drop the adapters `lora_ids` (unknown ids are ignored); returns `resident`, how
+        many stay."""
+        if not isinstance(lora_ids, list):
+            raise OperationError("invalid", "lora_ids must be a list of adapter ids")
+        resident = self._lora_store().remove(lora_ids)
+        release_memory(self.runner.device)
+        return self._report(resident=resident)
+
+    def _lora_store(self) -> LoraStore:
+        if self.runner.lora is None:
+            raise OperationError("unsupported", "LoRA adapters are off: start with --enable-lora")
+        return self.runner.lora
 
     # --- profiling ------------------------------------------------------------------------------
 
