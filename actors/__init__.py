@@ -8,7 +8,8 @@ starts an engine core that way and serves `generate` calls from the caller's tri
 What this module exports is the edge's whole view of the engine: the engine client, the servers'
 engine cores (`open_engine_cores`, `connect_engine`, `serve_headless`), and the checks a request
 gets before it leaves for one (`transfer_params_error`, `check_grammar`, `check_prompt_embeds`,
-`out_of_vocabulary`).
+`out_of_vocabulary`, `lora_name_problem`), and how `--lora-modules` entries read
+(`parse_lora_module`).
 """
 
 from triode.wire import OperationError as OperationError
@@ -22,6 +23,9 @@ from .channels import ZmqSendChannel as ZmqSendChannel
 from .child import ChildContext as ChildContext
 from .config import EngineArgs as EngineArgs
 from .config import EngineFlag as EngineFlag
+from .config import LoRAModule as LoRAModule
+from .config import lora_name_problem as lora_name_problem
+from .config import parse_lora_module as parse_lora_module
 from .config import parse_size as parse_size
 from .core_client import EngineDeadError as EngineDeadError
 from .engine import Engine as Engine

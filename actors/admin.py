@@ -1,11 +1,12 @@
 """The engine's administrative operations, on every engine core at once: sleep and wake, pause
-and resume, the prefix cache, profiling, and new weights (from a checkpoint on disk, or pushed by
-a trainer process through shared memory or a torch.distributed broadcast).
+and resume, the prefix cache, profiling, new weights (from a checkpoint on disk, or pushed by a
+trainer process through shared memory or a torch.distributed broadcast), and LoRA adapters
+loaded and unloaded.
 
-Each is a UTILITY call (`triode.actors.core.operations` answers it in the engine core). A refusal
-raises `OperationError`, whose `kind` says how (`invalid`, `conflict`, `unsupported`); with
-several engine cores (data parallel), every live one takes the call and the first refusal is
-raised.
+Each is a UTILITY call (`triode.actors.core.operations` answers it in the engine core, and
+`triode.actors.core.loras` the LoRA ones). A refusal raises `OperationError`, whose `kind` says
+how (`invalid`, `conflict`, `unsupported`, `not_found`); with several engine cores (data
+parallel), every live one takes the call and the first refusal is raised.
 """
 
 from __future__ import annotations
@@ -86,6 +87,23 @@ class EngineAdmin:
 
     async def weight_version(self) -> int:
         return max(await self._call_all("weight_version"))
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, load_inplace: bool = False
+    ) -> dict[str, Any]:
+        """Serve the PEFT adapter at `lora_path` (under --allowed-lora-paths, or a
+        --lora-modules path) as `lora_name`; with `load_inplace`, in place of the adapter of
+        that name, whose running requests finish on it. Returns the adapter's `name`, `path`,
+        `lora_id`, `digest`, `rank` and `base_model_name`. Refused: `unsupported` without
+        --enable-lora; `invalid` for a bad name or path, a name already loaded (without
+        `load_inplace`), or an adapter the model cannot take (the ranks' message); `conflict`
+        when the ranks have no room for now."""
+        return combined(await self._call_all("add_lora", lora_name, lora_path, load_inplace))
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Stop serving `lora_name` (`not_found` when it is not served); requests running
+        with it finish on it. Returns what it was (as `load_lora_adapter`)."""
+        return combined(await self._call_all("remove_lora", lora_name))
 
 
 def combined(results: list[dict[str, Any]]) -> dict[str, Any]:

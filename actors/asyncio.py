@@ -334,6 +334,22 @@ class AsyncioEngine:
     async def is_sleeping(self) -> bool:
         return await self.bridge.run(self.engine.admin.is_sleeping)
 
+    async def list_loras(self) -> list[dict[str, Any]]:
+        """`Engine.list_loras`."""
+        return await self.bridge.run(self.engine.list_loras)
+
+    async def load_lora_adapter(
+        self, lora_name: str, lora_path: str, load_inplace: bool = False
+    ) -> dict[str, Any]:
+        """`EngineAdmin.load_lora_adapter`."""
+        return await self.bridge.run(
+            self.engine.admin.load_lora_adapter, lora_name, lora_path, load_inplace
+        )
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """`EngineAdmin.unload_lora_adapter`."""
+        return await self.bridge.run(self.engine.admin.unload_lora_adapter, lora_name)
+
 
 async def _produce(
     generate: Callable[[], AsyncGenerator[RequestOutput, None]],

@@ -20,19 +20,20 @@ import zmq
 from tokenizers import Tokenizer
 
 from triode.wire import (
+    EngineCoreRequest,
     Ready,
     SamplingParams,
     SchedulerStats,
     Socket,
     topic_for,
 )
-from triode.wire.kv_seal import read_secret
+from triode.wire.kv_seal import kv_salt, read_secret
 from triode.wire.messages import MAX_WIRE_CACHE_SALT
 from triode.wire.tensor_ipc import SharedTensor, TensorHandle
 
 from .admin import EngineAdmin
-from .config import EngineArgs
-from .core_client import EngineCoreClient, EngineDeadError
+from .config import EngineArgs, lora_name_problem
+from .core_client import EngineCoreClient, EngineDeadError, RequestStream
 from .errors import RequestError, RequestRefused
 from .generate_call import GenerateCall
 from .intake import Intake
@@ -84,7 +85,7 @@ class Engine:
         self.worker_pids: list[int] = [
             pid for e in self._endpoints for pid in e.ready.info.get("worker_pids") or []
         ] or list(ready.info.get("worker_pids") or [])
-        # sleep, wake, pause, profiling and new weights, on every engine core
+        # sleep, wake, pause, profiling, new weights and LoRA adapters, on every engine core
         self.admin = EngineAdmin(self._call_all)
 
     @property
@@ -149,6 +150,7 @@ class Engine:
         kv_transfer_params: dict[str, Any] | None = None,
         prompt_embeds: Any = None,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Generate for one prompt, yielding cumulative `RequestOutput`s until it finishes.
 
@@ -170,6 +172,11 @@ class Engine:
 
         `cache_salt` enters the hash of the prompt's first KV block: the request shares cached
         prefix blocks only with requests of the same salt (none: with unsalted ones).
+
+        `lora_name` runs the request with the LoRA adapter loaded under that name
+        (`list_loras`; None: the base model); one the engine core does not have is refused
+        (`RequestError`). Its cached prefix blocks are shared only with requests of the same
+        adapter's content, and `kv_transfer_params` made for it only serve it.
         """
         params = params or SamplingParams()
         try:
@@ -178,8 +185,12 @@ class Engine:
                     f"cache_salt must be a non-empty string of at most {MAX_WIRE_CACHE_SALT} "
                     "characters"
                 )
+            if lora_name is not None and (problem := lora_name_problem(lora_name)) is not None:
+                raise RequestError(f"lora_name: {problem}")
             prompt_ids = self._prompt_ids(prompt, prompt_embeds, params, kv_transfer_params)
-            self._check_transfer_params(kv_transfer_params, prompt_ids, cache_salt)
+            self._check_transfer_params(
+                kv_transfer_params, prompt_ids, kv_salt(cache_salt, lora_name)
+            )
             client = self._pick()
             shared: list[tuple[TensorHandle, SharedTensor]] = []
             if prompt_embeds is not None:
@@ -196,7 +207,7 @@ class Engine:
             self, request_id, prompt, prompt_ids, params, kv_transfer_params, handles, cache_salt
         )
         try:
-            await run.start(client)
+            await run.start(client if lora_name is None else _WithAdapter(client, lora_name))
             while not run.finished:
                 for output in await run.stream.get():
                     run.take(output)
@@ -244,17 +255,18 @@ class Engine:
         return prompt_ids
 
     def _check_transfer_params(
-        self, params: dict[str, Any] | None, prompt_ids: list[int], cache_salt: str | None
+        self, params: dict[str, Any] | None, prompt_ids: list[int], salt: str | bytes | None
     ) -> None:
         """RequestError unless `params` are well formed and, where they ask this deployment
-        to act (load a prompt's KV, hold one), sealed by it, for this very prompt: checked
-        before the request reaches the engine core, which checks again."""
+        to act (load a prompt's KV, hold one), sealed by it, for this very prompt (its cache
+        salt and LoRA adapter bound in `salt`, `kv_seal.kv_salt`): checked before the request
+        reaches the engine core, which checks again."""
         if not params:
             return
         if self.kv_secret is None:  # no KV connector: the params ride along unused
             problem = transfer_params_error(params)
         else:
-            problem = seal_error(self.kv_secret, params, prompt_ids, cache_salt)
+            problem = seal_error(self.kv_secret, params, prompt_ids, salt)  # type: ignore[arg-type]
         if problem is not None:
             raise RequestError(problem)
 
@@ -265,6 +277,16 @@ class Engine:
         """Abort in every engine core (idempotent there). Bounded in time."""
         for client in self._clients:
             await client.abort_requests(request_ids)
+
+    async def list_loras(self) -> list[dict[str, Any]]:
+        """The LoRA adapters served, in the order they were loaded: each a dict of `name`,
+        `path`, `lora_id`, `digest` (SHA-256 of its files), `rank` and `base_model_name`.
+        Every engine core serves the same ones; the first live one answers. Raises
+        `EngineDeadError` when none is left."""
+        live = [c for c in self._clients if c.dead is None]
+        if not live:
+            raise self._clients[0].dead or EngineDeadError("no engine core is running")
+        return await live[0].call_utility("list_loras")
 
     async def get_stats(self) -> dict[str, Any]:
         """The engine cores' stats, summed (`kv_cache_usage` over all their blocks), with
@@ -302,6 +324,21 @@ class Engine:
         if not results or any(not isinstance(f, EngineDeadError) for f in failures):
             raise failures[0]
         return results
+
+
+class _WithAdapter:
+    """The engine core client as a generate call starts its requests through: each request
+    it adds names the LoRA adapter `lora_name`."""
+
+    def __init__(self, client: EngineCoreClient, lora_name: str) -> None:
+        self._client = client
+        self._lora_name = lora_name
+
+    async def add_request(
+        self, request: EngineCoreRequest, stream: RequestStream | None = None
+    ) -> RequestStream:
+        request.lora_name = self._lora_name
+        return await self._client.add_request(request, stream)
 
 
 @asynccontextmanager

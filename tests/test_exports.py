@@ -23,7 +23,7 @@ ACTORS = {
     "ActorDied", "ActorError", "Child", "ChildContext", "HandshakeError", "RemoteError",
     "SamplingParams", "ZmqReceiveChannel", "ZmqSendChannel", "open_child", "CompletionOutput",
     "Engine", "EngineArgs", "EngineDeadError", "RequestError", "RequestOutput", "TokenLogprob",
-    "RequestRefused", "EngineFlag",
+    "RequestRefused", "EngineFlag", "LoRAModule", "lora_name_problem", "parse_lora_module",
     "open_engine", "EngineAdmin", "OperationError",
     "Bridge", "EngineCoreEndpoint", "Intake", "UntrustedRecordingError", "check_grammar",
     "check_prompt_embeds", "connect_engine", "describe_prompt_embeds", "grammar_of",
