@@ -29,6 +29,13 @@ ADAPTERS = {
     "q-v-r16": {"r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"]},
     "rslora-r16": {"r": 16, "lora_alpha": 8, "target_modules": "all-linear", "use_rslora": True},
     "mlp-regex-r8": {"r": 8, "lora_alpha": 8, "target_modules": r".*\.mlp\.(gate|down)_proj"},
+    "patterns-r8": {
+        "r": 8,
+        "lora_alpha": 16,
+        "target_modules": "all-linear",
+        "rank_pattern": {"q_proj": 4, "layers.1.mlp.up_proj": 2},
+        "alpha_pattern": {"down_proj": 4},
+    },
 }
 NEW_TOKENS = 8
 
@@ -86,7 +93,7 @@ def test_adapters_mixed_with_base_requests_in_one_batch_match_each_alone(
     model_dir = models["llama"]
     r = runner(model_dir)
     ops = Operations(r)
-    names = list(ADAPTERS)
+    names = ["all-seven-r8", "q-v-r16", "rslora-r16", "patterns-r8"]
     for lora_id, name in enumerate(names, start=1):
         ops.add_lora(lora_id, str(adapters["llama", name]))
     d = Driver(r)
