@@ -1,8 +1,8 @@
 """The administrative endpoints, in vLLM's spelling: sleep and wake, pause and resume, the prefix
-cache, profiling, new weights, and the world size. Served only with `--enable-admin-api`
-(`Settings.enable_admin_api`); without it each of these paths is a 404, like any unknown one.
-None of them is an open path (`auth.OPEN_PATHS`): with API keys configured, each needs one, and
-the key is checked before the request is routed.
+cache, profiling, new weights, the world size, and loading and unloading LoRA adapters. Served
+only with `--enable-admin-api` (`Settings.enable_admin_api`); without it each of these paths is
+a 404, like any unknown one. None of them is an open path (`auth.OPEN_PATHS`): with API keys
+configured, each needs one, and the key is checked before the request is routed.
 
 Arguments come in the query string (`/sleep?level=2&tags=weights`) or in a small JSON body.
 Both are bounded before they are parsed: a query string of at most `MAX_QUERY_BYTES` bytes and
@@ -29,7 +29,8 @@ import msgspec
 import trio
 from msgspec import Meta
 
-from triode.actors import Engine, EngineDeadError, OperationError
+from triode.actors import Engine, EngineDeadError, OperationError, lora_name_problem
+from triode.wire.messages import MAX_LORA_NAME
 
 from .errors import APIError, engine_error, validation_error
 from .http import Request, respond_json
@@ -118,6 +119,7 @@ class Query:
 
 
 _ModelPath = Annotated[str, Meta(min_length=1, max_length=4096, pattern="^[^\x00]*$")]
+_LoraName = Annotated[str, Meta(min_length=1, max_length=MAX_LORA_NAME)]
 
 
 class WeightsFromDisk(msgspec.Struct, forbid_unknown_fields=True):
@@ -138,10 +140,29 @@ class WeightsUpdate(msgspec.Struct, forbid_unknown_fields=True):
     update_info: dict[str, Any]
 
 
-_BodyT = TypeVar("_BodyT", WeightsFromDisk, TransferInit, WeightsUpdate)
+class LoadLoraAdapter(msgspec.Struct, forbid_unknown_fields=True):
+    """A `POST /v1/load_lora_adapter` body; `load_inplace` replaces an adapter of that name."""
+
+    lora_name: _LoraName
+    lora_path: _ModelPath
+    load_inplace: bool = False
+
+
+class UnloadLoraAdapter(msgspec.Struct, forbid_unknown_fields=True):
+    """A `POST /v1/unload_lora_adapter` body. vLLM's `lora_int_id` is taken and not used: the
+    engine numbers its adapters itself, and the name alone picks one."""
+
+    lora_name: _LoraName
+    lora_int_id: int | None = None
+
+
+_BodyT = TypeVar(
+    "_BodyT", WeightsFromDisk, TransferInit, WeightsUpdate, LoadLoraAdapter, UnloadLoraAdapter
+)
 
 _DECODERS: Final[dict[type, msgspec.json.Decoder[Any]]] = {
-    kind: msgspec.json.Decoder(kind) for kind in (WeightsFromDisk, TransferInit, WeightsUpdate)
+    kind: msgspec.json.Decoder(kind)
+    for kind in (WeightsFromDisk, TransferInit, WeightsUpdate, LoadLoraAdapter, UnloadLoraAdapter)
 }
 
 
@@ -296,6 +317,45 @@ async def get_world_size(app: App, request: Request) -> None:
     await respond_json(request.send, {"world_size": size})
 
 
+async def load_lora_adapter(app: App, request: Request) -> None:
+    body = await _body(app, request, LoadLoraAdapter)
+    _check_lora_name(app, body.lora_name)
+    call = app.engine.admin.load_lora_adapter(body.lora_name, body.lora_path, body.load_inplace)
+    await _answer_lora(
+        app, request, call, lora_name=body.lora_name, lora_path=body.lora_path,
+        load_inplace=body.load_inplace,
+    )  # fmt: skip
+
+
+async def unload_lora_adapter(app: App, request: Request) -> None:
+    body = await _body(app, request, UnloadLoraAdapter)
+    _check_lora_name(app, body.lora_name)
+    call = app.engine.admin.unload_lora_adapter(body.lora_name)
+    await _answer_lora(app, request, call, lora_name=body.lora_name)
+
+
+async def _answer_lora(app: App, request: Request, call: Awaitable[Any], **logged: Any) -> None:
+    """`_answer` for a load or unload, with this server's adapter names refreshed before the
+    answer goes out: a client that names the adapter next finds it (or no longer). Refreshed
+    after a refusal too, which may come from another server's change (a name it loaded)."""
+    log.info("%s %s %s", request.method, request.path, _args(logged))
+    try:
+        result = await _call(request, call)
+    finally:
+        await app.loras.refresh()
+    await respond_json(request.send, result)
+
+
+def _check_lora_name(app: App, lora_name: str) -> None:
+    """A 400 for a name no adapter can have (the engine's rule), or one of a served model: a
+    request naming that runs the base model."""
+    problem = lora_name_problem(lora_name)
+    if problem is not None:
+        raise APIError(400, f"lora_name: {problem}", param="lora_name")
+    if lora_name in app.settings.served_model_names:
+        raise APIError(400, f"lora_name: {lora_name!r} is a served model name", param="lora_name")
+
+
 ADMIN_ROUTES: Final[dict[str, dict[str, Callable[[App, Request], Awaitable[None]]]]] = {
     "/sleep": {"POST": sleep},
     "/wake_up": {"POST": wake_up},
@@ -312,4 +372,6 @@ ADMIN_ROUTES: Final[dict[str, dict[str, Callable[[App, Request], Awaitable[None]
     "/update_weights": {"POST": update_weights},
     "/finish_weight_update": {"POST": finish_weight_update},
     "/get_world_size": {"GET": get_world_size},
+    "/v1/load_lora_adapter": {"POST": load_lora_adapter},
+    "/v1/unload_lora_adapter": {"POST": unload_lora_adapter},
 }

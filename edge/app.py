@@ -64,7 +64,8 @@ class App:
         self.model_name = settings.served_model_names[0]
         self.metrics = Metrics(self.model_name)
         self.serving = Serving(engine, settings, self.metrics)
-        self.responses = Responses(engine, settings, self.metrics, self.serving.check_model)
+        self.loras = self.serving.loras
+        self.responses = Responses(engine, settings, self.metrics, self.loras)
         self.draining = False
         self._health = HealthProbe(engine, settings.health_stall_timeout)
         self._open_paths = paths_without_key(metrics_require_key=settings.metrics_require_key)
@@ -158,14 +159,26 @@ class App:
         await respond_json(request.send, {"version": version("triode")})
 
     async def models(self, request: Request) -> None:
+        """Every served name, then each LoRA adapter under its own name (`parent`: the base
+        model it adapts, as vLLM shows it; `root`: its directory)."""
         root = str(self.engine.model_dir)
         version = await weight_version(self.engine, self.serving.weight_version)
         self.serving.weight_version = version
+        await self.loras.refresh_if_stale()
+        max_model_len = self.engine.max_model_len
         cards = [
-            ModelCard(
-                id=name, root=root, max_model_len=self.engine.max_model_len, weight_version=version
-            )
+            ModelCard(id=name, root=root, max_model_len=max_model_len, weight_version=version)
             for name in self.settings.served_model_names
+        ]
+        cards += [
+            ModelCard(
+                id=adapter["name"],
+                root=adapter["path"],
+                parent=adapter.get("base_model_name") or self.model_name,
+                max_model_len=max_model_len,
+                weight_version=version,
+            )
+            for adapter in self.loras.adapters
         ]
         await respond_json(request.send, ModelList(data=cards))
 
@@ -186,7 +199,7 @@ class App:
 
     async def tokenize(self, request: Request) -> None:
         req = decode_request(await request.read_body(self.settings.max_body_size), TokenizeRequest)
-        self.serving.check_model(req.model)
+        await self.loras.pick(req.model)  # an adapter tokenizes as its base model does
         intake = self.engine.intake
         try:
             if req.messages is not None:
@@ -219,7 +232,7 @@ class App:
         req = decode_request(
             await request.read_body(self.settings.max_body_size), DetokenizeRequest
         )
-        self.serving.check_model(req.model)
+        await self.loras.pick(req.model)
         self.serving.check_token_ids(prompt=req.tokens, prompt_field="tokens")
         text = await self.engine.intake.decode(req.tokens)
         await respond_json(request.send, DetokenizeResponse(prompt=text))
@@ -245,10 +258,11 @@ class App:
 
 @contextlib.asynccontextmanager
 async def open_app(engine: Engine, settings: Settings) -> AsyncIterator[App]:
-    """The app, with what outlives single requests: the MCP tool servers (connected here) and
-    the nursery that background responses run in. Leaving cancels the background responses
-    still running."""
+    """The app, with what outlives single requests: the LoRA adapters the engine has loaded
+    (listed here), the MCP tool servers (connected here) and the nursery that background
+    responses run in. Leaving cancels the background responses still running."""
     app = App(engine, settings)
+    await app.loras.refresh()
     async with trio.open_nursery() as nursery:
         await app.responses.start(nursery)
         try:

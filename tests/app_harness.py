@@ -1,8 +1,12 @@
 """The edge's ASGI app in-process over a stub engine, for tests of what the app itself decides
-(keys, routes, error bodies, the stored responses' owners) without a model or a server."""
+(keys, routes, error bodies, the stored responses' owners, the model a request runs) without a
+model or a server."""
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,18 +14,30 @@ from typing import Any
 import msgspec
 import trio
 
-from triode.actors import EngineAdmin
+from triode.actors import CompletionOutput, EngineAdmin, OperationError, RequestOutput
 from triode.edge.app import App
 from triode.edge.settings import Settings
+from triode.wire import SamplingParams
+
+
+@dataclass
+class StubTemplate:
+    source: str = "{% for m in messages %}{{ m.content }}{% endfor %}"
 
 
 class StubIntake:
-    """Tokenizes by bytes: each byte is a token."""
+    """Tokenizes by bytes: each byte is a token. A chat is its messages' contents, joined."""
 
-    chat_template = None
+    chat_template: Any = StubTemplate()
 
     async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
+
+    async def encode_chat(
+        self, messages: list[dict[str, Any]], **options: Any
+    ) -> tuple[str, list[int]]:
+        text = "".join(str(m.get("content") or "") for m in messages)
+        return text, list(text.encode())
 
     async def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode(errors="replace")
@@ -39,7 +55,9 @@ class SchedulerStats:
 
 @dataclass
 class StubEngine:
-    """What the app reads of an engine when no request reaches it."""
+    """What the app reads of an engine, and a generation that answers at once: each choice's
+    text is the name of the LoRA adapter it ran with ("base" for none). Its adapter registry
+    (`loras`) refuses as the engine core's does; `list_loras` counts its calls."""
 
     dead: BaseException | None = None
     intake: Any = field(default_factory=StubIntake)
@@ -47,8 +65,27 @@ class StubEngine:
     vocab_size: int = 256
     model_dir: Path = Path("stub")
     stats: Any = field(default_factory=lambda: SchedulerStats(0, 0, 0.0))
-    # weights never updated: every operation answers version 0
-    admin: EngineAdmin = field(default_factory=lambda: EngineAdmin(_version_zero))
+    admin: EngineAdmin = field(init=False)
+    loras: dict[str, dict[str, Any]] = field(default_factory=dict)
+    list_loras_calls: int = 0
+    list_loras_delay: float = 0.0  # seconds each `list_loras` takes to answer
+    generated: list[str | None] = field(default_factory=list)  # each generation's lora_name
+    _lora_ids: Any = field(default_factory=lambda: itertools.count(1))
+
+    def __post_init__(self) -> None:
+        self.admin = EngineAdmin(self._call_all)
+
+    async def _call_all(self, method: str, *args: Any) -> list[Any]:
+        """The engine core's answers to `EngineAdmin`'s calls: the weights never updated
+        (version 0), and the LoRA registry's."""
+        await trio.lowlevel.checkpoint()
+        if method == "weight_version":
+            return [0]
+        if method == "add_lora":
+            return [self.add_lora(*args)]
+        if method == "remove_lora":
+            return [self.remove_lora(*args)]
+        raise RuntimeError(f"the stub engine has no {method}")
 
     async def seconds_stalled(self) -> float:
         return 0.0
@@ -56,11 +93,57 @@ class StubEngine:
     async def get_stats(self) -> dict[str, Any]:
         return {"num_running_reqs": 0, "num_waiting_reqs": 0, "kv_cache_usage": 0.0}
 
+    async def list_loras(self) -> list[dict[str, Any]]:
+        self.list_loras_calls += 1
+        await trio.sleep(self.list_loras_delay)
+        return [dict(entry) for entry in self.loras.values()]
 
-async def _version_zero(method: str, *args: Any) -> list[Any]:
-    if method != "weight_version":
-        raise RuntimeError(f"the stub engine has no {method}")
-    return [0]
+    def add_lora(self, name: str, path: str, load_inplace: bool = False) -> dict[str, Any]:
+        """Register an adapter as the engine core does (its refusals included)."""
+        if name in self.loras and not load_inplace:
+            raise OperationError("invalid", f"The lora adapter '{name}' has already been loaded.")
+        if not path.startswith("/adapters/"):
+            raise OperationError("invalid", f"{path!r} is not under --allowed-lora-paths")
+        entry = {
+            "name": name, "path": path, "lora_id": next(self._lora_ids),
+            "digest": hashlib.sha256(path.encode()).hexdigest(), "rank": 8,
+            "base_model_name": None,
+        }  # fmt: skip
+        self.loras[name] = entry
+        return dict(entry)
+
+    def remove_lora(self, name: str) -> dict[str, Any]:
+        if name not in self.loras:
+            raise OperationError("not_found", f"The lora adapter '{name}' cannot be found.")
+        return self.loras.pop(name)
+
+    async def generate(
+        self,
+        prompt: list[int] | None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        delta: bool = False,
+        kv_transfer_params: dict[str, Any] | None = None,
+        prompt_embeds: Any = None,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        self.generated.append(lora_name)
+        n = 1 if params is None else params.n
+        await trio.lowlevel.checkpoint()
+        if lora_name is not None and lora_name not in self.loras:
+            why = f"the LoRA adapter {lora_name!r} is not loaded"
+            outputs = [
+                CompletionOutput(i, finish_reason="error", stop_reason=why) for i in range(n)
+            ]
+        else:
+            text = lora_name or "base"
+            outputs = [
+                CompletionOutput(i, text, list(text.encode()), finish_reason="stop")
+                for i in range(n)
+            ]
+        yield RequestOutput(request_id or "", None, list(prompt or ()), outputs, finished=True)
 
 
 def make_app(**settings: Any) -> App:

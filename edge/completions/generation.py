@@ -30,6 +30,7 @@ from triode.wire import SamplingParams
 
 from ..errors import APIError, engine_error, validation_error
 from ..http import ClientDisconnected, Request
+from ..lora_names import LoraNames
 from ..metrics import Metrics
 from ..settings import Settings
 from .request_bodies import ChatCompletionRequest, CompletionRequest
@@ -48,6 +49,7 @@ class Prompt:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = None  # what its KV blocks are hashed with (edge/tenancy.py)
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
     weight_version: int = 0  # of the weights that made its latest tokens
     # timing, for the metrics
     start: float = field(default_factory=time.perf_counter)
@@ -136,14 +138,10 @@ class Generation:
         self.settings = settings
         self.metrics = metrics
         self.model_name = settings.served_model_names[0]
+        # the names a request's `model` may give: the served ones and the adapters'
+        self.loras = LoraNames(engine, settings.served_model_names)
         # the engine's weight version as last seen (an output's, or the engine's answer)
         self.weight_version = 0
-
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.settings.served_model_names:
-            raise APIError(
-                404, f"the model {name!r} does not exist", param="model", code="model_not_found"
-            )
 
     def check_token_ids(self, **fields: Any) -> None:
         """A 400 naming the field for a token id the model has no row for (`out_of_vocabulary`'s
@@ -234,6 +232,7 @@ class Generation:
                         kv_transfer_params=kv_transfer_params,
                         prompt_embeds=prompt.embeds,
                         cache_salt=prompt.cache_salt,
+                        lora_name=prompt.lora_name,
                     )
                     with scopes[index]:
                         async with aclosing(generation) as outputs:

@@ -46,7 +46,7 @@ class Serving(Generation):
     async def chat(self, request: Request) -> None:
         body = await request.read_body(self.settings.max_body_size)
         req = decode_request(body, ChatCompletionRequest)
-        self.check_model(req.model)
+        lora_name = await self.loras.pick(req.model)
         check_engine_alive(self.engine)
         self.check_choices(req, 1)
         messages = msgspec.to_builtins(req.messages)
@@ -84,7 +84,7 @@ class Serving(Generation):
             structured_outputs=structured,
         )
         self.check_token_ids(params=params)
-        prompts = [Prompt(token_ids, None)]
+        prompts = [Prompt(token_ids, None, lora_name=lora_name)]
         self.check_logprobs_volume(req, prompts, params)
         self._salt(request, req.cache_salt, prompts)
         _check_transfer_params(req.kv_transfer_params, prompts, params)
@@ -120,7 +120,7 @@ class Serving(Generation):
             )
         response = ChatCompletionResponse(
             id=request_id,
-            model=self.model_name,
+            model=req.model or self.model_name,
             choices=choices,
             usage=usage_of(prompts),
             kv_transfer_params=prompt.kv_transfer_params,
@@ -134,7 +134,7 @@ class Serving(Generation):
     async def completions(self, request: Request) -> None:
         body = await request.read_body(self.settings.max_body_size)
         req = decode_request(body, CompletionRequest)
-        self.check_model(req.model)
+        lora_name = await self.loras.pick(req.model)
         check_engine_alive(self.engine)
         # before any prompt costs a decode or a tokenization
         self.check_choices(req, len(req.embeds_prompts()) + len(req.prompts()))
@@ -160,6 +160,8 @@ class Serving(Generation):
         self.check_logprobs_volume(req, prompts, params)
         _check_transfer_params(req.kv_transfer_params, prompts, params)
         self._salt(request, req.cache_salt, prompts)
+        for prompt in prompts:
+            prompt.lora_name = lora_name
         request_id = f"cmpl-{uuid.uuid4().hex}"
         if req.echo:
             for p in prompts:
@@ -190,7 +192,7 @@ class Serving(Generation):
                 )
         response = CompletionResponse(
             id=request_id,
-            model=self.model_name,
+            model=req.model or self.model_name,
             choices=choices,
             usage=usage_of(prompts),
             kv_transfer_params=prompts[0].kv_transfer_params,

@@ -98,6 +98,7 @@ class StreamFormatter:
         prompts: list[Prompt],
     ) -> None:
         self.serving = serving
+        self.model = req.model or serving.model_name  # the name asked for: served or an adapter's
         self.id = request_id
         self.created = int(time.time())
         self.prompts = prompts
@@ -116,7 +117,7 @@ class StreamFormatter:
         response = self.envelope(
             id=self.id,
             created=self.created,
-            model=self.serving.model_name,
+            model=self.model,
             choices=choices,
             usage=usage,
             weight_version=self.weight_version,

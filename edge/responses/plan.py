@@ -62,6 +62,7 @@ class Plan:
     mcp_names: dict[tuple[str, str], str] = field(default_factory=dict)
     max_tool_turns: int = 8
     cache_salt: str | None = None  # what its KV blocks are hashed with (edge/tenancy.py)
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
     def mcp_name(self, label: str, tool: str) -> str:
         """The function name the model knows an MCP tool by."""

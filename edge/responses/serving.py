@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from urllib.parse import parse_qs
 
 import trio
@@ -24,6 +23,7 @@ from triode.actors import Engine
 
 from ..errors import APIError, check_engine_alive, too_busy
 from ..http import JSON, ClientDisconnected, Request, respond, respond_json
+from ..lora_names import LoraNames
 from ..metrics import Metrics
 from ..settings import Settings
 from ..sse import KEEPALIVE, SSE_HEADERS
@@ -50,12 +50,12 @@ class Responses:
         engine: Engine,
         settings: Settings,
         metrics: Metrics,
-        check_model: Callable[[str | None], None],
+        loras: LoraNames,
     ) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
-        self.check_model = check_model
+        self.loras = loras
         self.model_name = settings.served_model_names[0]
         self.store = ResponseStore(settings.max_stored_responses, ttl=settings.response_ttl)
         self._background_count = 0  # queued or running
@@ -82,7 +82,7 @@ class Responses:
         foreground response leaves (its run is cancelled and its engine request aborted)."""
         body = await request.read_body(self.settings.max_body_size)
         req = decode_responses_request(body)
-        self.check_model(req.model)
+        lora_name = await self.loras.pick(req.model)
         check_engine_alive(self.engine)
         if req.background:
             self._check_background_room()  # before the work of planning
@@ -94,6 +94,7 @@ class Responses:
         )  # fmt: skip
         isolation = self.settings.prefix_cache_isolation
         plan.cache_salt = request_cache_salt(isolation, request.key_digest, req.cache_salt)
+        plan.lora_name = lora_name
         if req.background:
             await self._background(request, plan, owner)
             return

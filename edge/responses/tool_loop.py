@@ -79,7 +79,7 @@ class ToolLoop:
             request_id = f"{plan.response.id}-{rounds}"
             try:
                 reason, generated = await self._generate(
-                    ids, params, request_id, out, parser, flush, plan.cache_salt
+                    ids, params, request_id, out, parser, flush, plan.cache_salt, plan.lora_name
                 )
             except (RequestError, EngineDeadError, RuntimeError) as e:
                 return self._fail(out, engine_error(e))
@@ -124,6 +124,7 @@ class ToolLoop:
         parser: ToolCallStream | None,
         flush: Flush,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> tuple[str | None, int]:
         """One generation, fed to `out` delta by delta: (finish reason, tokens generated)."""
         start = time.perf_counter()
@@ -134,7 +135,7 @@ class ToolLoop:
         generated = cached = 0
         try:
             generation = self.engine.generate(
-                ids, params, request_id, delta=True, cache_salt=cache_salt
+                ids, params, request_id, delta=True, cache_salt=cache_salt, lora_name=lora_name
             )
             async with aclosing(generation) as outputs:
                 async for output in outputs:

@@ -40,6 +40,8 @@ BODIES = {
     "/update_weights_from_disk": {"model_path": "/models/next"},
     "/init_weight_transfer_engine": {"init_info": {"backend": "shm"}},
     "/update_weights": {"update_info": {"names": ["w"]}},
+    "/v1/load_lora_adapter": {"lora_name": "a", "lora_path": "/adapters/a"},
+    "/v1/unload_lora_adapter": {"lora_name": "a"},
 }
 
 
