@@ -26,6 +26,7 @@ from triode.actors import Bridge, open_bridge, open_engine
 
 from .app import default_served_model_name, open_app
 from .http import Message, Receive, Scope, Send
+from .lora_names import lora_modules_problem
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -93,8 +94,12 @@ def create_app(
 ) -> AsyncioASGI:
     """triode's OpenAI-compatible API as an asyncio ASGI app, for `uvicorn.run(...)`: its
     lifespan starts the engine for `model` (`engine_args` are `EngineArgs` fields) and stops
-    it. `settings` default to serving under the model's name with no API keys."""
+    it. `settings` default to serving under the model's name with no API keys. Raises
+    ValueError for `lora_modules` that cannot serve beside the served names."""
     settings = settings or Settings(served_model_names=[default_served_model_name(model)])
+    problem = lora_modules_problem(engine_args.get("lora_modules", ()), settings.served_model_names)
+    if problem is not None:
+        raise ValueError(problem)
     return AsyncioASGI(functools.partial(_open_triode_app, model, engine_args, settings))
 
 

@@ -183,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     """
     from ..app import default_served_model_name
     from ..auth import ApiKeys, keys_from
+    from ..lora_names import lora_modules_problem
     from ..server import ServeOptions, serve
     from ..settings import Settings
     from ..tools.mcp import parse_tool_server_specs
@@ -237,9 +238,13 @@ def run(args: argparse.Namespace) -> int:
         tool_servers = [s for v in args.tool_server for s in parse_tool_server_specs(v)]
     except ValueError as e:
         raise SystemExit(f"triode serve: --tool-server: {e}") from None
+    names = args.served_model_name or [default_served_model_name(args.model)]
+    problem = lora_modules_problem(engine_args.get("lora_modules", []), names)
+    if problem is not None:
+        print(f"triode serve: {problem}", file=sys.stderr)
+        return 2
 
     def settings(engine: object) -> Settings:
-        names = args.served_model_name or [default_served_model_name(args.model)]
         return Settings(
             served_model_names=names,
             api_keys=ApiKeys(keys),
@@ -271,6 +276,16 @@ def run(args: argparse.Namespace) -> int:
             "to sleep, pause it or replace its weights (set --api-key or TRIODE_API_KEY)",
             args.host,
             args.port,
+        )
+    if (
+        engine_args.get("enable_lora")
+        and args.enable_admin_api
+        and not engine_args.get("allowed_lora_paths")
+    ):
+        serve_log.info(
+            "--enable-lora with --enable-admin-api and no --allowed-lora-paths: "
+            "/v1/load_lora_adapter loads only the --lora-modules paths; the engine refuses "
+            "any other (give --allowed-lora-paths DIR to allow those under DIR)"
         )
     options = ServeOptions(
         model=args.model,
