@@ -57,8 +57,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--enable-admin-api",
         action="store_true",
         help="serve the administrative routes (/sleep, /wake_up, /pause, /resume, "
-        "/reset_prefix_cache, /start_profile, /stop_profile, weight updates, /get_world_size); "
-        "behind the API key when keys are set",
+        "/reset_prefix_cache, /start_profile, /stop_profile, weight updates, /get_world_size, "
+        "/v1/load_lora_adapter, /v1/unload_lora_adapter); behind the API key when keys are set",
     )
     serve.add_argument(
         "--served-model-name",
@@ -273,7 +273,8 @@ def run(args: argparse.Namespace) -> int:
     if args.enable_admin_api and not keys:
         serve_log.warning(
             "--enable-admin-api without API keys: anyone who reaches %s:%d can put the engine "
-            "to sleep, pause it or replace its weights (set --api-key or TRIODE_API_KEY)",
+            "to sleep, pause it, replace its weights or load adapters (set --api-key or "
+            "TRIODE_API_KEY)",
             args.host,
             args.port,
         )
