@@ -11,6 +11,10 @@ How many tokens a request had before an abort reached the engine (its client lef
 string matched) is a matter of timing: such a request is compared over the tokens both runs
 produced. A request that the recording ends inside (the engine stopped) is compared over its
 recorded tokens. A request whose ADD_REQUEST was rotated out of the recording is not compared.
+An input that the recording took in only after the engine answered a utility call (a client
+that loaded a LoRA adapter, then sent requests naming it) waits for that answer in the replay
+too, whatever the speed: an operation runs in a task of its own, and would otherwise race the
+inputs that followed it.
 
 A recording is a file someone may hand over, so the engine arguments that reach past this host
 or process are not taken from it unless the caller trusts it (`trust_recorded_args`): the
@@ -110,6 +114,8 @@ class _Recording:
 
     def __init__(self) -> None:
         self.inputs: list[tuple[float, list[bytes], list[str]]] = []  # time, frames, aborts
+        # input index -> the utility calls (client, call id) answered before it came
+        self.waits: dict[int, list[tuple[int, int]]] = {}
         self.outcomes: dict[str, _Outcome] = {}
         self.skipped: set[str] = set()
         self.topics: set[int] = set()
@@ -120,8 +126,12 @@ def _read_recording(directory: Path) -> _Recording:
     """Parse the recording in `directory` (blocking: run it in a thread)."""
     recording = _Recording()
     inputs, outputs = InputDecoder(), OutputDecoder()
+    unanswered: set[tuple[int, int]] = set()
+    answered: list[tuple[int, int]] = []  # since the last input
     for record in read_records(directory):
         if record.direction == "in":
+            if answered:
+                recording.waits[len(recording.inputs)], answered = answered, []
             try:
                 _, payload = inputs.decode(record.frames)
             except ProtocolError:
@@ -135,6 +145,7 @@ def _read_recording(directory: Path) -> _Recording:
                 recording.topics.add(payload.client_index)
             elif isinstance(payload, UtilityCall):
                 recording.topics.add(payload.client_index)
+                unanswered.add((payload.client_index, payload.call_id))
             for request_id in aborts:
                 _note_abort(recording.outcomes.get(request_id))
         else:
@@ -145,6 +156,11 @@ def _read_recording(directory: Path) -> _Recording:
                 continue
             recording.topics.add(client)
             recording.skipped.update(_take(recording.outcomes, message))
+            if message.utility_output is not None:
+                call = (client, message.utility_output.call_id)
+                if call in unanswered:
+                    unanswered.discard(call)
+                    answered.append(call)
     return recording
 
 
@@ -282,6 +298,7 @@ class _Replayer:
         self._encoder = Encoder()
         self._call_ids = itertools.count(-1, -1)  # the recording's own calls count up from 0
         self._answers: dict[int, trio.Event] = {}
+        self._answered: set[tuple[int, int]] = set()  # the recorded calls' (client, call id)
         self._changed = trio.Event()
 
     def close(self) -> None:
@@ -309,7 +326,9 @@ class _Replayer:
         inputs = self.recording.inputs
         first = inputs[0][0] if inputs else 0.0
         start = trio.current_time()
-        for timestamp, frames, aborts in inputs:
+        for i, (timestamp, frames, aborts) in enumerate(inputs):
+            for call in self.recording.waits.get(i, ()):
+                await self._answer_of(call)
             await trio.sleep_until(start + (timestamp - first) / speed)
             await self._push.send_multipart(frames)
             self.inputs_sent += 1
@@ -321,6 +340,14 @@ class _Replayer:
         while True:
             changed = self._changed
             if all(self._through(request_id) for request_id in self.outcomes):
+                return
+            await changed.wait()
+
+    async def _answer_of(self, call: tuple[int, int]) -> None:
+        """Until the engine core answered the recorded utility call `call`."""
+        while True:
+            changed = self._changed
+            if call in self._answered:
                 return
             await changed.wait()
 
@@ -350,13 +377,14 @@ class _Replayer:
         while True:
             frames = await self._sub.recv_multipart()
             try:
-                _, message = decoder.decode([f.buffer for f in frames])
+                client, message = decoder.decode([f.buffer for f in frames])
             except ProtocolError as e:
                 self.protocol_errors += 1
                 log.warning("replay: an undecodable output message: %s", e)
                 continue
             _take(self.outcomes, message)
             if message.utility_output is not None:
+                self._answered.add((client, message.utility_output.call_id))
                 answered = self._answers.get(message.utility_output.call_id)
                 if answered is not None:
                     answered.set()
