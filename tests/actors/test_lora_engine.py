@@ -157,3 +157,32 @@ def _leaves(error: BaseException) -> list[BaseException]:
     if isinstance(error, BaseExceptionGroup):
         return [leaf for e in error.exceptions for leaf in _leaves(e)]
     return [error]
+
+
+async def test_lora_across_data_parallel_engines_and_tensor_parallel_ranks(
+    root: Path, adapters: dict[str, Path]
+) -> None:
+    """Every engine core of two takes each load and unload; two tensor-parallel ranks (worker
+    processes) read the same digest and give the outputs of one."""
+    async with open_engine(str(root / "tiny"), **_args(root, adapters)) as one:
+        expected = await _run(one, "a")
+        await one.admin.load_lora_adapter("b", str(adapters["b"]))
+        expected_b = await _run(one, "b")
+    async with open_engine(
+        str(root / "tiny"), **_args(root, adapters, data_parallel_size=2)
+    ) as engine:
+        loaded = await engine.admin.load_lora_adapter("b", str(adapters["b"]))
+        assert [e["lora_id"] for e in loaded["engines"]] == [2, 2]
+        results = [await _run(engine, "b") for _ in range(4)]  # balanced over both
+        assert {tuple(tokens) for tokens, _ in results} == {tuple(expected_b[0])}
+        unloaded = await engine.admin.unload_lora_adapter("b")
+        assert len(unloaded["engines"]) == 2
+        for _ in range(2):
+            with pytest.raises(RequestError, match="'b' is not loaded"):
+                await _run(engine, "b")
+    async with open_engine(
+        str(root / "tiny"), **_args(root, adapters, tensor_parallel_size=2)
+    ) as engine:
+        assert (await _run(engine, "a"))[0] == expected[0]
+        await engine.admin.load_lora_adapter("b", str(adapters["b"]))
+        assert (await _run(engine, "b"))[0] == expected_b[0]
