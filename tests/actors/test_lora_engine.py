@@ -6,8 +6,10 @@ that replays."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -186,3 +188,24 @@ async def test_lora_across_data_parallel_engines_and_tensor_parallel_ranks(
         assert (await _run(engine, "a"))[0] == expected[0]
         await engine.admin.load_lora_adapter("b", str(adapters["b"]))
         assert (await _run(engine, "b"))[0] == expected_b[0]
+
+
+def test_lora_through_the_asyncio_bridge(root: Path, adapters: dict[str, Path]) -> None:
+    from triode.actors.asyncio import open_engine as open_asyncio_engine
+
+    async def main() -> dict[str, Any]:
+        async with open_asyncio_engine(str(root / "tiny"), **_args(root, adapters)) as engine:
+            loaded = await engine.load_lora_adapter("b", str(adapters["b"]))
+            outputs = [o async for o in engine.generate(PROMPT, GREEDY, lora_name="b")]
+            unloaded = await engine.unload_lora_adapter("a")
+            return {
+                "loaded": loaded,
+                "tokens": outputs[-1].outputs[0].token_ids,
+                "unloaded": unloaded,
+                "listed": await engine.list_loras(),
+            }
+
+    seen = asyncio.run(main())
+    assert seen["loaded"]["name"] == "b" and seen["unloaded"]["name"] == "a"
+    assert len(seen["tokens"]) == GREEDY.max_tokens
+    assert [e["name"] for e in seen["listed"]] == ["b"]
