@@ -20,7 +20,6 @@ import zmq
 from tokenizers import Tokenizer
 
 from triode.wire import (
-    EngineCoreRequest,
     Ready,
     SamplingParams,
     SchedulerStats,
@@ -33,7 +32,7 @@ from triode.wire.tensor_ipc import SharedTensor, TensorHandle
 
 from .admin import EngineAdmin
 from .config import EngineArgs, lora_name_problem
-from .core_client import EngineCoreClient, EngineDeadError, RequestStream
+from .core_client import EngineCoreClient, EngineDeadError
 from .errors import RequestError, RequestRefused
 from .generate_call import GenerateCall
 from .intake import Intake
@@ -204,10 +203,11 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         handles = [handle for handle, _ in shared]
         run = GenerateCall(
-            self, request_id, prompt, prompt_ids, params, kv_transfer_params, handles, cache_salt
-        )
+            self, request_id, prompt, prompt_ids, params, kv_transfer_params, handles, cache_salt,
+            lora_name,
+        )  # fmt: skip
         try:
-            await run.start(client if lora_name is None else _WithAdapter(client, lora_name))
+            await run.start(client)
             while not run.finished:
                 for output in await run.stream.get():
                     run.take(output)
@@ -266,7 +266,7 @@ class Engine:
         if self.kv_secret is None:  # no KV connector: the params ride along unused
             problem = transfer_params_error(params)
         else:
-            problem = seal_error(self.kv_secret, params, prompt_ids, salt)  # type: ignore[arg-type]
+            problem = seal_error(self.kv_secret, params, prompt_ids, salt)
         if problem is not None:
             raise RequestError(problem)
 
@@ -324,21 +324,6 @@ class Engine:
         if not results or any(not isinstance(f, EngineDeadError) for f in failures):
             raise failures[0]
         return results
-
-
-class _WithAdapter:
-    """The engine core client as a generate call starts its requests through: each request
-    it adds names the LoRA adapter `lora_name`."""
-
-    def __init__(self, client: EngineCoreClient, lora_name: str) -> None:
-        self._client = client
-        self._lora_name = lora_name
-
-    async def add_request(
-        self, request: EngineCoreRequest, stream: RequestStream | None = None
-    ) -> RequestStream:
-        request.lora_name = self._lora_name
-        return await self._client.add_request(request, stream)
 
 
 @asynccontextmanager

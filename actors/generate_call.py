@@ -38,11 +38,13 @@ class GenerateCall:
         kv_transfer_params: dict[str, Any] | None = None,
         embeds: list[TensorHandle] | None = None,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.engine = engine
         self.kv_transfer_params = kv_transfer_params
         self.embeds = embeds or []  # one shared copy of the prompt embeddings per child
         self.cache_salt = cache_salt
+        self.lora_name = lora_name  # the adapter every child runs with
         self.stream = RequestStream()
         self.params = params
         self.prompt_ids = prompt_ids
@@ -87,6 +89,7 @@ class GenerateCall:
                 kv_transfer_params=self.kv_transfer_params,
                 prompt_embeds=self.embeds[i] if self.embeds else None,
                 cache_salt=self.cache_salt,
+                lora_name=self.lora_name,
             )
             await client.add_request(request, self.stream)
 

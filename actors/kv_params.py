@@ -70,7 +70,7 @@ def seal_error(
     secret: bytes,
     params: dict[str, Any] | None,
     prompt_token_ids: list[int],
-    cache_salt: str | None = None,
+    cache_salt: str | bytes | None = None,
     *,
     now: float | None = None,
 ) -> str | None:
