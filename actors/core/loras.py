@@ -215,7 +215,7 @@ class LoRARegistry:
             isinstance(base_model_name, str) and len(base_model_name) <= MAX_PATH
         ):
             raise OperationError("invalid", "base_model_name must be a short string")
-        real_path = await self._allowed_path(path)
+        real_path = self._allowed_path(path)
         async with self._lock:
             old = self.named.get(name)
             if old is not None and not load_inplace:
@@ -431,14 +431,17 @@ class LoRARegistry:
                 "unsupported", "LoRA adapters are not enabled: start the server with --enable-lora"
             )
 
-    async def _allowed_path(self, path: Any) -> str:
+    def _allowed_path(self, path: Any) -> str:
         """The real path of `path` when adapters may be loaded from it: a directory under
         one of --allowed-lora-paths, or exactly a --lora-modules path."""
         if not isinstance(path, str) or not 0 < len(path) <= MAX_PATH or "\0" in path:
             raise OperationError(
                 "invalid", f"lora_path must be a path of 1 to {MAX_PATH} characters"
             )
-        real = await trio.to_thread.run_sync(os.path.realpath, path)
+        # not in a worker thread: a few stat calls on the engine's own host, for a rare admin
+        # call (the ranks read the same files right after anyway); a thread let virtual-time
+        # tests race the step loop
+        real = os.path.realpath(path)
         if real in self._module_paths.values() or any(
             os.path.commonpath([real, allowed]) == allowed for allowed in self._allowed
         ):
