@@ -59,6 +59,7 @@ STRING_IMPORTS = {
     "triode.gpu.bench.kv_transfer",
     "triode.gpu.bench.step",
     "triode.gpu.bench.weight_push",
+    "triode.gpu.lora.random_adapter",
     "triode.gpu.checks.device",
     "triode.gpu.worker:serve_worker",
     "triode.wire.bench",

@@ -1,10 +1,14 @@
 """Random LoRA adapters in Hugging Face PEFT's format, for a model directory: what `triode bench
-lora` serves. Written from the model's `config.json` alone (no model is loaded): A as PEFT
-initialises it (uniform in +-1/sqrt(inputs)), B random instead of PEFT's zeros, so that every
-adapter changes the outputs."""
+lora` serves and `triode bench step --lora` steps with. Written from the model's `config.json`
+alone (no model is loaded, no torch): A as PEFT initialises it (uniform in +-1/sqrt(inputs)), B
+random instead of PEFT's zeros, so that every adapter changes the outputs.
+
+    python -m triode.gpu.lora.random_adapter MODEL_DIR OUT [--rank 16] [--seed 0]
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -77,3 +81,17 @@ def write_random_adapter(
     }
     (out / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
     return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    write_random_adapter(args.model_dir, args.out, rank=args.rank, seed=args.seed)
+
+
+if __name__ == "__main__":
+    main()
