@@ -11,12 +11,20 @@ is from what the matmul units give.
 
 `--profile` adds torch.profiler's table of where one batch size's steps went, operator by
 operator (self CPU time).
+
+`--lora N` steps with LoRA adapters (N random ones of `--lora-rank` on every projection): at each
+batch size, three batches decode side by side, a step of each in turn: every request on the base
+model, every request on one adapter, and the requests taking the N adapters in turn; it prints
+each one's milliseconds per step (the median step) and the adapters' cost against the base's.
+`--profile` then profiles the mixed batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,22 +35,38 @@ from transformers import AutoConfig
 from triode.wire import NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
 
 from ..loader import resolve_model
+from ..lora.random_adapter import write_random_adapter
 from ..model_runner import ModelRunner
 
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
 
 
 class Batch:
-    """N requests decoding together, their blocks handed out in order."""
+    """N requests decoding together, their blocks handed out in order (from `free`, which
+    batches decoding side by side share); request i runs with adapter `lora_ids[i]` (0: the
+    base model)."""
 
-    def __init__(self, runner: ModelRunner, n: int, prompt_len: int, seed: int) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        n: int,
+        prompt_len: int,
+        seed: int,
+        *,
+        free: list[int] | None = None,
+        lora_ids: list[int] | None = None,
+        name: str = "r",
+    ) -> None:
         self.runner, self.step_count = runner, 0
         rng = random.Random(seed)
         vocab = runner.vocab_size
-        self.tokens = {f"r{i}": [rng.randrange(vocab) for _ in range(prompt_len)] for i in range(n)}
+        self.tokens = {
+            f"{name}{i}": [rng.randrange(vocab) for _ in range(prompt_len)] for i in range(n)
+        }
+        self.lora_ids = dict(zip(self.tokens, lora_ids or [0] * n, strict=True))
         self.computed = dict.fromkeys(self.tokens, 0)
         self.blocks: dict[str, list[int]] = {r: [] for r in self.tokens}
-        self.free = list(range(runner.num_kv_blocks))
+        self.free = free if free is not None else list(range(runner.num_kv_blocks))
         self.announced: set[str] = set()
 
     def step(self) -> None:
@@ -58,7 +82,7 @@ class Batch:
                 blocks.append(self.free.pop(0))
             new = None
             if request_id not in self.announced:
-                new = NewRequestData(list(tokens), GREEDY)
+                new = NewRequestData(list(tokens), GREEDY, lora_id=self.lora_ids[request_id])
                 self.announced.add(request_id)
             scheduled.append(
                 ScheduledRequest(request_id, tokens[begin:end], begin, list(blocks), new=new)
@@ -74,6 +98,8 @@ class Batch:
     def finish(self) -> None:
         ids = list(self.tokens)
         self.runner.execute(SchedulerOutput(self.step_count, [], finished_request_ids=ids))
+        for blocks in self.blocks.values():
+            self.free += blocks
 
 
 def flops_per_token(runner: ModelRunner, context: int) -> float:
@@ -115,7 +141,61 @@ def time_steps(runner: ModelRunner, n: int, args: argparse.Namespace) -> float:
     return elapsed
 
 
+LORA_LOADS = ("base", "one adapter", "mixed adapters")
+
+
+def lora_batches(runner: ModelRunner, n: int, args: argparse.Namespace) -> dict[str, Batch]:
+    """The three batches of `--lora` (base, one adapter, the adapters in turn) of `n` requests
+    each, decoded to `args.context` tokens, sharing the KV blocks."""
+    free = list(range(runner.num_kv_blocks))
+    ids = {
+        "base": [0] * n,
+        "one adapter": [1] * n,
+        "mixed adapters": [1 + i % args.lora for i in range(n)],
+    }
+    batches = {
+        load: Batch(
+            runner, n, args.prompt_len, args.seed, free=free, lora_ids=ids[load], name=load[0]
+        )
+        for load in LORA_LOADS
+    }
+    for batch in batches.values():
+        while min(batch.computed.values()) < args.context:
+            batch.step()
+    return batches
+
+
+def time_lora_steps(runner: ModelRunner, n: int, args: argparse.Namespace) -> dict[str, float]:
+    """The median seconds of a decode step of each `--lora` batch, their steps taking turns."""
+    batches = lora_batches(runner, n, args)
+    times: dict[str, list[float]] = {load: [] for load in LORA_LOADS}
+    for _ in range(args.steps):
+        for load, batch in batches.items():
+            start = time.perf_counter()
+            batch.step()
+            times[load].append(time.perf_counter() - start)
+    for batch in batches.values():
+        batch.finish()
+    return {load: statistics.median(seconds) for load, seconds in times.items()}
+
+
+def add_random_adapters(runner: ModelRunner, args: argparse.Namespace, scratch: Path) -> None:
+    """`args.lora` random adapters of `args.lora_rank`, loaded as ids 1.. on the runner."""
+    assert runner.lora is not None
+    for i in range(1, args.lora + 1):
+        path = write_random_adapter(
+            runner.model_dir, scratch / f"adapter-{i}", rank=args.lora_rank, seed=args.seed + i
+        )
+        runner.lora.add(i, str(path))
+
+
 def profile_steps(runner: ModelRunner, n: int, args: argparse.Namespace) -> str:
+    if args.lora:
+        batch = lora_batches(runner, n, args)["mixed adapters"]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                batch.step()
+        return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows)
     batch = Batch(runner, n, args.prompt_len, args.seed)
     while min(batch.computed.values()) < args.context:
         batch.step()
@@ -142,9 +222,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--profile", type=int, metavar="N", help="profile the steps of N requests")
     parser.add_argument("--rows", type=int, default=25, help="rows of the profile table")
+    parser.add_argument("--lora", type=int, default=0, metavar="N", help="N random adapters")
+    parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.sizes = [int(n) for n in args.batch_sizes.split(",")]
+    if args.lora < 0 or args.lora_rank < 1:
+        parser.error("--lora must be >= 0 and --lora-rank >= 1")
     return args
 
 
@@ -152,7 +236,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     largest = max([*args.sizes, args.profile or 0])
     model_dir = resolve_model(Path(args.model) if args.model else None)
-    tokens = max(largest * (args.context + args.steps + 32), args.max_model_len)
+    batches = 3 if args.lora else 1  # the --lora batches decode side by side
+    tokens = max(batches * largest * (args.context + args.steps + 32), args.max_model_len)
+    lora_config = None
+    if args.lora:
+        lora_config = {"max_loras": args.lora, "max_cpu_loras": args.lora}
+        lora_config["max_lora_rank"] = args.lora_rank
     runner = ModelRunner(
         model_dir,
         dtype=args.dtype,
@@ -160,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         kv_cache_memory=_kv_bytes(model_dir, tokens),
         max_model_len=args.max_model_len,
         max_num_seqs=max(256, largest),
+        lora_config=lora_config,
     )
     peak = matmul_peak(runner.dtype)
     flops = flops_per_token(runner, args.context)
@@ -168,17 +258,38 @@ def main(argv: list[str] | None = None) -> None:
         f"{torch.get_num_threads()} threads; {flops / 1e9:.3f} GFLOP per token at "
         f"{args.context} tokens of context; {runner.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s"
     )
-    print("| batch | ms per step | tok/s | GFLOP/s | of peak |")
-    print("|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory(prefix="triode-step-lora-") as scratch:
+        if args.lora:
+            add_random_adapters(runner, args, Path(scratch))
+            print_lora_table(runner, args)
+        else:
+            print("| batch | ms per step | tok/s | GFLOP/s | of peak |")
+            print("|---|---|---|---|---|")
+            for n in args.sizes:
+                seconds = time_steps(runner, n, args)
+                rate = n / seconds
+                print(
+                    f"| {n} | {seconds * 1e3:.1f} | {rate:,.0f} | {rate * flops / 1e9:.0f} | "
+                    f"{rate * flops / peak:.0%} |"
+                )
+        if args.profile:
+            print(profile_steps(runner, args.profile, args))
+
+
+def print_lora_table(runner: ModelRunner, args: argparse.Namespace) -> None:
+    print(
+        f"{args.lora} adapters of rank {args.lora_rank} on every projection; median step of "
+        f"{args.steps}, the three batches stepping in turn"
+    )
+    print("| batch | base ms | one adapter ms | of base | mixed ms | of base |")
+    print("|---|---|---|---|---|---|")
     for n in args.sizes:
-        seconds = time_steps(runner, n, args)
-        rate = n / seconds
+        ms = {load: seconds * 1e3 for load, seconds in time_lora_steps(runner, n, args).items()}
+        base, one, mixed = (ms[load] for load in LORA_LOADS)
         print(
-            f"| {n} | {seconds * 1e3:.1f} | {rate:,.0f} | {rate * flops / 1e9:.0f} | "
-            f"{rate * flops / peak:.0%} |"
+            f"| {n} | {base:.1f} | {one:.1f} | {base / one:.2f}x | {mixed:.1f} | "
+            f"{base / mixed:.2f}x |"
         )
-    if args.profile:
-        print(profile_steps(runner, args.profile, args))
 
 
 def _kv_bytes(model_dir: Path, tokens: int) -> int:

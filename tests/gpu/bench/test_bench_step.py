@@ -37,3 +37,21 @@ def test_a_short_run_prints_a_row_per_batch_size(tmp_path: Path) -> None:
             if line.startswith("| ") and line[2].isdigit()]  # fmt: skip
     assert rows == ["1", "3"]
     assert "Self CPU" in done.stdout  # the profile's table
+
+
+def test_with_adapters_each_batch_size_times_base_one_adapter_and_mixed(tmp_path: Path) -> None:
+    from triode.gpu.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "tiny")
+    done = subprocess.run(
+        [sys.executable, "-m", "triode.edge.cli", "bench", "step", "--model", str(model),
+         "--batch-sizes", "1,4", "--steps", "2", "--context", "20", "--max-model-len", "128",
+         "--lora", "2", "--lora-rank", "8", "--profile", "4"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = [line.split("|") for line in done.stdout.splitlines()
+            if line.startswith("| ") and line[2].isdigit()]  # fmt: skip
+    assert [r[1].strip() for r in rows] == ["1", "4"]
+    assert all(r[4].strip().endswith("x") and r[6].strip().endswith("x") for r in rows)
+    assert "aten::addmm" in done.stdout  # the deltas in the mixed batch's profile
