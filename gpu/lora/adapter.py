@@ -16,6 +16,7 @@ from safetensors.torch import load as load_safetensors
 
 from .files import (
     CONFIG_FILE,
+    MAX_HEADER_BYTES,
     PROJECTIONS,
     WEIGHTS_FILE,
     AdapterFiles,
@@ -55,13 +56,13 @@ def read_adapter(
     """The adapter at `path` checked against `model` (a `LlamaForCausalLM`, its weights loaded
     or asleep) and `max_rank`, this rank's share on `device` in `dtype`. `digest`: what the
     files must hash to. Raises `OperationError("invalid", ...)` naming the problem."""
-    files = AdapterFiles.read(path)
-    if digest is not None and digest != files.digest:
-        raise invalid(f"LoRA adapter {str(path)!r} changed on disk (its digest is not {digest})")
     config = model.config
     num_layers = config.num_hidden_layers
-    settings = check_config(files.config(), files.path / CONFIG_FILE, hf_module_names(num_layers))
     shapes = projection_shapes(config, model.model.stage_layers[0].self_attn.head_dim)
+    files = AdapterFiles.read(path, max_weights_bytes(shapes, num_layers, max_rank))
+    if digest is not None and digest != files.digest:
+        raise invalid(f"LoRA adapter {str(path)!r} changed on disk (its digest is not {digest})")
+    settings = check_config(files.config(), files.path / CONFIG_FILE, hf_module_names(num_layers))
     pairs = _checked_pairs(files, settings, shapes, num_layers, max_rank)
     tensors = load_safetensors(files.weights_bytes)
     stage = model.model
@@ -87,6 +88,13 @@ def read_adapter(
     ranks = [settings.rank(module) for module in pairs]
     targets = sorted({projection for _, projection in pairs.values()})
     return Adapter(files.digest, max(ranks), targets, modules)
+
+
+def max_weights_bytes(shapes: dict[str, tuple[int, int]], num_layers: int, max_rank: int) -> int:
+    """The largest adapter_model.safetensors an adapter of this model within `max_rank` can
+    be: every projection of every layer at that rank in float64, and the largest header."""
+    per_layer = sum(max_rank * (out + inp) for out, inp in shapes.values())
+    return num_layers * per_layer * 8 + MAX_HEADER_BYTES
 
 
 def _checked_pairs(

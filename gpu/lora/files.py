@@ -46,6 +46,11 @@ _UNSUPPORTED = {
     "fan_in_fan_out": "fan_in_fan_out",
 }
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+# an adapter_config.json is a few hundred bytes; PEFT's longest (every option, long patterns) a
+# few KB
+MAX_CONFIG_BYTES = 1 << 20
+# what a safetensors file may hold besides its tensors' data: its JSON header
+MAX_HEADER_BYTES = 16 << 20
 _KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])\.weight")
 _MODULE = re.compile(r"model\.layers\.(?P<layer>\d+)\.(?P<block>\w+)\.(?P<proj>\w+)")
 
@@ -63,8 +68,10 @@ class AdapterFiles:
     weights_bytes: bytes
 
     @classmethod
-    def read(cls, path: str | Path) -> AdapterFiles:
-        """Both files of PEFT directory `path`; `invalid` naming what is missing."""
+    def read(cls, path: str | Path, max_weights_bytes: int | None = None) -> AdapterFiles:
+        """Both files of PEFT directory `path`; `invalid` naming what is missing, or a file
+        larger than any adapter of this model can be (`max_weights_bytes`, and `MAX_CONFIG_BYTES`
+        for the config): nothing is read into memory past those bounds."""
         directory = Path(path).expanduser()
         if not directory.is_dir():
             raise invalid(f"LoRA adapter {str(path)!r} is not a directory")
@@ -79,6 +86,14 @@ class AdapterFiles:
                     f"convert it to safetensors ({WEIGHTS_FILE})"
                 )
             raise invalid(f"LoRA adapter {str(path)!r} has no {WEIGHTS_FILE}")
+        limits = ((config, MAX_CONFIG_BYTES), (weights, max_weights_bytes))
+        for file, limit in limits:
+            size = file.stat().st_size
+            if limit is not None and size > limit:
+                raise invalid(
+                    f"{file}: {size} bytes, more than any LoRA adapter of this model up to "
+                    f"--max-lora-rank can hold ({limit})"
+                )
         return cls(directory, config.read_bytes(), weights.read_bytes())
 
     @property

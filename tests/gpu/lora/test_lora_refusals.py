@@ -98,6 +98,21 @@ def test_missing_files_are_refused(ops: Operations, good: Path, tmp_path: Path) 
     assert "has no adapter_config.json" in _refused(ops, path)
 
 
+def test_files_larger_than_any_adapter_of_the_model_are_refused_unread(
+    ops: Operations, good: Path, tmp_path: Path
+) -> None:
+    """What one load may cost is bounded by the model and --max-lora-rank, not by the files:
+    a larger one (sparse here: no disk or memory spent) is refused before it is read."""
+    path = _copy(good, tmp_path)
+    with (path / "adapter_model.safetensors").open("r+b") as f:
+        f.truncate(1 << 40)
+    assert "more than any LoRA adapter of this model" in _refused(ops, path)
+    shutil.copy(good / "adapter_model.safetensors", path)
+    with (path / "adapter_config.json").open("r+b") as f:
+        f.truncate(1 << 30)
+    assert "adapter_config.json" in _refused(ops, path)
+
+
 def test_a_pickled_adapter_only_is_refused_asking_for_safetensors(
     ops: Operations, good: Path, tmp_path: Path
 ) -> None:
