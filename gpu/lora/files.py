@@ -49,6 +49,8 @@ _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 # an adapter_config.json is a few hundred bytes; PEFT's longest (every option, long patterns) a
 # few KB
 MAX_CONFIG_BYTES = 1 << 20
+# the longest regex `target_modules` (matched against the model's few hundred module names)
+MAX_PATTERN = 4096
 # what a safetensors file may hold besides its tensors' data: its JSON header
 MAX_HEADER_BYTES = 16 << 20
 _KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])\.weight")
@@ -173,6 +175,8 @@ def check_config(config: dict[str, Any], where: Path, module_names: list[str]) -
         raise invalid(f"{where}: bias {config['bias']!r} is not supported (only 'none')")
     targets = config.get("target_modules")
     if isinstance(targets, str) and targets.lower() != "all-linear":
+        if len(targets) > MAX_PATTERN:
+            raise invalid(f"{where}: target_modules is a regex of over {MAX_PATTERN} characters")
         try:
             named = [m for m in module_names if re.fullmatch(targets, m)]
         except re.error as e:
