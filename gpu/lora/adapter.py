@@ -59,10 +59,15 @@ def read_adapter(
     config = model.config
     num_layers = config.num_hidden_layers
     shapes = projection_shapes(config, model.model.stage_layers[0].self_attn.head_dim)
-    files = AdapterFiles.read(path, max_weights_bytes(shapes, num_layers, max_rank))
+    module_names = hf_module_names(num_layers)
+
+    def settings_of(files: AdapterFiles) -> LoraSettings:
+        return check_config(files.config(), files.path / CONFIG_FILE, module_names)
+
+    files = AdapterFiles.read(path, max_weights_bytes(shapes, num_layers, max_rank), settings_of)
     if digest is not None and digest != files.digest:
         raise invalid(f"LoRA adapter {str(path)!r} changed on disk (its digest is not {digest})")
-    settings = check_config(files.config(), files.path / CONFIG_FILE, hf_module_names(num_layers))
+    settings = settings_of(files)
     pairs = _checked_pairs(files, settings, shapes, num_layers, max_rank)
     tensors = load_safetensors(files.weights_bytes)
     stage = model.model

@@ -11,6 +11,7 @@ import hashlib
 import json
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,10 +71,17 @@ class AdapterFiles:
     weights_bytes: bytes
 
     @classmethod
-    def read(cls, path: str | Path, max_weights_bytes: int | None = None) -> AdapterFiles:
+    def read(
+        cls,
+        path: str | Path,
+        max_weights_bytes: int | None = None,
+        check: Callable[[AdapterFiles], object] | None = None,
+    ) -> AdapterFiles:
         """Both files of PEFT directory `path`; `invalid` naming what is missing, or a file
         larger than any adapter of this model can be (`max_weights_bytes`, and `MAX_CONFIG_BYTES`
-        for the config): nothing is read into memory past those bounds."""
+        for the config): nothing is read into memory past those bounds. `check` sees the
+        config first (its weights still empty), so that a config refused is named as such,
+        before the weights' size is."""
         directory = Path(path).expanduser()
         if not directory.is_dir():
             raise invalid(f"LoRA adapter {str(path)!r} is not a directory")
@@ -88,15 +96,12 @@ class AdapterFiles:
                     f"convert it to safetensors ({WEIGHTS_FILE})"
                 )
             raise invalid(f"LoRA adapter {str(path)!r} has no {WEIGHTS_FILE}")
-        limits = ((config, MAX_CONFIG_BYTES), (weights, max_weights_bytes))
-        for file, limit in limits:
-            size = file.stat().st_size
-            if limit is not None and size > limit:
-                raise invalid(
-                    f"{file}: {size} bytes, more than any LoRA adapter of this model up to "
-                    f"--max-lora-rank can hold ({limit})"
-                )
-        return cls(directory, config.read_bytes(), weights.read_bytes())
+        _check_size(config, MAX_CONFIG_BYTES)
+        config_only = cls(directory, config.read_bytes(), b"")
+        if check is not None:
+            check(config_only)
+        _check_size(weights, max_weights_bytes)
+        return cls(directory, config_only.config_bytes, weights.read_bytes())
 
     @property
     def digest(self) -> str:
@@ -125,6 +130,15 @@ class AdapterFiles:
             return {name: (str(t["dtype"]), list(t["shape"])) for name, t in header.items()}
         except (struct.error, ValueError, TypeError, KeyError, AttributeError):
             raise invalid(f"{self.path / WEIGHTS_FILE}: not a safetensors file") from None
+
+
+def _check_size(file: Path, limit: int | None) -> None:
+    size = file.stat().st_size
+    if limit is not None and size > limit:
+        raise invalid(
+            f"{file}: {size} bytes, more than any LoRA adapter of this model up to "
+            f"--max-lora-rank can hold ({limit})"
+        )
 
 
 def adapter_digest(path: str | Path) -> str:
