@@ -5,6 +5,7 @@ transformers + peft on the same weights, in the same run, as the reference."""
 from __future__ import annotations
 
 import functools
+import json
 import shutil
 import threading
 import warnings
@@ -105,6 +106,16 @@ class PeftReference:
             self.model.set_adapter(adapter)
             return self._decode(ids)
 
+    def logprobs(self, adapter: str, prompt_ids: list[int], output: list[int]) -> list[float]:
+        """The log-probability the adapter gives each token of `output` after the prompt."""
+        torch = self.torch
+        ids = prompt_ids + output
+        with self._lock, torch.inference_mode():
+            self.model.set_adapter(adapter)
+            logits = self.model(torch.tensor([ids])).logits[0, len(prompt_ids) - 1 : -1]
+        rows = torch.log_softmax(logits.float(), dim=-1)
+        return [float(rows[i, token]) for i, token in enumerate(output)]
+
     def _decode(self, ids: list[int]) -> list[int]:
         start = len(ids)
         for _ in range(MAX_TOKENS):
@@ -196,6 +207,42 @@ def test_adapters_alone_and_mixed_with_the_base_equal_transformers_and_peft(
     assert all(outputs[BASE, p] != outputs["all16", p] for p in PROMPTS)
     for prompt in PROMPTS[:1]:
         _agrees(server, peft_reference, "qv8", prompt)
+
+
+def test_an_adapter_s_logprobs_are_peft_s(server: Server, peft_reference: PeftReference) -> None:
+    completion = _complete(server, "qv8", PROMPTS[1], logprobs=1)
+    prompt_ids, output = _ids(completion)
+    got = completion.choices[0].logprobs.token_logprobs
+    want = peft_reference.logprobs("qv8", prompt_ids, output)
+    assert max(abs(g - w) for g, w in zip(got, want, strict=True)) < 1e-3
+
+
+def test_structured_output_and_tools_run_on_an_adapter(server: Server) -> None:
+    """A JSON schema and a forced tool call hold whatever the adapter would rather say."""
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    answer = _client(server).chat.completions.create(
+        model="all16", messages=[{"role": "user", "content": "Name a city."}], max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    )  # fmt: skip
+    assert answer.model == "all16"
+    assert set(json.loads(answer.choices[0].message.content)) == {"city"}
+    tool = {
+        "type": "function",
+        "function": {"name": "weather", "parameters": schema},
+    }
+    forced = {"type": "function", "function": {"name": "weather"}}
+    called = _client(server).chat.completions.create(
+        model="qv8", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=40,
+        temperature=0, tools=[tool], tool_choice=forced,
+    )  # fmt: skip
+    [call] = called.choices[0].message.tool_calls
+    assert call.function.name == "weather" and set(json.loads(call.function.arguments)) == {"city"}
 
 
 def test_models_lists_each_adapter_under_the_base(server: Server, adapters: dict) -> None:

@@ -1,6 +1,7 @@
-"""A LoRA adapter under tensor parallelism: two gloo ranks, each holding its cut of the adapter,
-give what one rank gives, on a model whose 3 KV heads split 2 + 1 (the uneven cut of the
-attention output's columns, which the adapter's o_proj A must follow)."""
+"""A LoRA adapter under tensor and pipeline parallelism: two gloo ranks, each holding its cut of
+the adapter (tensor parallel: on a model whose 3 KV heads split 2 + 1, the uneven cut of the
+attention output's columns, which the adapter's o_proj A must follow; pipeline parallel: its
+stage's layers), give what one rank gives."""
 
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ def _rank_main(layout: ParallelLayout, port: int, model_dir: str, adapter: str, 
     parallel_state.destroy_distributed()
 
 
-def test_two_tensor_parallel_ranks_with_an_adapter_match_one(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_two_ranks_with_an_adapter_match_one(tmp_path: Path, tp: int, pp: int) -> None:
     from triode.gpu.tiny_model import build_uneven_tiny_model
 
     model_dir = build_uneven_tiny_model(tmp_path / "uneven")
@@ -96,7 +98,7 @@ def test_two_tensor_parallel_ranks_with_an_adapter_match_one(tmp_path: Path) -> 
     out = tmp_path / "tp2.pkl"
     port = free_port()
     args = [
-        (ParallelLayout(2, 1, rank), port, str(model_dir), str(adapter), str(out))
+        (ParallelLayout(tp, pp, rank), port, str(model_dir), str(adapter), str(out))
         for rank in (0, 1)
     ]
     run_ranks(_rank_main, args)
