@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import functools
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from runner_driver import Driver, Seq
 
 from triode.gpu import model_runner
 from triode.gpu.attention import AttentionMetadata, PrefillChunk
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.tiny_model import build_tiny_model
 from triode.wire import (
-    Logprobs,
     NewRequestData,
     SamplingParams,
     ScheduledRequest,
@@ -71,91 +70,7 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
     return random.Random(seed).choices(range(3, 250), k=n)
 
 
-@dataclass
-class _Seq:
-    tokens: list[int]
-    params: SamplingParams
-    prompt_len: int
-    computed: int = 0
-    blocks: list[int] = field(default_factory=list)
-    announced: bool = False
-    logprobs: list[Logprobs] = field(default_factory=list)
-    prompt_logprobs: list[Logprobs] = field(default_factory=list)
-
-    @property
-    def output(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
-
-
-class Driver:
-    """A minimal scheduler: chunked prefill, decodes, block allocation, preemption."""
-
-    def __init__(self, runner: ModelRunner, *, shuffle_blocks: bool = False) -> None:
-        self.runner = runner
-        self.free = list(range(runner.num_kv_blocks))
-        if shuffle_blocks:
-            random.Random(1).shuffle(self.free)
-        self.seqs: dict[str, _Seq] = {}
-        self.step_count = 0
-        self.finished: list[str] = []
-
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams = GREEDY) -> None:
-        self.seqs[request_id] = _Seq(list(prompt), params, len(prompt))
-
-    def preempt(self, request_id: str) -> None:
-        """Recompute from scratch later, in other blocks (the runner keeps the request)."""
-        seq = self.seqs[request_id]
-        self.free += seq.blocks
-        seq.blocks, seq.computed = [], 0
-
-    def finish(self, request_id: str) -> None:
-        self.free += self.seqs.pop(request_id).blocks
-        self.finished.append(request_id)
-
-    def step(self, chunks: dict[str, int] | None = None) -> None:
-        """One step for every request; `chunks` caps a request's token count this step."""
-        scheduled = []
-        for request_id, seq in self.seqs.items():
-            n = min(len(seq.tokens) - seq.computed, (chunks or {}).get(request_id, 10**9))
-            end = seq.computed + n
-            while len(seq.blocks) * self.runner.block_size < end:
-                seq.blocks.append(self.free.pop(0))
-            new = (
-                None if seq.announced else NewRequestData(seq.tokens[: seq.prompt_len], seq.params)
-            )
-            seq.announced = True
-            scheduled.append(
-                ScheduledRequest(
-                    request_id,
-                    seq.tokens[seq.computed : end],
-                    seq.computed,
-                    list(seq.blocks),
-                    sample=end == len(seq.tokens),
-                    new=new,
-                )
-            )
-        out = self.runner.execute(
-            SchedulerOutput(self.step_count, scheduled, finished_request_ids=self.finished)
-        )
-        self.step_count, self.finished = self.step_count + 1, []
-        for r in scheduled:
-            self.seqs[r.request_id].computed += len(r.token_ids)
-        for result in out.results:
-            seq = self.seqs[result.request_id]
-            if result.token_id is not None:
-                seq.tokens.append(result.token_id)
-            if result.logprobs is not None:
-                seq.logprobs.append(result.logprobs)
-            if result.prompt_logprobs is not None:
-                seq.prompt_logprobs.append(result.prompt_logprobs)
-
-    def run(self, num_tokens: int) -> None:
-        """Step until every request has `num_tokens` outputs."""
-        while any(len(s.output) < num_tokens for s in self.seqs.values()):
-            self.step()
-
-
-def _generate(runner: ModelRunner, prompt: list[int], n: int, **driver: object) -> _Seq:
+def _generate(runner: ModelRunner, prompt: list[int], n: int, **driver: object) -> Seq:
     d = Driver(runner, **driver)  # type: ignore[arg-type]
     d.add("r", prompt)
     d.run(n)
@@ -168,7 +83,7 @@ def _hf(model_dir: Path):  # type: ignore[no-untyped-def]
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def _logprob_rows(seq: _Seq) -> np.ndarray:
+def _logprob_rows(seq: Seq) -> np.ndarray:
     return np.concatenate([lp.logprobs for lp in seq.logprobs])
 
 

@@ -4,16 +4,14 @@ scheduler that gives each request its adapter: what the LoRA tests share."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from runner_driver import Seq
 
 from triode.gpu.model_runner import ModelRunner
-from triode.wire import Logprobs, NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=None, logprobs=3)
 ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -69,71 +67,6 @@ def runner(model_dir: Path, lora: dict[str, Any] | None = None, **kwargs: Any) -
 
 def prompt(n: int, seed: int) -> list[int]:
     return random.Random(seed).choices(range(3, 250), k=n)
-
-
-@dataclass
-class Seq:
-    tokens: list[int]
-    prompt_len: int
-    lora_id: int
-    computed: int = 0
-    blocks: list[int] = field(default_factory=list)
-    announced: bool = False
-    logprobs: list[Logprobs] = field(default_factory=list)
-
-    @property
-    def output(self) -> list[int]:
-        return self.tokens[self.prompt_len :]
-
-
-class Driver:
-    """A minimal scheduler: every request every step, chunks capped per request."""
-
-    def __init__(self, model_runner: ModelRunner) -> None:
-        self.runner = model_runner
-        self.free = list(range(model_runner.num_kv_blocks))
-        self.seqs: dict[str, Seq] = {}
-        self.step_count = 0
-
-    def add(self, request_id: str, tokens: list[int], lora_id: int = 0) -> None:
-        self.seqs[request_id] = Seq(list(tokens), len(tokens), lora_id)
-
-    def step(self, chunks: dict[str, int] | None = None) -> None:
-        scheduled = []
-        for request_id, seq in self.seqs.items():
-            n = min(len(seq.tokens) - seq.computed, (chunks or {}).get(request_id, 10**9))
-            end = seq.computed + n
-            while len(seq.blocks) * self.runner.block_size < end:
-                seq.blocks.append(self.free.pop(0))
-            new = None
-            if not seq.announced:
-                new = NewRequestData(seq.tokens[: seq.prompt_len], GREEDY, lora_id=seq.lora_id)
-            seq.announced = True
-            scheduled.append(
-                ScheduledRequest(
-                    request_id,
-                    seq.tokens[seq.computed : end],
-                    seq.computed,
-                    list(seq.blocks),
-                    sample=end == len(seq.tokens),
-                    new=new,
-                )
-            )
-        out = self.runner.execute(SchedulerOutput(self.step_count, scheduled))
-        self.step_count += 1
-        for r in scheduled:
-            self.seqs[r.request_id].computed += len(r.token_ids)
-        for result in out.results:
-            seq = self.seqs[result.request_id]
-            if result.token_id is not None:
-                seq.tokens.append(result.token_id)
-            if result.logprobs is not None:
-                seq.logprobs.append(result.logprobs)
-
-    def run(self, num_tokens: int, chunks: dict[str, int] | None = None) -> None:
-        """Step until every request has `num_tokens` outputs; `chunks` caps prefill chunks."""
-        while any(len(s.output) < num_tokens for s in self.seqs.values()):
-            self.step(chunks)
 
 
 def reference_logprobs(model_dir: Path, adapter: Path | None, seq: Seq) -> torch.Tensor:

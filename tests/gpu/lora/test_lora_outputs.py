@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from lora_builders import (
-    Driver,
-    Seq,
     build_adapter,
     hf_model,
     our_logprobs,
@@ -19,6 +17,7 @@ from lora_builders import (
     reference_logprobs,
     runner,
 )
+from runner_driver import Driver, Seq
 
 from triode.gpu.attention import AttentionMetadata, PrefillChunk
 from triode.gpu.operations import Operations

@@ -12,8 +12,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from lora_builders import GREEDY, build_adapter
+from lora_builders import build_adapter
 from processes import run_ranks
+from runner_driver import GREEDY
 
 from triode.gpu.local_group import free_port
 from triode.gpu.parallel_state import ParallelLayout

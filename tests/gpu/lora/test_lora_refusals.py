@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from lora_builders import GREEDY, build_adapter, prompt, runner
+from lora_builders import build_adapter, prompt, runner
+from runner_driver import GREEDY
 from safetensors.torch import load_file, save_file
 
 from triode.gpu.lora import adapter_digest

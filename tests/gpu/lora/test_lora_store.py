@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_builders import Driver, build_adapter, prompt, runner
+from lora_builders import build_adapter, prompt, runner
+from runner_driver import Driver
 
 from triode.gpu.batch import decode_groups, flatten
 from triode.gpu.lora import adapter_digest, lora_config_of

@@ -1,0 +1,105 @@
+"""A minimal scheduler over a `ModelRunner` for the runner's tests: chunked prefill, decodes,
+block allocation, preemption, each request's tokens and logprobs as they come; requests may name
+a LoRA adapter the runner holds."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from triode.gpu.model_runner import ModelRunner
+from triode.wire import Logprobs, NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=None, logprobs=3)
+
+
+@dataclass
+class Seq:
+    tokens: list[int]
+    params: SamplingParams
+    prompt_len: int
+    lora_id: int = 0  # its LoRA adapter; 0: the base model
+    computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    announced: bool = False
+    logprobs: list[Logprobs] = field(default_factory=list)
+    prompt_logprobs: list[Logprobs] = field(default_factory=list)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+class Driver:
+    """A minimal scheduler: chunked prefill, decodes, block allocation, preemption."""
+
+    def __init__(self, runner: ModelRunner, *, shuffle_blocks: bool = False) -> None:
+        self.runner = runner
+        self.free = list(range(runner.num_kv_blocks))
+        if shuffle_blocks:
+            random.Random(1).shuffle(self.free)
+        self.seqs: dict[str, Seq] = {}
+        self.step_count = 0
+        self.finished: list[str] = []
+
+    def add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams = GREEDY,
+        lora_id: int = 0,
+    ) -> None:
+        self.seqs[request_id] = Seq(list(prompt), params, len(prompt), lora_id)
+
+    def preempt(self, request_id: str) -> None:
+        """Recompute from scratch later, in other blocks (the runner keeps the request)."""
+        seq = self.seqs[request_id]
+        self.free += seq.blocks
+        seq.blocks, seq.computed = [], 0
+
+    def finish(self, request_id: str) -> None:
+        self.free += self.seqs.pop(request_id).blocks
+        self.finished.append(request_id)
+
+    def step(self, chunks: dict[str, int] | None = None) -> None:
+        """One step for every request; `chunks` caps a request's token count this step."""
+        scheduled = []
+        for request_id, seq in self.seqs.items():
+            n = min(len(seq.tokens) - seq.computed, (chunks or {}).get(request_id, 10**9))
+            end = seq.computed + n
+            while len(seq.blocks) * self.runner.block_size < end:
+                seq.blocks.append(self.free.pop(0))
+            new = None
+            if not seq.announced:
+                prompt = seq.tokens[: seq.prompt_len]
+                new = NewRequestData(prompt, seq.params, lora_id=seq.lora_id)
+            seq.announced = True
+            scheduled.append(
+                ScheduledRequest(
+                    request_id,
+                    seq.tokens[seq.computed : end],
+                    seq.computed,
+                    list(seq.blocks),
+                    sample=end == len(seq.tokens),
+                    new=new,
+                )
+            )
+        out = self.runner.execute(
+            SchedulerOutput(self.step_count, scheduled, finished_request_ids=self.finished)
+        )
+        self.step_count, self.finished = self.step_count + 1, []
+        for r in scheduled:
+            self.seqs[r.request_id].computed += len(r.token_ids)
+        for result in out.results:
+            seq = self.seqs[result.request_id]
+            if result.token_id is not None:
+                seq.tokens.append(result.token_id)
+            if result.logprobs is not None:
+                seq.logprobs.append(result.logprobs)
+            if result.prompt_logprobs is not None:
+                seq.prompt_logprobs.append(result.prompt_logprobs)
+
+    def run(self, num_tokens: int, chunks: dict[str, int] | None = None) -> None:
+        """Step until every request has `num_tokens` outputs; `chunks` caps prefill chunks."""
+        while any(len(s.output) < num_tokens for s in self.seqs.values()):
+            self.step(chunks)
