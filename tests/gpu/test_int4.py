@@ -33,6 +33,7 @@ from triode.gpu.layers import (
     RMSNorm,
     RowParallelLinear,
 )
+from triode.gpu.lora.punica import LoraRuns, ModuleLora
 from triode.gpu.model_runner import ModelRunner
 from triode.wire import NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
 
@@ -152,6 +153,39 @@ def test_a_linear_with_int4_takes_it_for_the_leading_decode_rows_and_dense_weigh
         torch.testing.assert_close(layer(x), dense)
         rows.decodes = 2
         torch.testing.assert_close(layer(x)[2:], dense[2:])
+
+
+@needs_kernel
+def test_lora_deltas_add_to_the_4_bit_rows_and_the_dense_rows_alike() -> None:
+    """A step of 2 decodes (4-bit) and 3 prompt rows (dense): each run of rows gets its
+    adapter's delta over whichever base product computed it, the base model's rows none."""
+    layer = ColumnParallelLinear(128, 96).bfloat16()
+    layer.weight.data.copy_(torch.randn(96, 128) * 0.05)
+    layer.attach_int4(_random_weight(96, 128, seed=2))
+    rows = share_row_paths(layer)
+    rows.decodes, rows.wide = 2, False
+    g = torch.Generator().manual_seed(3)
+    pairs = [
+        ModuleLora(
+            (torch.randn(128, 8, generator=g) * 0.1).bfloat16(),
+            (torch.randn(8, 96, generator=g) * 0.1).bfloat16(),
+        )
+        for _ in range(2)
+    ]
+    x = torch.randn(6, 128).bfloat16()
+    with torch.no_grad():
+        base = layer(x)
+        layer.lora = LoraRuns()
+        layer.lora_slot = 0
+        # rows 0 (a decode) and 3-4 (prompt rows) on adapter 0, row 1 (a decode) on adapter 1;
+        # rows 2 and 5 on the base model
+        layer.lora.runs = [(0, 1, [pairs[0]]), (1, 2, [pairs[1]]), (3, 5, [pairs[0]])]
+        y = layer(x)
+    deltas = torch.zeros(6, 96)
+    for lo, hi, (pair,) in layer.lora.runs:
+        deltas[lo:hi] = (x[lo:hi].float() @ pair.a_t.float()) @ pair.b_t.float()
+    torch.testing.assert_close(y.float(), base.float() + deltas, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y[[2, 5]], base[[2, 5]])
 
 
 def test_int4_weight_of_the_wrong_shape_is_refused() -> None:
