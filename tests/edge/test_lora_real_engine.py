@@ -13,8 +13,8 @@ from app_harness import call
 
 from triode.actors import open_engine
 from triode.edge.app import App, open_app
-from triode.edge.bench.lora_adapters import write_random_adapter
 from triode.edge.settings import Settings
+from triode.gpu.lora.random_adapter import write_random_adapter
 
 pytestmark = pytest.mark.slow
 
