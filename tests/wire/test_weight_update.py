@@ -4,7 +4,6 @@ segments an update names, however often it runs."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -117,14 +116,12 @@ def test_a_name_twice_in_one_update_is_refused_across_buckets() -> None:
     assert "a segment is listed twice" in _refused(body)
 
 
-def test_the_counts_are_bounded_and_refused_quickly() -> None:
-    """The largest list the decoder takes (MAX_TENSORS tensors) decodes in well under a
-    second, and one past any bound is refused: nothing is allocated for what it announces."""
+def test_the_counts_are_bounded() -> None:
+    """The largest list the decoder takes (MAX_TENSORS tensors) decodes, and one past any
+    bound is refused: nothing is allocated for what it announces."""
     many = [_tensor(f"t{i}", offset=i * ALIGN, shape=[1]) for i in range(MAX_TENSORS)]
-    start = time.perf_counter()
     update = decode_update_info(_shm(*many, nbytes=MAX_TENSORS * ALIGN), "shm")
     assert isinstance(update, ShmUpdate) and len(update.buckets[0].tensors) == MAX_TENSORS
-    assert time.perf_counter() - start < 1.0
     many.append(_tensor("one-more", offset=MAX_TENSORS * ALIGN, shape=[1]))
     assert f"length <= {MAX_TENSORS}" in _refused(_shm(*many, nbytes=(MAX_TENSORS + 1) * ALIGN))
     buckets = [
