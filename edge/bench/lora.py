@@ -28,7 +28,7 @@ import trio
 from triode.wire.ports import free_port
 
 from .frontend import cpu_model, model_dir
-from .serve import run_benchmark, synthetic_prompts
+from .serve import concurrency_list, run_benchmark, synthetic_prompts
 from .server_process import open_server, serve_command
 
 BASE = "base"
@@ -141,12 +141,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
-    try:
-        args.concurrency_list = [int(c) for c in args.concurrencies.split(",")]
-    except ValueError:
-        parser.error("--concurrencies takes integers, e.g. 1,8,32")
-    if not args.concurrency_list or min(args.concurrency_list) < 1:
-        parser.error("--concurrencies must be >= 1")
+    args.concurrency_list = concurrency_list(parser, args.concurrencies)
     if min(args.adapters, args.rank, args.rounds) < 1:
         parser.error("--adapters, --rank and --rounds must be >= 1")
     return args

@@ -66,6 +66,18 @@ def synthetic_prompts(n: int, input_len: int, seed: int) -> list[str]:
     return [" ".join(rng.choices(WORDS, k=input_len)) for _ in range(n)]
 
 
+def concurrency_list(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    """`--concurrencies` (comma-separated stream counts) as ints; the parser's error, which
+    exits, for anything else."""
+    try:
+        counts = [int(c) for c in text.split(",")]
+    except ValueError:
+        parser.error(f"--concurrencies takes integers, e.g. {parser.get_default('concurrencies')}")
+    if not counts or min(counts) < 1:
+        parser.error("--concurrencies must be >= 1")
+    return counts
+
+
 def summarize(results: Sequence[RequestResult], duration: float) -> dict[str, Any]:
     """Throughputs over `duration` and the mean/median/p99 latencies, in milliseconds, of the
     successful requests; failed ones are only counted and their errors listed."""

@@ -28,7 +28,7 @@ import trio
 from triode.wire.ports import free_port
 
 from .frontend import VLLM_SERVE, cpu_model, model_dir
-from .serve import run_benchmark, synthetic_prompts
+from .serve import concurrency_list, run_benchmark, synthetic_prompts
 from .server_process import open_server, serve_command
 
 SERVERS = ("vllm", "triode")
@@ -130,12 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
-    try:
-        args.concurrency_list = [int(c) for c in args.concurrencies.split(",")]
-    except ValueError:
-        parser.error("--concurrencies takes integers, e.g. 1,8,32,64")
-    if not args.concurrency_list or min(args.concurrency_list) < 1:
-        parser.error("--concurrencies must be >= 1")
+    args.concurrency_list = concurrency_list(parser, args.concurrencies)
     args.server_list = [s for s in args.servers.split(",") if s]
     if not set(args.server_list) <= set(SERVERS):
         parser.error(f"--servers takes {', '.join(SERVERS)}")
