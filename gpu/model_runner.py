@@ -36,12 +36,13 @@ from .cpu_paths import (
     use_fused_ops,
 )
 from .kv.connector import FinishedTransfers, KVConnectorWorker
-from .llama import head_dim, model_class, parameter_defaults
 from .loader import resolve_model
 from .logits_processing import apply_token_bitmask
 from .lora.config import lora_config_of
 from .lora.store import LoraStore, start_lora_step
 from .model_files import context_limit, eos_token_ids, safetensors_weights
+from .models.llama import head_dim, parameter_defaults
+from .models.registry import model_class
 from .sampler import Sampler, SamplerOutput, compute_logprobs, plain_greedy
 from .sampling_state import SamplingState
 

@@ -22,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from triode.wire import OperationError
 
 from .layers import LinearBase
-from .llama import LlamaForCausalLM, head_dim
+from .models.llama import LlamaForCausalLM, head_dim
 
 # safetensors dtypes a weight may come in (cast to the model's dtype on loading)
 FLOATING = frozenset({"F16", "BF16", "F32", "F64"})

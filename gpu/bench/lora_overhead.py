@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 
 from ..layers import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from ..llama import parameter_defaults
 from ..lora.punica import LoraRuns, ModuleLora
+from ..models.llama import parameter_defaults
 
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, KV_HEADS = 576, 1536, 30, 9, 3
 

@@ -9,16 +9,16 @@ rows the runner needs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from . import parallel_state
-from .attention import Attention, AttentionMetadata
-from .int4 import Int4Weight
-from .layers import (
+from .. import parallel_state
+from ..attention import Attention, AttentionMetadata
+from ..int4 import Int4Weight
+from ..layers import (
     LinearBase,
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -29,10 +29,10 @@ from .layers import (
     VocabParallelEmbedding,
     default_weight_loader,
 )
-from .rotary import Rope, RotaryEmbedding
+from ..rotary import Rope, RotaryEmbedding
 
 if TYPE_CHECKING:
-    from .cpu_kernels import FusedOps
+    from ..cpu_kernels import FusedOps
 
 
 class LlamaAttention(nn.Module):
@@ -143,7 +143,10 @@ class LlamaModel(nn.Module):
 
     fused: FusedOps | None = None  # `use_fused_ops`: the layers read the rotary tables
 
-    def __init__(self, config: Any, max_position: int, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(
+        self, config: Any, max_position: int, make_layer: Callable[[int], nn.Module]
+    ) -> None:
+        """`make_layer(i)` builds decoder layer i (the family's: `LlamaForCausalLM.make_layer`)."""
         super().__init__()
         stage = parallel_state.layout()
         self.first_stage, self.last_stage = stage.is_first_stage, stage.is_last_stage
@@ -156,9 +159,7 @@ class LlamaModel(nn.Module):
         theta, scaling = rope_parameters(config)
         self.rotary_emb = RotaryEmbedding(head_dim(config), max_position, theta, scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, o_bias)
-            if self.start_layer <= i < self.end_layer
-            else MissingLayer()
+            make_layer(i) if self.start_layer <= i < self.end_layer else MissingLayer()
             for i in range(config.num_hidden_layers)
         )
         if self.last_stage:
@@ -207,17 +208,23 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
+    model_type: type[LlamaModel] = LlamaModel  # the decoder stack; a family may extend it
+
     def __init__(self, config: Any, max_position: int | None = None) -> None:
         super().__init__()
         self.config = config
-        bias = self._attention_bias(config)
         max_position = max_position or config.max_position_embeddings
-        self.model = LlamaModel(config, max_position, qkv_bias=bias[0], o_bias=bias[1])
+        self.model = self.model_type(config, max_position, self.make_layer)
         self.lm_head: ParallelLMHead | None = None
         if self.model.last_stage:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
             if config.tie_word_embeddings and self.model.first_stage:
                 self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_layer(self, index: int) -> nn.Module:
+        """Decoder layer `index` of this family (only this pipeline stage's are built)."""
+        qkv_bias, o_bias = self._attention_bias(self.config)
+        return LlamaDecoderLayer(self.config, qkv_bias, o_bias)
 
     @staticmethod
     def _attention_bias(config: Any) -> tuple[bool, bool]:
@@ -357,24 +364,6 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def _attention_bias(config: Any) -> tuple[bool, bool]:
         return True, False
-
-
-MODELS: dict[str, type[LlamaForCausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-}
-
-
-def model_class(config: Any) -> type[LlamaForCausalLM]:
-    """The implementation for the first architecture in config.json we know."""
-    architectures = getattr(config, "architectures", None) or []
-    for name in architectures:
-        if name in MODELS:
-            return MODELS[name]
-    raise ValueError(
-        f"unsupported architecture {architectures}; supported: {', '.join(sorted(MODELS))}"
-    )
 
 
 def head_dim(config: Any) -> int:
