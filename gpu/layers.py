@@ -22,6 +22,7 @@ from . import parallel_state
 from .cpu_paths import RowPaths, pack_cpu_weight
 from .int4 import Int4Linear, Int4Weight
 from .lora.punica import LoraRuns
+from .models.architectures import CheckpointMismatch
 
 if TYPE_CHECKING:
     from .cpu_kernels import FusedOps
@@ -50,7 +51,9 @@ def divide(numerator: int, denominator: int) -> int:
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
     """A replicated parameter: the checkpoint tensor is the whole parameter."""
     if param.shape != loaded_weight.shape:
-        raise ValueError(f"shape mismatch: {tuple(param.shape)} vs {tuple(loaded_weight.shape)}")
+        raise CheckpointMismatch(
+            f"shape mismatch: {tuple(param.shape)} vs {tuple(loaded_weight.shape)}"
+        )
     param.data.copy_(loaded_weight)
 
 

@@ -21,7 +21,7 @@ _CHATML = (
 def build_tiny_model(
     path: str | Path,
     *,
-    architecture: Literal["llama", "qwen2"] = "llama",
+    architecture: Literal["llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral"] = "llama",
     hidden_size: int = 64,
     intermediate_size: int = 128,
     num_layers: int = 2,
@@ -33,22 +33,20 @@ def build_tiny_model(
     initializer_range: float = 0.05,
     tokenizer_from: Path | None = None,
     seed: int = 0,
+    **family: Any,
 ) -> Path:
     """Write a random-weight model directory at `path` and return it.
 
+    `family` passes the architecture's own config fields (a sliding window, `layer_types`,
+    expert counts, Gemma's soft-capping...) to its transformers config class.
     The tokenizer (and so the vocabulary) is `tokenizer_from`'s, else the default model's when it
     was converted already, else a 259-token byte-level one, so a tiny model needs no download.
     """
     # torch and transformers only for a build: the loader imports this module, and resolving
     # `tiny-random` once it is built needs neither
     import torch
-    from transformers import (
-        AutoTokenizer,
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-    )
+    import transformers
+    from transformers import AutoTokenizer
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -61,10 +59,9 @@ def build_tiny_model(
         tokenizer = _byte_tokenizer()
     tokenizer.save_pretrained(path)
 
-    config_cls, model_cls = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    }[architecture]
+    config_name, model_name = _FAMILIES[architecture]
+    config_cls = getattr(transformers, config_name)
+    model_cls = getattr(transformers, model_name)
     extra = {"rope_scaling": rope_scaling} if rope_scaling else {}
     config = config_cls(
         vocab_size=len(tokenizer),
@@ -81,6 +78,7 @@ def build_tiny_model(
         architectures=[model_cls.__name__],
         initializer_range=initializer_range,
         **extra,
+        **family,
     )
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
@@ -94,6 +92,17 @@ def build_tiny_model(
                 param.normal_(mean=1.0, std=0.1)
     model.save_pretrained(path)
     return path
+
+
+# architecture -> transformers' config and model class names
+_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+}
 
 
 def build_uneven_tiny_model(path: str | Path) -> Path:

@@ -30,6 +30,7 @@ from ..layers import (
     default_weight_loader,
 )
 from ..rotary import Rope, RotaryEmbedding
+from .architectures import CheckpointMismatch
 
 if TYPE_CHECKING:
     from ..cpu_kernels import FusedOps
@@ -307,7 +308,7 @@ class LlamaForCausalLM(nn.Module):
                 loaded.add(target)
         missing = set(params) - loaded
         if missing and not partial:
-            raise ValueError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
+            raise CheckpointMismatch(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
         return loaded
 
     def load_int4_weights(self, weights: dict[str, Int4Weight]) -> int:
@@ -355,7 +356,9 @@ class LlamaForCausalLM(nn.Module):
         try:
             return params[name]
         except KeyError:
-            raise ValueError(f"checkpoint tensor {name!r} matches no model parameter") from None
+            raise CheckpointMismatch(
+                f"checkpoint tensor {name!r} matches no model parameter"
+            ) from None
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

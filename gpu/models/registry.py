@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .architectures import supported_architecture
 from .llama import LlamaForCausalLM, Qwen2ForCausalLM
 
 # config.json's `architectures` name -> the class that runs it
@@ -15,17 +16,7 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-class UnsupportedArchitecture(ValueError):
-    """A config.json naming no architecture this package implements."""
-
-
 def model_class(config: Any) -> type[LlamaForCausalLM]:
-    """The implementation for the first architecture in config.json we know."""
-    architectures = getattr(config, "architectures", None) or []
-    for name in architectures:
-        if name in MODELS:
-            return MODELS[name]
-    raise UnsupportedArchitecture(
-        f"unsupported architecture {', '.join(architectures) or '(none named)'}; "
-        f"supported: {', '.join(sorted(MODELS))}"
-    )
+    """The implementation for the first architecture in config.json we run
+    (`UnsupportedArchitecture` where there is none)."""
+    return MODELS[supported_architecture(getattr(config, "architectures", None))]
