@@ -39,9 +39,14 @@ if TYPE_CHECKING:
 class LlamaAttention(nn.Module):
     fused: FusedOps | None = None  # `use_fused_ops`: rotary embedding and cache write in C
 
-    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(
+        self, config: Any, qkv_bias: bool, o_bias: bool, window: int | None = None
+    ) -> None:
+        """`window`: this layer's sliding window (`layer_window`), None where it sees the whole
+        context."""
         super().__init__()
         self.head_dim = head_dim(config)
+        self.window = window
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             self.head_dim,
@@ -63,8 +68,12 @@ class LlamaAttention(nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
         )
 
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, q + k + v] for `hidden`: the QKV projection (a family may normalise heads)."""
+        return self.qkv_proj(hidden)
+
     def forward(self, rope: Rope, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        qkv = self.project(hidden)
         qk_size = self.q_size + self.kv_size
         if self.fused is not None and qkv.dtype == torch.bfloat16:
             attn = self.attn
@@ -100,10 +109,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, o_bias: bool) -> None:
+    """Pre-norm attention and feed-forward blocks: the family gives the two blocks (its
+    attention, a dense MLP or a mixture of experts)."""
+
+    def __init__(self, config: Any, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias)
-        self.mlp = LlamaMLP(config, bias=getattr(config, "mlp_bias", False))
+        self.self_attn = self_attn
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -224,8 +236,10 @@ class LlamaForCausalLM(nn.Module):
 
     def make_layer(self, index: int) -> nn.Module:
         """Decoder layer `index` of this family (only this pipeline stage's are built)."""
-        qkv_bias, o_bias = self._attention_bias(self.config)
-        return LlamaDecoderLayer(self.config, qkv_bias, o_bias)
+        config = self.config
+        qkv_bias, o_bias = self._attention_bias(config)
+        attention = LlamaAttention(config, qkv_bias, o_bias, layer_window(config, index))
+        return LlamaDecoderLayer(config, attention, LlamaMLP(config, mlp_bias(config)))
 
     @staticmethod
     def _attention_bias(config: Any) -> tuple[bool, bool]:
@@ -367,6 +381,24 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     @staticmethod
     def _attention_bias(config: Any) -> tuple[bool, bool]:
         return True, False
+
+
+def layer_window(config: Any, index: int) -> int | None:
+    """Layer `index`'s sliding window in tokens (a query sees itself and the window - 1 keys
+    before it), or None where it attends to the whole context: `layer_types` where the config
+    lists them (Qwen2/3, Gemma 3), else one `sliding_window` for every layer (Mistral,
+    Mixtral) unless `use_sliding_window` turns it off."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return window if types[index] == "sliding_attention" else None
+    if window and getattr(config, "use_sliding_window", True):
+        return int(window)
+    return None
+
+
+def mlp_bias(config: Any) -> bool:
+    return bool(getattr(config, "mlp_bias", False))
 
 
 def head_dim(config: Any) -> int:

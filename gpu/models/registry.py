@@ -7,12 +7,14 @@ from typing import Any
 
 from .architectures import supported_architecture
 from .llama import LlamaForCausalLM, Qwen2ForCausalLM
+from .qwen3 import Qwen3ForCausalLM
 
 # config.json's `architectures` name -> the class that runs it
 MODELS: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
 }
 
 
