@@ -63,7 +63,7 @@ def resolve_model(model: str | os.PathLike[str] | None) -> Path:
 def convert_gguf(gguf: Path) -> Path:
     """Convert `gguf` to a Hugging Face directory unless that was done before; return it."""
     gguf = gguf.resolve()
-    return _build_once(converted_dir(gguf), lambda tmp: _write_hf_dir(gguf, tmp))
+    return build_once(converted_dir(gguf), lambda tmp: _write_hf_dir(gguf, tmp))
 
 
 def tiny_random() -> Path:
@@ -76,10 +76,10 @@ def tiny_random() -> Path:
     def build(tmp: Path) -> None:
         build_tiny_model(tmp, hidden_size=64, num_layers=2, max_position_embeddings=2048)
 
-    return _build_once(tiny_random_dir(), build)
+    return build_once(tiny_random_dir(), build)
 
 
-def _build_once(out: Path, write: Callable[[Path], None]) -> Path:
+def build_once(out: Path, write: Callable[[Path], None]) -> Path:
     """`out`, written by `write` into a temporary sibling renamed into place unless it exists."""
     if out.is_dir():  # only ever created complete, by the rename below
         return out
