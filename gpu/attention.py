@@ -11,12 +11,18 @@ context, so one long context pads only its own group, not the whole batch. Each 
 one call with a causal mask shifted by the tokens its request had already computed.
 Grouped-query attention needs no repeated K/V: the query heads that share a KV head are folded
 into the query-length dimension.
+
+A layer with a sliding window of w tokens lets a query at position i see the keys at positions j
+with i - w < j <= i (Hugging Face's semantics). Its masks are built by the first layer of a step
+that has that window and kept on the chunk or group for the others (a model may mix windowed and
+full layers, Gemma 3 several windows); a prefill chunk's windowed attention gathers only the
+blocks from its first query's window on. Layers without a window read the plain masks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +42,8 @@ class PrefillChunk:
     num_computed: int  # tokens of this request already in the cache before the chunk
     block_table: torch.Tensor  # [ceil((num_computed + num_tokens) / block_size)] block ids
     mask: torch.Tensor | None
+    # window -> (`windowed`'s answer), built by the first layer of the step with that window
+    windowed: dict[int, tuple[int, torch.Tensor]] = field(default_factory=dict, compare=False)
 
     @classmethod
     def build(
@@ -49,6 +57,25 @@ class PrefillChunk:
             mask = torch.arange(num_computed + num_tokens, device=device)[None, :] <= rows
         return cls(start, num_tokens, num_computed, block_table, mask)
 
+    def sees(self, window: int | None, block_size: int) -> tuple[int, torch.Tensor | None]:
+        """What a layer with sliding `window` reads: (the first block of the table its keys
+        start at, the mask over the keys from there on to the chunk's end; None: plain causal
+        attention over the chunk's own K/V). A chunk that starts its request always reads its
+        own K/V, from block 0; past a window it takes a banded mask."""
+        if window is None or window >= self.num_computed + self.num_tokens:
+            return 0, self.mask
+        seen = self.windowed.get(window)
+        if seen is None:
+            # the first query, at num_computed, sees keys from num_computed - window + 1 on
+            first_block = max(0, self.num_computed + 1 - window) // block_size
+            first_key = first_block * block_size
+            device = self.block_table.device
+            rows = torch.arange(self.num_tokens, device=device)[:, None] + self.num_computed
+            keys = torch.arange(first_key, self.num_computed + self.num_tokens, device=device)
+            mask = (keys[None, :] <= rows) & (keys[None, :] > rows - window)
+            seen = self.windowed[window] = (first_block, mask)
+        return seen
+
 
 @dataclass(frozen=True, slots=True)
 class DecodeGroup:
@@ -59,6 +86,8 @@ class DecodeGroup:
     context_lens: torch.Tensor  # [n]
     mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size], True: attend; the kernel
     # reads `context_lens` instead
+    # window -> its mask, built by the first layer of the step with that window
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict, compare=False)
 
     @classmethod
     def build(
@@ -79,6 +108,18 @@ class DecodeGroup:
             mask = mask.view(len(tables), 1, 1, width * block_size)
         return cls(start, padded, context, mask)
 
+    def mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The mask of a layer with sliding `window` (None: the whole context): the keys at
+        positions context - window .. context - 1 of each row."""
+        if window is None or self.mask is None or window >= self.mask.shape[-1]:
+            return self.mask
+        mask = self.windowed.get(window)
+        if mask is None:
+            keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            start = (self.context_lens - window)[:, None, None, None]
+            mask = self.windowed[window] = self.mask & (keys >= start)
+        return mask
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
@@ -94,13 +135,27 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    """Attention over this layer's paged KV cache; the runner assigns `k_cache`/`v_cache`."""
+    """Attention over this layer's paged KV cache; the runner assigns `k_cache`/`v_cache`.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    `window`: the layer's sliding window in tokens (a query at position i sees the keys at
+    i - window < j <= i), None where it sees the whole context.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        window: int | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
         self.scale = scale
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window of {window} tokens")
+        self.window = window
         self.k_cache = self.v_cache = torch.empty(0)
         # decode attention straight from the paged cache (`cpu_kernels.py`); the runner sets it
         self.paged_kernel: Callable[..., torch.Tensor] | None = None
@@ -135,7 +190,13 @@ class Attention(nn.Module):
         K/V are gathered once per layer."""
         if self.paged_kernel is not None:
             return self.paged_kernel(
-                q, self.k_cache, self.v_cache, group.block_tables, group.context_lens, self.scale
+                q,
+                self.k_cache,
+                self.v_cache,
+                group.block_tables,
+                group.context_lens,
+                self.scale,
+                self.window or 0,
             )
         batch = q.shape[0]
         keys = self._gather(self.k_cache, group.block_tables)
@@ -143,7 +204,7 @@ class Attention(nn.Module):
         # [B, kv_heads, group, head_dim]: the group's query heads act as query positions
         q = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=group.mask, scale=self.scale
+            q, keys, values, attn_mask=group.mask_for(self.window), scale=self.scale
         )
         return out.view(batch, self.num_heads, self.head_dim)
 
@@ -154,18 +215,20 @@ class Attention(nn.Module):
         # [kv_heads, group, n, head_dim] against K/V broadcast (stride 0) over the group: GQA
         # without copies, and one [n, context] mask for all heads
         q = q.view(n, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)
-        if chunk.mask is None:
+        block_size = self.k_cache.shape[1]
+        first_block, mask = chunk.sees(self.window, block_size)
+        if chunk.num_computed == 0:
             # nothing cached before the chunk: attend to its own K/V, no gather needed
             keys, values = k.transpose(0, 1), v.transpose(0, 1)
         else:
-            table = chunk.block_table[None]
-            context = chunk.num_computed + n
+            table = chunk.block_table[None, first_block:]
+            context = chunk.num_computed + n - first_block * block_size
             keys = self._gather(self.k_cache, table)[0, :, :context]
             values = self._gather(self.v_cache, table)[0, :, :context]
         shape = (self.num_kv_heads, self.group, keys.shape[1], self.head_dim)
         keys, values = keys[:, None].expand(shape), values[:, None].expand(shape)
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=self.scale
+            q, keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scale
         )
         return out.permute(2, 0, 1, 3).reshape(n, self.num_heads, self.head_dim)
 

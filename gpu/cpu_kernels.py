@@ -73,11 +73,12 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 @functools.cache
 def paged_decode_attention() -> Kernel | None:
-    """The built kernel as `f(q, k_cache, v_cache, block_tables, context_lens, scale)`, or None."""
+    """The built kernel as `f(q, k_cache, v_cache, block_tables, context_lens, scale, window=0)`,
+    or None."""
     library = _library()
     if library is None:
         return None
-    function = _function("triode_paged_decode_attention_bf16", _P, _I, *[_P] * 5, *[_I] * 6, _F)
+    function = _function("triode_paged_decode_attention_bf16", _P, _I, *[_P] * 5, *[_I] * 6, _F, _I)
     max_head_dim, max_heads = library.triode_max_head_dim(), library.triode_max_heads()
 
     def run(
@@ -87,15 +88,19 @@ def paged_decode_attention() -> Kernel | None:
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """q [seqs, heads, head_dim] bfloat16, each sequence's heads contiguous (its rows may be
         apart: a view into the QKV projection's output); caches [blocks, block_size, kv_heads,
-        head_dim]; block_tables [seqs, max_blocks] and context_lens [seqs] int64. Returns
-        [seqs, heads, head_dim]."""
+        head_dim]; block_tables [seqs, max_blocks] and context_lens [seqs] int64; `window`: a
+        sliding window in tokens, each row reading its context's last `window` (0: all).
+        Returns [seqs, heads, head_dim]."""
         seqs, heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
         if head_dim > max_head_dim or heads > max_heads or heads % kv_heads:
             raise ValueError(f"{heads} heads over {kv_heads} KV heads of {head_dim} not built for")
+        if window < 0:
+            raise ValueError(f"a sliding window of {window} tokens")
         for t in (k_cache, v_cache):
             if t.dtype != torch.bfloat16 or not t.is_contiguous():
                 raise ValueError("the KV cache must be contiguous bfloat16")
@@ -107,7 +112,7 @@ def paged_decode_attention() -> Kernel | None:
         function(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
             lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, head_dim, block_size,
-            tables.shape[1], scale,
+            tables.shape[1], scale, window,
         )  # fmt: skip
         return out
 

@@ -13,12 +13,9 @@ from safetensors import safe_open
 
 
 def context_limit(config: object, requested: int | None) -> int:
-    """The context limit: the model's, capped by the request and by a sliding window (which
-    this attention does not implement, so contexts stay within it and stay exact)."""
+    """The context limit: the model's, capped by the request. A sliding window does not cap
+    it: the attention layers mask the keys older than their window."""
     limit = config.max_position_embeddings  # type: ignore[attr-defined]
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        limit = min(limit, window)
     return min(limit, requested) if requested else limit
 
 

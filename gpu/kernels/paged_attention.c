@@ -10,6 +10,10 @@
  * softmax rescales once per 16 tokens and the next 16 rows are prefetched; elsewhere a
  * portable loop that rescales once per 32 tokens.
  *
+ * A sliding window of w tokens (0: none) limits a row whose context is n tokens to the keys at
+ * positions n - w .. n - 1: both paths start their walk at position n - w, so the blocks before
+ * it are never read and the first block in the window is entered at its slot.
+ *
  * Built at first use by `cpu_kernels.py` with the machine's compiler (-O3 -march=native
  * -fopenmp) and called through ctypes; OpenMP is torch's own runtime, already loaded.
  */
@@ -26,10 +30,16 @@
 int triode_max_head_dim(void) { return MAX_HEAD_DIM; }
 int triode_max_heads(void) { return MAX_HEADS; }
 
+/* the first position a context of `context` tokens reads under a sliding `window` (0: none) */
+static inline int64_t window_start(int64_t context, int64_t window) {
+    return window > 0 && context > window ? context - window : 0;
+}
+
 /* q: [num_seqs, num_heads, head_dim] with q_stride elements from one sequence's row to the
  * next; out: [num_seqs, num_heads, head_dim]; k_cache, v_cache: [num_blocks, block_size,
  * num_kv_heads, head_dim]; block_tables: [num_seqs, max_blocks]; context_lens: [num_seqs].
  * Query head h reads KV head h / (num_heads / num_kv_heads). A context of 0 gives zeros.
+ * window > 0: a row reads only its context's last `window` tokens.
  *
  * A work item is a sequence and a range of its KV heads: all of them when there are sequences
  * enough to share out, so each cached token row (every KV head side by side) streams from
@@ -38,7 +48,7 @@ static void paged_decode_generic(
     const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
     const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, int64_t max_blocks, float scale) {
+    int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t splits = num_seqs >= 8 ? 1 : num_kv_heads;
@@ -65,9 +75,10 @@ static void paged_decode_generic(
             denom[h] = 0.0f;
         }
         const int64_t context = context_lens[s];
+        const int64_t first = window_start(context, window);
         const int64_t *table = block_tables + s * max_blocks;
         /* a chunk of tokens at a time: their scores, one rescale of the sums per chunk */
-        for (int64_t start = 0; start < context; start += CHUNK) {
+        for (int64_t start = first; start < context; start += CHUNK) {
             const int64_t n = context - start < CHUNK ? context - start : CHUNK;
             int64_t rows[CHUNK];
             for (int64_t j = 0; j < n; j++) {
@@ -167,8 +178,8 @@ static inline __m512 sum16(const __m512 v[16]) {
  * then the values weighted into the sums. */
 static inline __attribute__((always_inline)) void attend_one(
     const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
-    int64_t context, uint16_t *out, int64_t token_stride, int64_t block_size, float scale,
-    const int G, const int D) {
+    int64_t first, int64_t context, uint16_t *out, int64_t token_stride, int64_t block_size,
+    float scale, const int G, const int D) {
     enum { MAXC = 4 }; /* D <= 128 */
     const int C = D / 32;
 #if defined(__AVX512BF16__)
@@ -191,15 +202,16 @@ static inline __attribute__((always_inline)) void attend_one(
         denom[g] = 0.0f;
     }
     const __m512 scale16 = _mm512_set1_ps(scale);
-    /* the next token's place in the cache, advanced one token at a time (no division) */
-    int64_t block = 0, slot = 0;
+    /* the next token's place in the cache, advanced one token at a time (no division past the
+     * first): the walk starts at the window's first token, in whatever slot of its block */
+    int64_t block = first / block_size, slot = first % block_size;
     int64_t rows[2][TILE]; /* element offsets of this tile's token rows and the next one's */
-    const int64_t first_n = context < TILE ? context : TILE;
+    const int64_t first_n = context - first < TILE ? context - first : TILE;
     for (int j = 0; j < first_n; j++) {
         rows[0][j] = (table[block] * block_size + slot) * token_stride;
         if (++slot == block_size) slot = 0, block++;
     }
-    for (int64_t start = 0, tile = 0; start < context; start += TILE, tile ^= 1) {
+    for (int64_t start = first, tile = 0; start < context; start += TILE, tile ^= 1) {
         const int n = context - start < TILE ? (int)(context - start) : TILE;
         const int64_t *here = rows[tile];
         const __mmask16 live = (__mmask16)((1u << n) - 1u);
@@ -290,8 +302,9 @@ static inline __attribute__((always_inline)) void attend_one(
 
 #define ATTEND(G, D)                                                                          \
     attend_one(q + s * q_stride + kv * (G) * (D), k_cache + kv * (D), v_cache + kv * (D),  \
-               block_tables + s * max_blocks, context_lens[s],                                \
-               out + (s * num_heads + kv * (G)) * (D), token_stride, block_size, scale, G, D)
+               block_tables + s * max_blocks, window_start(context_lens[s], window),         \
+               context_lens[s], out + (s * num_heads + kv * (G)) * (D), token_stride,       \
+               block_size, scale, G, D)
 
 #define CASES(D)                                                                              \
     switch (group) {                                                                          \
@@ -317,7 +330,7 @@ static void paged_decode_avx512(
     const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
     const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, int64_t max_blocks, float scale) {
+    int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t splits = num_seqs >= 8 ? 1 : num_kv_heads;
@@ -340,14 +353,15 @@ void triode_paged_decode_attention_bf16(
     const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
     const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, int64_t max_blocks, float scale) {
+    int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
 #if defined(__AVX512F__)
     if (vector_path(num_heads / num_kv_heads, head_dim)) {
         paged_decode_avx512(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, num_seqs,
-                            num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);
+                            num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale,
+                            window);
         return;
     }
 #endif
     paged_decode_generic(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, num_seqs,
-                         num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale);
+                         num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window);
 }

@@ -65,7 +65,7 @@ class LlamaAttention(nn.Module):
             shard=(heads.q_start * self.head_dim, heads.q_count * self.head_dim),
         )
         self.attn = Attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window
         )
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -210,7 +210,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama, SmolLM2 and Mistral (Mistral's sliding window is handled by capping the context)."""
+    """Llama, SmolLM2 and Mistral (whose sliding window each attention layer applies)."""
 
     # Hugging Face projection name -> (our merged parameter, its shard)
     packed_modules: dict[str, tuple[str, str | int]] = {

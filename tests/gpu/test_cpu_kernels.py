@@ -14,14 +14,18 @@ kernel = cpu_kernels.paged_decode_attention()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C compiler to build the kernel")
 
 
-def _reference(q, k_cache, v_cache, tables, lens, scale):  # type: ignore[no-untyped-def]
-    """Per sequence: gather its tokens, repeat KV heads for their query heads, softmax."""
+def _reference(q, k_cache, v_cache, tables, lens, scale, window=0):  # type: ignore[no-untyped-def]
+    """Per sequence: gather its tokens (the last `window` of them, 0: all), repeat KV heads for
+    their query heads, softmax."""
     heads, kv_heads = q.shape[1], k_cache.shape[2]
     out = []
     for s in range(q.shape[0]):
         n = int(lens[s])
-        k = k_cache[tables[s]].flatten(0, 1)[:n].float().repeat_interleave(heads // kv_heads, 1)
-        v = v_cache[tables[s]].flatten(0, 1)[:n].float().repeat_interleave(heads // kv_heads, 1)
+        first = max(0, n - window) if window else 0
+        k = k_cache[tables[s]].flatten(0, 1)[first:n].float()
+        v = v_cache[tables[s]].flatten(0, 1)[first:n].float()
+        k = k.repeat_interleave(heads // kv_heads, 1)
+        v = v.repeat_interleave(heads // kv_heads, 1)
         weights = (torch.einsum("hd,thd->ht", q[s].float(), k) * scale).softmax(-1)
         out.append(torch.einsum("ht,thd->hd", weights, v))
     return torch.stack(out)
@@ -61,12 +65,64 @@ def test_kernel_matches_attention_over_shuffled_blocks(
 
 
 @needs_kernel
-def test_attention_layer_gives_the_same_with_and_without_the_kernel() -> None:
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size", "window"),
+    [
+        (9, 3, 64, 16, 1),  # only the token itself
+        (9, 3, 64, 16, 20),  # a window starting mid-block, past whole blocks
+        (8, 1, 32, 16, 33),  # the generic path: a window one past its 32-token chunk
+        (4, 4, 128, 8, 16),  # a window on a block edge
+        (2, 2, 64, 5, 17),  # blocks that tiles of 16 tokens straddle
+        (12, 1, 64, 16, 100),  # as long as the longest context: every token
+    ],
+)
+def test_kernel_reads_only_the_sliding_window(
+    heads: int, kv_heads: int, head_dim: int, block_size: int, window: int
+) -> None:
+    g = torch.Generator().manual_seed(window)
+    num_blocks, seqs = 200, 6
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).bfloat16()
+    lens = torch.tensor([1, 7, 33, 100, 64, 18][:seqs])
+    width = -(-int(lens.max()) // block_size)
+    tables = torch.randperm(num_blocks, generator=g)[: seqs * width].view(seqs, width)
+    q = torch.randn(seqs, heads, head_dim, generator=g).bfloat16()
+    scale = head_dim**-0.5
+    out = kernel(q, k_cache, v_cache, tables, lens, scale, window)  # type: ignore[misc]
+    expected = _reference(q, k_cache, v_cache, tables, lens, scale, window)
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+    if window < int(lens.max()):  # the window changes what the long contexts see
+        everything = _reference(q, k_cache, v_cache, tables, lens, scale)
+        assert not torch.allclose(out.float(), everything, atol=1e-2, rtol=1e-2)
+
+
+@needs_kernel
+def test_kernel_never_reads_the_blocks_before_the_window() -> None:
+    # the tokens before the window hold NaN, in whole blocks and in the window's first block: a
+    # read of any of them would show in the output
+    heads, kv_heads, head_dim, block_size, window = 4, 2, 64, 16, 20
+    g = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(8, block_size, kv_heads, head_dim, generator=g).bfloat16()
+    v_cache = torch.randn(8, block_size, kv_heads, head_dim, generator=g).bfloat16()
+    tables, lens = torch.tensor([[5, 2, 7, 0]]), torch.tensor([60])  # keys 40..59: blocks 7, 0
+    for cache in (k_cache, v_cache):
+        cache[5] = cache[2] = float("nan")
+        cache[7, :8] = float("nan")  # positions 32..39
+    q = torch.randn(1, heads, head_dim, generator=g).bfloat16()
+    out = kernel(q, k_cache, v_cache, tables, lens, head_dim**-0.5, window)  # type: ignore[misc]
+    assert torch.isfinite(out.float()).all()
+    expected = _reference(q, k_cache, v_cache, tables, lens, head_dim**-0.5, window)
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 13])
+def test_attention_layer_gives_the_same_with_and_without_the_kernel(window: int | None) -> None:
     torch.manual_seed(0)
     heads, kv_heads, dim, bs = 9, 3, 64, 16
     layers = []
     for use_kernel in (False, True):
-        attn = Attention(heads, kv_heads, dim, scale=dim**-0.5)
+        attn = Attention(heads, kv_heads, dim, scale=dim**-0.5, window=window)
         attn.k_cache, attn.v_cache = torch.zeros(2, 40, bs, kv_heads, dim, dtype=torch.bfloat16)
         attn.paged_kernel = kernel if use_kernel else None
         layers.append(attn)
