@@ -34,6 +34,9 @@ BENCHMARKS = {
     "structured": Benchmark("triode.edge.bench.structured", "what constrained decoding costs"),
     "weights": Benchmark("triode.edge.bench.weights", "new weights and sleep, against a restart"),
     "lora": Benchmark("triode.edge.bench.lora", "LoRA adapters, one and mixed, against the base"),
+    "moe": Benchmark(
+        "triode.edge.bench.moe", "a 1.3 B mixture of experts: transformers, TP, expert parallel"
+    ),
     "step": Benchmark("triode.gpu.bench.step", "one decode step at several batch sizes, profiled"),
     "collectives": Benchmark(
         "triode.gpu.bench.collectives", "tensor and pipeline parallelism's exchanges"
