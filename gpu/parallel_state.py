@@ -21,10 +21,12 @@ On the CPU, a tensor-parallel group whose ranks share a host also gets a `ShmAll
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -134,6 +136,38 @@ def partition(total: int, parts: int) -> list[tuple[int, int]]:
         ranges.append((start, count))
         start += count
     return ranges
+
+
+@dataclass
+class _ExpertParallel:
+    enabled: bool = False
+    asked: bool = False  # whether a model built under the setting read it
+
+
+_expert_parallel = _ExpertParallel()
+
+
+@contextlib.contextmanager
+def expert_parallel(enabled: bool) -> Iterator[None]:
+    """Build models with `enabled` expert parallelism (`--enable-expert-parallel`): each
+    mixture-of-experts block then holds whole experts, its share of them over this stage's TP
+    group, instead of every expert's share of the intermediate dimension. A model built under
+    it that never asks (one without experts) runs as it would without, as vLLM's do; the log
+    says so."""
+    global _expert_parallel
+    previous, _expert_parallel = _expert_parallel, _ExpertParallel(enabled)
+    try:
+        yield
+        if enabled and not _expert_parallel.asked:
+            log.info("expert parallelism asked for a model without experts: ignored")
+    finally:
+        _expert_parallel = previous
+
+
+def expert_parallel_enabled() -> bool:
+    """Whether a mixture-of-experts block built now splits its experts over the TP group."""
+    _expert_parallel.asked = True
+    return _expert_parallel.enabled
 
 
 def backend_for(device: torch.device) -> str:

@@ -6,8 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from .architectures import supported_architecture
+from .gemma3 import Gemma3ForCausalLM
 from .llama import LlamaForCausalLM, Qwen2ForCausalLM
+from .mixtral import MixtralForCausalLM
 from .qwen3 import Qwen3ForCausalLM
+from .qwen3_moe import Qwen3MoeForCausalLM
 
 # config.json's `architectures` name -> the class that runs it
 MODELS: dict[str, type[LlamaForCausalLM]] = {
@@ -15,6 +18,9 @@ MODELS: dict[str, type[LlamaForCausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 
