@@ -176,6 +176,16 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             group="parallelism",
         ),
     ] = None
+    # a mixture-of-experts model's experts split over the TP group's ranks (whole experts per
+    # rank) instead of each expert's intermediate dimension; attention stays tensor-parallel
+    enable_expert_parallel: Annotated[
+        bool,
+        EngineFlag(
+            "split a mixture-of-experts model's experts over the tensor-parallel ranks (a "
+            "model without experts ignores it)",
+            group="parallelism",
+        ),
+    ] = False
 
     # LoRA adapters (vLLM's flags): PEFT adapters over the one base model, mixed in a batch
     enable_lora: Annotated[

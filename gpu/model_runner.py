@@ -79,7 +79,8 @@ class ModelRunner:
     file kept (`int4.py`) where this device has a kernel for them; "none" runs the dequantized
     weights only. `device` None means CUDA when present; `num_threads` None means every CPU
     this process may run on (CPU only). `lora_config` (None: LoRA off) sets the limits of the
-    LoRA adapters kept in `lora` (`LoraStore`).
+    LoRA adapters kept in `lora` (`LoraStore`). `enable_expert_parallel` splits a mixture of
+    experts' experts over the TP group instead of each expert (`parallel_state.expert_parallel`).
 
     In a parallel world (`parallel_state`) the runner holds this rank's shard of its pipeline
     stage: every rank runs `execute` on the same `SchedulerOutput`; a later stage receives the
@@ -107,6 +108,7 @@ class ModelRunner:
         num_threads: int | None = None,
         kv_transfer_config: dict[str, Any] | None = None,
         lora_config: dict[str, Any] | None = None,
+        enable_expert_parallel: bool = False,
     ) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.parallel = parallel_state.layout()
@@ -126,6 +128,7 @@ class ModelRunner:
         self.extra_eos_token_ids = eos[1:]
 
         self.quantization = quantization
+        self.enable_expert_parallel = enable_expert_parallel
         # oneDNN's bfloat16 products are where a row's result depends on the row count
         self._pad_prompts = self.device.type == "cpu" and self.dtype == torch.bfloat16
         # what may not run now (`sleep`): "kv_cache", "weights"; a step refuses while any does
@@ -155,7 +158,11 @@ class ModelRunner:
         `weights_dir` keeps attached, the kernels bound, and the KV cache's views given to the
         new attention layers.
         """
-        with parameter_defaults(self.dtype, self.device), torch.no_grad():
+        with (
+            parameter_defaults(self.dtype, self.device),
+            parallel_state.expert_parallel(self.enable_expert_parallel),
+            torch.no_grad(),
+        ):
             model = model_class(self.config)(self.config, max_position=self.max_model_len)
             model.load_weights(safetensors_weights(weights_dir))  # raising, it keeps the old
             self.model = model
@@ -215,6 +222,7 @@ class ModelRunner:
             seed=engine_args["seed"],
             kv_transfer_config=engine_args.get("kv_transfer_config"),
             lora_config=lora_config_of(engine_args),
+            enable_expert_parallel=engine_args["enable_expert_parallel"],
             **placement,
         )
 
