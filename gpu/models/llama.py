@@ -169,14 +169,27 @@ class LlamaModel(nn.Module):
         self.start_layer, self.end_layer = start, start + count
         if self.first_stage:
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        theta, scaling = rope_parameters(config)
-        self.rotary_emb = RotaryEmbedding(head_dim(config), max_position, theta, scaling)
+        self.make_rotary(config, max_position)
         self.layers = nn.ModuleList(
             make_layer(i) if self.start_layer <= i < self.end_layer else MissingLayer()
             for i in range(config.num_hidden_layers)
         )
         if self.last_stage:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_rotary(self, config: Any, max_position: int) -> None:
+        """The rotary tables that `step_rope` reads: here one, `rotary_emb`."""
+        theta, scaling = rope_parameters(config)
+        self.rotary_emb = RotaryEmbedding(head_dim(config), max_position, theta, scaling)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of `input_ids` (a family may scale them)."""
+        return self.embed_tokens(input_ids)
+
+    def step_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        """What every layer of a step takes as its rotary embedding: here one `Rope` (a family
+        with a table per layer type gives each layer the means to pick its own)."""
+        return self.rotary_emb.step(positions, dtype, look_up=self.fused is None)
 
     @property
     def stage_layers(self) -> list[LlamaDecoderLayer]:
@@ -191,15 +204,14 @@ class LlamaModel(nn.Module):
         embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | Intermediate:
         if self.first_stage:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = self.embed(input_ids), None
             if embeds is not None:  # rows of prompts given as embeddings replace the lookup
                 hidden.index_copy_(0, *embeds)
         else:
             if intermediate is None:
                 raise ValueError("a later pipeline stage starts from the previous stage's output")
             hidden, residual = intermediate
-        # once per step, for all layers
-        rope = self.rotary_emb.step(positions, hidden.dtype, look_up=self.fused is None)
+        rope = self.step_rope(positions, hidden.dtype)  # once per step, for all layers
         for layer in self.stage_layers:
             hidden, residual = layer(rope, hidden, residual, meta)
         if not self.last_stage:
