@@ -43,6 +43,7 @@ from .headless import serve_headless as serve_headless
 from .intake import Intake as Intake
 from .kv_params import transfer_params_error as transfer_params_error
 from .launcher import EngineCoreEndpoint as EngineCoreEndpoint
+from .launcher import EngineCoreStartError as EngineCoreStartError
 from .launcher import open_engine_cores as open_engine_cores
 from .outputs import CompletionOutput as CompletionOutput
 from .outputs import RequestOutput as RequestOutput

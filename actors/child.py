@@ -52,10 +52,12 @@ class ChildContext:
         self.shutdown_requested = trio.Event()
         self._up = up
         self._encoder = encoder
+        self.said_ready = False
 
     async def ready(self, ready: Ready | None = None) -> None:
         """Tell the parent this actor is serving. Call once, after binding/connecting sockets."""
         await self._up.send_multipart(self._encoder.encode(ready or Ready()))
+        self.said_ready = True
 
 
 def resolve(target: str) -> Callable[[ChildContext], Awaitable[None]]:
@@ -76,6 +78,7 @@ async def serve_child(
     encoder = Encoder()
     up = Socket.open(zctx, zmq.PUSH, connect=up_address, linger=CONTROL_LINGER_MS)
     down = Socket.open(zctx, zmq.PULL, connect=down_address)
+    ctx: ChildContext | None = None
     try:
         await up.send_multipart(encoder.encode(Hello(PROTOCOL_VERSION, os.getpid(), name)))
         decoder: Decoder[ControlMessage] = Decoder(ControlMessage)  # type: ignore[arg-type]
@@ -96,7 +99,12 @@ async def serve_child(
             raise
         with trio.CancelScope(shield=True), trio.move_on_after(1):
             await up.send_multipart(encoder.encode(_box(exc)))
-        log.exception("actor %r failed", name)
+        if ctx is not None and ctx.said_ready:
+            log.exception("actor %r failed", name)
+        else:
+            # a start that failed: the parent raises it with this traceback, and its caller
+            # decides how much of it to show (`triode serve`: one line)
+            log.debug("actor %r failed before READY", name, exc_info=True)
         return 1
     finally:
         down.close()

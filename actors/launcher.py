@@ -22,6 +22,7 @@ import trio
 from triode.wire import Ready
 
 from .config import EngineArgs
+from .errors import ActorError, RemoteError
 from .model_env import model_process_env
 from .process import Child, open_child
 
@@ -32,6 +33,39 @@ def ready_timeout() -> float:
     """How long a process that loads the model may take to say READY (TRIODE_ENGINE_READY_TIMEOUT
     seconds, 900 by default: a first start converts the GGUF file)."""
     return float(os.environ.get("TRIODE_ENGINE_READY_TIMEOUT", 900))
+
+
+class EngineCoreStartError(Exception):
+    """An engine core that failed before it said READY; `line` says why in one line (its
+    exception's type and message, or how it died), and the exception it chains from holds the
+    whole story (the remote traceback)."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(line)
+        self.line = line
+
+
+def start_failure_line(group: BaseExceptionGroup) -> str:
+    """One line for what an engine core's start raised: each distinct failure's first line."""
+    lines: list[str] = []
+    for leaf in _leaves(group):
+        if isinstance(leaf, RemoteError):
+            message = (leaf.remote_message.strip().splitlines() or [""])[0]
+            line = f"{leaf.type_name}: {message}"
+        elif isinstance(leaf, trio.TooSlowError):
+            line = f"not READY within {ready_timeout():g} s (TRIODE_ENGINE_READY_TIMEOUT)"
+        else:
+            line = (str(leaf).strip().splitlines() or [type(leaf).__name__])[0]
+        lines.append(line)
+    return "; ".join(dict.fromkeys(lines))
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    return [
+        leaf
+        for e in group.exceptions
+        for leaf in (_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    ]
 
 
 class EngineCoreEndpoint(msgspec.Struct, kw_only=True):
@@ -67,8 +101,9 @@ async def open_engine_cores(
 ) -> AsyncIterator[list[tuple[EngineCoreEndpoint, Child]]]:
     """Start `args.data_parallel_size` engine cores for `num_clients` clients, each in the
     model processes' environment (`model_process_env`), and yield each one's endpoint and
-    child once all are READY. Raises (in an exception group) what
-    `open_child` raises if any fails to start; the others are then stopped. Leaving the block
+    child once all are READY. Raises (in an exception group) `EngineCoreStartError`, chained
+    from what `open_child` raised, if any fails to start; the others are then stopped. Leaving
+    the block
     stops them all. A core that dies later does not raise here: its `Child` says so, and its
     clients fail its requests."""
     count = args.data_parallel_size
@@ -88,27 +123,32 @@ async def open_engine_cores(
             "engine_index": index,
             "cpus": cpus,
         }
-        async with open_child(
-            ENGINE_CORE,
-            name="engine-core" if count == 1 else f"engine-core-{index}",
-            addresses=addresses,
-            options=options,
-            raise_on_death=False,
-            env=model_process_env(os.environ),
-            ready_timeout=ready_timeout(),
-        ) as child:
-            assert child.ready is not None
-            endpoint = EngineCoreEndpoint(
-                index=index,
-                pid=child.pid,
-                input=addresses["input"],
-                output=addresses["output"],
-                ready=child.ready,
-            )
-            started[index] = (endpoint, child)
-            if all(started):
-                all_ready.set()
-            await stop.wait()
+        try:
+            async with open_child(
+                ENGINE_CORE,
+                name="engine-core" if count == 1 else f"engine-core-{index}",
+                addresses=addresses,
+                options=options,
+                raise_on_death=False,
+                env=model_process_env(os.environ),
+                ready_timeout=ready_timeout(),
+            ) as child:
+                assert child.ready is not None
+                endpoint = EngineCoreEndpoint(
+                    index=index,
+                    pid=child.pid,
+                    input=addresses["input"],
+                    output=addresses["output"],
+                    ready=child.ready,
+                )
+                started[index] = (endpoint, child)
+                if all(started):
+                    all_ready.set()
+                await stop.wait()
+        except* (ActorError, trio.TooSlowError) as group:
+            if started[index] is not None:
+                raise
+            raise EngineCoreStartError(start_failure_line(group)) from group
 
     try:
         async with trio.open_nursery() as nursery:

@@ -198,7 +198,11 @@ async def _watch_process(child: Child, raise_on_death: bool) -> None:
     child.exited.set()
     if child._stopping:
         return
-    log.error("%s", child.error)
+    if child._ready.is_set():
+        log.error("%s", child.error)
+    else:
+        # a start that failed is raised below, whole: its caller reports it
+        log.debug("%s", child.error)
     if raise_on_death or not child._ready.is_set():
         assert child.error is not None
         raise child.error

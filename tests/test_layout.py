@@ -63,6 +63,7 @@ STRING_IMPORTS = {
     "triode.gpu.bench.weight_push",
     "triode.gpu.lora.random_adapter",
     "triode.gpu.checks.device",
+    "triode.gpu.checks.model",
     "triode.gpu.worker:serve_worker",
     "triode.wire.bench",
 }

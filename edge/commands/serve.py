@@ -5,13 +5,16 @@ the checks that turn a command line that cannot serve into one line before any p
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import subprocess
 import sys
+from typing import Any
 
 import trio
 
-from triode.actors import EngineArgs, parse_size, serve_headless
+from triode.actors import EngineArgs, EngineCoreStartError, parse_size, serve_headless
 from triode.wire.cluster_key import ClusterKey, ClusterKeyError
 from triode.wire.kv_transfer import parse_kv_transfer_config
 
@@ -181,21 +184,19 @@ def run(args: argparse.Namespace) -> int:
     the server and the tool servers' client take 1.5 to 2 s to import, which `triode --help`
     and the other subcommands need not pay.
     """
-    from ..app import default_served_model_name
-    from ..auth import ApiKeys, keys_from
-    from ..lora_names import lora_modules_problem
-    from ..server import ServeOptions, serve
-    from ..settings import Settings
-    from ..tools.mcp import parse_tool_server_specs
-
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # the engine core process logs (model loading, its progress) at the same level
     os.environ.setdefault("TRIODE_LOG_LEVEL", args.log_level.upper())
     engine_args = given_engine_args(args)
+    # before any process starts (and before the server's imports): a model, config or secret
+    # that cannot serve is one line
+    problem = model_problem(args.model, engine_args)
+    if problem is not None:
+        print(f"triode serve: {problem}", file=sys.stderr)
+        return 2
     if args.kv_transfer_config is not None:
-        # before any process starts: a config or secret that cannot serve is one line
         try:
             parse_kv_transfer_config(args.kv_transfer_config).read_secret()
         except ValueError as e:
@@ -205,6 +206,13 @@ def run(args: argparse.Namespace) -> int:
         return _run_headless(args.model, engine_args)
     if engine_args.get("node_rank", 0) != 0:
         raise SystemExit("triode serve: --node-rank other than 0 runs with --headless")
+    from ..app import default_served_model_name
+    from ..auth import ApiKeys, keys_from
+    from ..lora_names import lora_modules_problem
+    from ..server import ServeOptions, serve
+    from ..settings import Settings
+    from ..tools.mcp import parse_tool_server_specs
+
     if _cluster_key_refused(engine_args):
         return 2
     keys = keys_from(args.api_key, os.environ)
@@ -296,8 +304,31 @@ def run(args: argparse.Namespace) -> int:
         graceful_timeout=args.graceful_timeout,
         api_server_count=args.api_server_count,
     )
-    trio.run(serve, options, settings, engine_args)
-    return 0
+    return _run_server(serve, options, settings, engine_args)
+
+
+def _run_server(serve: Any, *args: Any) -> int:
+    """`trio.run(serve, *args)`; an engine core that fails to start is one line on stderr and
+    exit status 2, its traceback a debug log (`--log-level debug`)."""
+    failed: BaseExceptionGroup | None = None
+    try:
+        trio.run(serve, *args)
+    except* EngineCoreStartError as group:
+        failed = group
+    if failed is None:
+        return 0
+    logging.getLogger("triode.serve").debug("the engine core's start", exc_info=failed)
+    lines = dict.fromkeys(e.line for e in _leaves(failed) if isinstance(e, EngineCoreStartError))
+    print(f"triode serve: engine core failed to start: {'; '.join(lines)}", file=sys.stderr)
+    return 2
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    return [
+        leaf
+        for e in group.exceptions
+        for leaf in (_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    ]
 
 
 def _run_headless(model: str | None, engine_args: dict[str, object]) -> int:
@@ -311,6 +342,31 @@ def _run_headless(model: str | None, engine_args: dict[str, object]) -> int:
         return 2
     trio.run(serve_headless, args)
     return 0
+
+
+def model_problem(model: str | None, engine_args: dict[str, object]) -> str | None:
+    """Why `model` cannot be served, as far as its files tell without loading it (the
+    architecture, config.json's sizes, the weights' shapes, the generation config flags), or
+    None. The model process's side of triode, which the edge does not import, checks: its
+    check costs a tenth of a second, the engine core's failure several seconds and a
+    traceback."""
+    command = [sys.executable, "-m", "triode.gpu.checks.model", *([] if model is None else [model])]
+    for flag in ("generation_config", "override_generation_config"):
+        value = engine_args.get(flag)
+        if value is not None:
+            text = value if isinstance(value, str) else json.dumps(value)
+            command += [f"--{flag.replace('_', '-')}", text]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode == 0:
+        return None
+    lines = done.stderr.strip().splitlines()
+    if done.returncode == 2 and len(lines) == 1:
+        return lines[0]
+    # the check itself failed: the engine core will say what is wrong, if anything is
+    logging.getLogger("triode.serve").warning(
+        "the model check failed (exit status %d): %s", done.returncode, done.stderr.strip()
+    )
+    return None
 
 
 def _cluster_key_refused(engine_args: dict[str, object]) -> bool:

@@ -1,0 +1,128 @@
+"""The request defaults a model's `generation_config.json` recommends, as vLLM takes them.
+
+vLLM's `--generation-config auto` (the default) reads the model's own file, `vllm` reads none
+(its neutral defaults stand: temperature 1, top_p 1, top_k and min_p off, no repetition
+penalty, as many tokens as the context holds), and a directory reads the file in it;
+`--override-generation-config` JSON is laid over whichever was read. Of the file, the sampling
+values vLLM takes become the defaults a request falls back on where it leaves a field unset:
+temperature, top_p, top_k, min_p, repetition_penalty, and max_new_tokens as max_tokens.
+
+No torch here: `triode serve` checks the flags in a fraction of a second before any model
+process starts (`checks/model.py`), and the engine core reads the same defaults once the model
+is resolved.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+FILE = "generation_config.json"
+# generation_config.json's keys that vLLM takes -> the request field each is the default of
+REQUEST_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+class GenerationConfigError(ValueError):
+    """A `--generation-config` or `--override-generation-config` that cannot give defaults: a
+    directory without the file, a file or override that is not a JSON object, an unknown
+    override key, or a value out of its range."""
+
+
+def request_defaults(
+    model_dir: str | Path | None,
+    generation_config: str = "auto",
+    override: Mapping[str, Any] | str | None = None,
+) -> dict[str, Any]:
+    """The request defaults (`REQUEST_FIELDS`' request names -> value) for the model in
+    `model_dir`: its generation config as `generation_config` chooses it ("auto": the model's
+    file, if it has one; "vllm": none; else a directory holding the file), `override` laid over
+    it. Raises `GenerationConfigError`."""
+    config: dict[str, Any] = {}
+    if generation_config == "auto":
+        if model_dir is not None and (Path(model_dir) / FILE).is_file():
+            config = _read(Path(model_dir) / FILE)
+    elif generation_config != "vllm":
+        path = Path(generation_config).expanduser() / FILE
+        if not path.is_file():
+            raise GenerationConfigError(
+                f"--generation-config {generation_config}: no {FILE} there (give auto, vllm, "
+                f"or a directory holding {FILE})"
+            )
+        config = _read(path)
+    config.update(parse_override(override))
+    return {
+        REQUEST_FIELDS[key]: _checked(key, value)
+        for key, value in config.items()
+        if key in REQUEST_FIELDS and value is not None
+    }
+
+
+def parse_override(override: Mapping[str, Any] | str | None) -> dict[str, Any]:
+    """`--override-generation-config` as a dict: JSON text or a mapping whose keys are all
+    `REQUEST_FIELDS`' generation config names. Raises `GenerationConfigError`."""
+    if override is None:
+        return {}
+    if isinstance(override, str):
+        try:
+            override = json.loads(override)
+        except ValueError as e:
+            raise GenerationConfigError(
+                f"--override-generation-config is not valid JSON: {e}"
+            ) from None
+    if not isinstance(override, Mapping):
+        raise GenerationConfigError(
+            "--override-generation-config must be a JSON object, e.g. '{\"temperature\": 0.7}'"
+        )
+    unknown = sorted(str(k) for k in override if k not in REQUEST_FIELDS)
+    if unknown:
+        raise GenerationConfigError(
+            f"--override-generation-config: unknown key {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(REQUEST_FIELDS)}"
+        )
+    return {key: _checked(key, value) for key, value in override.items()}
+
+
+def describe(defaults: Mapping[str, Any]) -> str:
+    """The defaults for a log line: `temperature 0.6, top_p 0.95`, or vLLM's neutral ones."""
+    if not defaults:
+        return "vLLM's neutral defaults (temperature 1, top_p 1, top_k and min_p off)"
+    return ", ".join(f"{key} {value}" for key, value in defaults.items())
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise GenerationConfigError(f"{path}: cannot be read as JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise GenerationConfigError(f"{path}: not a JSON object")
+    return config
+
+
+def _checked(key: str, value: Any) -> Any:
+    """`value` if it is one a request may give for `key`'s field, else the error naming it."""
+    if value is None:
+        return None
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    integral = is_number and float(value).is_integer()
+    ok = {
+        "temperature": is_number and 0 <= value,
+        "top_p": is_number and 0 < value <= 1,
+        "top_k": integral and value >= -1,
+        "min_p": is_number and 0 <= value <= 1,
+        "repetition_penalty": is_number and 0 < value,
+        "max_new_tokens": integral and value >= 1,
+    }[key]
+    if not ok or (is_number and not math.isfinite(value)):
+        raise GenerationConfigError(f"generation config: {key} {value!r} is out of range")
+    return int(value) if key in ("top_k", "max_new_tokens") else float(value)
