@@ -187,6 +187,30 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = False
 
+    # the request defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)
+    # a request leaves unset, as vLLM takes them (`triode.gpu.generation_config`)
+    generation_config: Annotated[
+        str,
+        EngineFlag(
+            "where request defaults come from: auto (default): the model's "
+            "generation_config.json, if it has one; vllm: none (temperature 1, top_p 1, top_k "
+            "and min_p off); or a directory holding a generation_config.json",
+            metavar="auto|vllm|DIR",
+            group="options",
+        ),
+    ] = "auto"
+    # JSON text or its dict, kept as the dict: laid over the generation config's defaults
+    override_generation_config: Annotated[
+        dict[str, Any] | str | None,
+        EngineFlag(
+            "request defaults laid over --generation-config's, as generation_config.json "
+            'spells them: \'{"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0, '
+            '"repetition_penalty": 1.05, "max_new_tokens": 512}\'',
+            metavar="JSON",
+            group="options",
+        ),
+    ] = None
+
     # LoRA adapters (vLLM's flags): PEFT adapters over the one base model, mixed in a batch
     enable_lora: Annotated[
         bool, EngineFlag("serve LoRA adapters (--lora-modules, and loaded at run time)")
@@ -235,6 +259,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.kv_transfer_config is not None:
             config = parse_kv_transfer_config(self.kv_transfer_config)
             self.kv_transfer_config = msgspec.to_builtins(config)
+        self._check_generation_config()
         if self.dtype not in DTYPES:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}"
@@ -292,6 +317,21 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("distributed_timeout must be > 0")
         if self.record_wire is not None and not self.record_wire.strip():
             raise ValueError("record_wire must name a directory")
+
+    def _check_generation_config(self) -> None:
+        """The override as a dict; its keys and values are the engine's to judge (the model's
+        side reads generation configs), and `triode serve` has them checked before it starts."""
+        if not self.generation_config.strip():
+            raise ValueError("generation_config must be auto, vllm or a directory")
+        override = self.override_generation_config
+        if isinstance(override, str):
+            try:
+                override = json.loads(override)
+            except ValueError as e:
+                raise ValueError(f"override_generation_config is not valid JSON: {e}") from None
+        if override is not None and not isinstance(override, dict):
+            raise ValueError("override_generation_config must be a JSON object")
+        self.override_generation_config = override
 
     def _check_lora(self) -> None:
         # a dict (Python callers) is kept as its JSON: the field crosses to the engine as text
