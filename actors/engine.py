@@ -71,6 +71,9 @@ class Engine:
         # what a prompt's embeddings must have per position (0: unknown, any)
         self.hidden_size: int = ready.info.get("hidden_size") or 0
         self.dtype: str = ready.info.get("dtype", "")
+        # the model's request defaults (temperature, top_p, top_k, min_p, repetition_penalty,
+        # max_tokens) for what a request leaves unset; empty: vLLM's neutral ones
+        self.generation_defaults: dict[str, Any] = dict(ready.info.get("generation_defaults") or {})
         self.max_model_len = ready.max_model_len
         self.num_kv_blocks = ready.num_kv_blocks  # each engine core's
         self.block_size = ready.block_size

@@ -61,9 +61,9 @@ def request_defaults(
         config = _read(path)
     config.update(parse_override(override))
     return {
-        REQUEST_FIELDS[key]: _checked(key, value)
-        for key, value in config.items()
-        if key in REQUEST_FIELDS and value is not None
+        field: _checked(key, config[key])
+        for key, field in REQUEST_FIELDS.items()
+        if config.get(key) is not None
     }
 
 
@@ -90,13 +90,6 @@ def parse_override(override: Mapping[str, Any] | str | None) -> dict[str, Any]:
             f"known: {', '.join(REQUEST_FIELDS)}"
         )
     return {key: _checked(key, value) for key, value in override.items()}
-
-
-def describe(defaults: Mapping[str, Any]) -> str:
-    """The defaults for a log line: `temperature 0.6, top_p 0.95`, or vLLM's neutral ones."""
-    if not defaults:
-        return "vLLM's neutral defaults (temperature 1, top_p 1, top_k and min_p off)"
-    return ", ".join(f"{key} {value}" for key, value in defaults.items())
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -63,6 +63,7 @@ class StubEngine:
     intake: Any = field(default_factory=StubIntake)
     max_model_len: int = 2048
     vocab_size: int = 256
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
     model_dir: Path = Path("stub")
     stats: Any = field(default_factory=lambda: SchedulerStats(0, 0, 0.0))
     admin: EngineAdmin = field(init=False)

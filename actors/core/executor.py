@@ -173,6 +173,16 @@ class InProcessExecutor:
         self._runner = None  # type: ignore[assignment]
 
 
+def generation_defaults(args: EngineArgs, model_dir: Path) -> dict[str, Any]:
+    """The request defaults of the model in `model_dir` as `args`' generation config flags
+    choose them (`triode.gpu.generation_config`; no torch). ValueError for flags that cannot
+    give any."""
+    # here, not at the top: this module is the actors' one door into triode.gpu
+    from triode.gpu.generation_config import request_defaults
+
+    return request_defaults(model_dir, args.generation_config, args.override_generation_config)
+
+
 @asynccontextmanager
 async def open_executor(args: EngineArgs) -> AsyncIterator[Executor]:
     """The executor `args` ask for, ready to execute. Leaving the block stops it (and its

@@ -10,9 +10,11 @@ with what clients need to know of the model and the cache, and runs an `EngineCo
 
 from __future__ import annotations
 
+import logging
 import os
 from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import zmq
@@ -23,13 +25,15 @@ from triode.wire.kv_transfer import parse_kv_transfer_config
 from ..child import ChildContext
 from ..config import EngineArgs
 from .engine_core import EngineCore
-from .executor import open_executor
+from .executor import generation_defaults, open_executor
 from .kv_connector import KVConnectorScheduler
 from .loras import LoRASettings
 from .publisher import OUTPUT_HWM
 from .scheduler import Scheduler
 from .scheduler_config import SchedulerConfig
 from .structured_output import StructuredOutputManager
+
+log = logging.getLogger(__name__)
 
 
 async def serve_engine_core(ctx: ChildContext) -> None:
@@ -57,6 +61,12 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                 endpoints=executor.kv_endpoints,
                 tensor_parallel_size=args.tensor_parallel_size,
                 pipeline_parallel_size=args.pipeline_parallel_size,
+            )
+        defaults = generation_defaults(args, Path(executor.model_dir))
+        if ctx.options.get("engine_index", 0) == 0:
+            log.info(
+                "request defaults (where a request leaves them unset): %s",
+                describe_defaults(defaults, args),
             )
         tokenizer_file = Path(executor.model_dir) / "tokenizer.json"
         structured = None
@@ -109,6 +119,8 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                     "pipeline_parallel_size": args.pipeline_parallel_size,
                     "worker_pids": executor.worker_pids,
                     "kv_endpoints": executor.kv_endpoints,
+                    # what a request leaves unset falls back on (`generation_config`)
+                    "generation_defaults": defaults,
                     # where the edges read the secret that the params they take must be
                     # sealed with: the path only, never the secret
                     "kv_secret_file": None if connector is None else connector.config.secret_file,
@@ -116,6 +128,17 @@ async def serve_engine_core(ctx: ChildContext) -> None:
             )
         )
         await core.run(input_socket, output_socket)
+
+
+def describe_defaults(defaults: dict[str, Any], args: EngineArgs) -> str:
+    """The request defaults for the start-up log, and the flags they come from."""
+    if not defaults:
+        return "vLLM's neutral ones (temperature 1, top_p 1, top_k and min_p off)"
+    values = ", ".join(f"{key} {value}" for key, value in defaults.items())
+    source = f"--generation-config {args.generation_config}"
+    if args.override_generation_config:
+        source += " and --override-generation-config"
+    return f"{values} (from {source}; --generation-config vllm for vLLM's neutral ones)"
 
 
 def _recording(ctx: ChildContext, args: EngineArgs) -> AbstractAsyncContextManager[Recorder | None]:

@@ -1,8 +1,11 @@
 """How a chat or completions request becomes the engine's `SamplingParams`: its fields
-translated, its token budget fitted to the context window, and every bound a 400 naming the
-field."""
+translated, the model's defaults where it leaves one unset, its token budget fitted to the
+context window, and every bound a 400 naming the field."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 from triode.wire import SamplingParams, StructuredOutputsParams
 from triode.wire.messages import MAX_LOGIT_BIAS
@@ -19,8 +22,13 @@ def sampling_params(
     prompt_len: int,
     max_model_len: int,
     structured_outputs: StructuredOutputsParams | None = None,
+    defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
     """The engine's sampling parameters for `req`, whose prompt is `prompt_len` tokens long.
+
+    `defaults` (the engine's `generation_defaults`: the model's generation config, as vLLM
+    takes it) fill temperature, top_p, top_k, min_p, repetition_penalty and max_tokens where
+    `req` leaves them unset; vLLM's neutral values fill the rest.
 
     Raises a 400 `APIError` when the prompt, or the prompt with the tokens asked for, does not fit
     in `max_model_len`, or when the parameters do not validate.
@@ -41,8 +49,9 @@ def sampling_params(
             f" length of the {where}.",
             param=where,
         )
+    defaults = defaults or {}
     if max_tokens is None:
-        max_tokens = max_model_len - prompt_len
+        max_tokens = min(max_model_len - prompt_len, defaults.get("max_tokens") or max_model_len)
     elif prompt_len + max_tokens > max_model_len:
         raise APIError(
             400,
@@ -57,14 +66,14 @@ def sampling_params(
     try:
         return SamplingParams(
             n=req.n or 1,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=_top_k(req.top_k),
-            min_p=req.min_p or 0.0,
+            temperature=_given(req.temperature, defaults, "temperature", 1.0),
+            top_p=_given(req.top_p, defaults, "top_p", 1.0),
+            top_k=_top_k(_given(req.top_k, defaults, "top_k", 0)),
+            min_p=_given(req.min_p, defaults, "min_p", 0.0),
             seed=req.seed,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=(1.0 if req.repetition_penalty is None else req.repetition_penalty),
+            repetition_penalty=_given(req.repetition_penalty, defaults, "repetition_penalty", 1.0),
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
@@ -81,6 +90,11 @@ def sampling_params(
         )
     except ValueError as e:
         raise validation_error(e) from e
+
+
+def _given(value: Any, defaults: Mapping[str, Any], name: str, neutral: Any) -> Any:
+    """The request's `value`; where it left it unset, the model's default, else vLLM's."""
+    return value if value is not None else defaults.get(name, neutral)
 
 
 def _top_k(top_k: int | None) -> int:

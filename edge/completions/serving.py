@@ -82,6 +82,7 @@ class Serving(Generation):
             prompt_len=len(token_ids),
             max_model_len=self.engine.max_model_len,
             structured_outputs=structured,
+            defaults=self.engine.generation_defaults,
         )
         self.check_token_ids(params=params)
         prompts = [Prompt(token_ids, None, lora_name=lora_name)]
@@ -155,6 +156,7 @@ class Serving(Generation):
             prompt_len=len(longest.token_ids),
             max_model_len=self.engine.max_model_len,
             structured_outputs=await _structured(req),
+            defaults=self.engine.generation_defaults,
         )
         self.check_token_ids(params=params)
         self.check_logprobs_volume(req, prompts, params)

@@ -161,8 +161,11 @@ async def plan_response(
         parallel_tool_calls=req.parallel_tool_calls is not False,
         previous_response_id=req.previous_response_id,
         store=req.store is not False,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
+        # unset: the model's default (its generation config), else vLLM's
+        temperature=engine.generation_defaults.get("temperature", 1.0)
+        if req.temperature is None
+        else req.temperature,
+        top_p=engine.generation_defaults.get("top_p", 1.0) if req.top_p is None else req.top_p,
         text={"format": fmt or {"type": "text"}},
         tool_choice=req.tool_choice or "auto",
         tools=list(req.tools or ()),

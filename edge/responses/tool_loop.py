@@ -68,11 +68,15 @@ class ToolLoop:
             if max_tokens < 1:
                 out.finish("incomplete", reason="max_output_tokens")
                 return None
+            defaults = self.engine.generation_defaults  # what the request cannot give
             params = SamplingParams(
                 temperature=plan.response.temperature,
                 top_p=plan.response.top_p,
+                top_k=max(0, defaults.get("top_k", 0)),
+                min_p=defaults.get("min_p", 0.0),
+                repetition_penalty=defaults.get("repetition_penalty", 1.0),
                 seed=plan.req.seed,
-                max_tokens=max_tokens,
+                max_tokens=min(max_tokens, defaults.get("max_tokens") or max_tokens),
                 structured_outputs=plan.constraint(turn_choice),
             )
             parser = None if turn_choice.mode == "none" else ToolCallStream(plan.tools)

@@ -188,8 +188,9 @@ def test_a_body_without_a_prompt_or_with_malformed_embeds_is_a_400(
 
 def _serving() -> Serving:
     engine = SimpleNamespace(
-        dead=None, hidden_size=HIDDEN, max_model_len=MAX_MODEL_LEN, vocab_size=100, intake=None
-    )
+        dead=None, hidden_size=HIDDEN, max_model_len=MAX_MODEL_LEN, vocab_size=100, intake=None,
+        generation_defaults={},
+    )  # fmt: skip
     return Serving(engine, Settings(served_model_names=["m"]), Metrics("m"))  # type: ignore[arg-type]
 
 

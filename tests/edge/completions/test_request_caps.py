@@ -108,7 +108,7 @@ def test_a_token_id_list_longer_than_any_vocabulary_is_a_400_at_decode(field: st
 
 
 def _serving(**settings: Any) -> Serving:
-    engine = SimpleNamespace(dead=None, max_model_len=64, vocab_size=100)
+    engine = SimpleNamespace(dead=None, max_model_len=64, vocab_size=100, generation_defaults={})
     return Serving(engine, Settings(served_model_names=["m"], **settings), Metrics("m"))  # type: ignore[arg-type]
 
 
