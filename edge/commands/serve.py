@@ -190,22 +190,22 @@ def run(args: argparse.Namespace) -> int:
     # the engine core process logs (model loading, its progress) at the same level
     os.environ.setdefault("TRIODE_LOG_LEVEL", args.log_level.upper())
     engine_args = given_engine_args(args)
-    # before any process starts (and before the server's imports): a model, config or secret
-    # that cannot serve is one line
-    problem = model_problem(args.model, engine_args)
-    if problem is not None:
-        print(f"triode serve: {problem}", file=sys.stderr)
-        return 2
     if args.kv_transfer_config is not None:
+        # before any process starts: a config or secret that cannot serve is one line
         try:
             parse_kv_transfer_config(args.kv_transfer_config).read_secret()
         except ValueError as e:
             print(f"triode serve: {e}", file=sys.stderr)
             return 2
     if args.headless:
+        if _model_refused(args.model, engine_args):
+            return 2
         return _run_headless(args.model, engine_args)
     if engine_args.get("node_rank", 0) != 0:
         raise SystemExit("triode serve: --node-rank other than 0 runs with --headless")
+    # before the server's imports, which take longer than the check
+    if _model_refused(args.model, engine_args):
+        return 2
     from ..app import default_served_model_name
     from ..auth import ApiKeys, keys_from
     from ..lora_names import lora_modules_problem
@@ -342,6 +342,15 @@ def _run_headless(model: str | None, engine_args: dict[str, object]) -> int:
         return 2
     trio.run(serve_headless, args)
     return 0
+
+
+def _model_refused(model: str | None, engine_args: dict[str, object]) -> bool:
+    """A model that cannot serve, as far as its files tell: one line, before any process
+    starts."""
+    problem = model_problem(model, engine_args)
+    if problem is not None:
+        print(f"triode serve: {problem}", file=sys.stderr)
+    return problem is not None
 
 
 def model_problem(model: str | None, engine_args: dict[str, object]) -> str | None:
