@@ -169,7 +169,7 @@ def weighted_sum(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """[T, hidden]: the k outputs of each token ([T * k, hidden], choice-major per token)
     weighted and summed, in the outputs' dtype."""
     tokens, k = weights.shape
-    scaled = outputs.view(tokens, k, -1) * weights.to(outputs.dtype).unsqueeze(-1)
+    scaled = outputs.view(tokens, k, outputs.shape[-1]) * weights.to(outputs.dtype).unsqueeze(-1)
     return scaled.sum(dim=1)
 
 
