@@ -8,6 +8,7 @@ import functools
 import json
 import random
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from runner_driver import Driver
 from triode.gpu.attention import AttentionMetadata, PrefillChunk
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.models.architectures import UnsupportedArchitecture
-from triode.gpu.models.gemma3 import check_config
+from triode.gpu.models.gemma3 import check_config, layer_type_rope
 from triode.gpu.tiny_model import build_tiny_model
 
 WINDOW = 8
@@ -154,3 +155,18 @@ def test_gemma3_refuses_what_it_does_not_compute(setting: dict[str, Any]) -> Non
 
     with pytest.raises(UnsupportedArchitecture, match=next(iter(setting))):
         check_config(Gemma3TextConfig(**setting))
+
+
+def test_gemma3_rope_per_layer_type_from_either_config_layout() -> None:
+    from transformers import Gemma3TextConfig
+
+    linear = {"rope_type": "linear", "factor": 8.0}
+    older = SimpleNamespace(rope_local_base_freq=10_000.0, rope_theta=1e6, rope_scaling=linear)
+    assert layer_type_rope(older, "sliding_attention") == (10_000.0, None)
+    assert layer_type_rope(older, "full_attention") == (1e6, linear)
+    # transformers >= 5 reads the older fields into `rope_parameters`, keyed by layer type
+    newer = Gemma3TextConfig(rope_local_base_freq=20_000.0, rope_theta=1e6, rope_scaling=linear)
+    theta, scaling = layer_type_rope(newer, "sliding_attention")
+    assert theta == 20_000.0 and scaling is not None and scaling["rope_type"] == "default"
+    theta, scaling = layer_type_rope(newer, "full_attention")
+    assert theta == 1e6 and scaling is not None and scaling["factor"] == 8.0
