@@ -17,8 +17,9 @@ directory, a .gguf file, `tiny-random`, or nothing for the default model. It che
 - `--generation-config` and `--override-generation-config` give defaults
   (`generation_config.py`).
 
-A model that passes may still fail to load (a tensor this check has no shape for); the engine
-core then reports that in one line as well. Exit status 0, silent, when nothing is wrong.
+A model that passes may still fail to load (a tensor this check has no shape for, a default
+model never fetched); the engine core then reports that in one line as well. Exit status 0,
+silent, when nothing is wrong.
 """
 
 from __future__ import annotations
