@@ -8,8 +8,8 @@ and `w2` [experts, hidden, intermediate].
 
 The experts run grouped: a step's (token, choice) pairs are sorted by expert, and each expert
 with pairs takes its rows in one gathered product per projection. Each pair's output lands in
-its place in a [tokens, k, hidden] buffer and the routing weights sum the k of a token in a
-fixed order, so a token's result does not depend on which other tokens share the step.
+its place in a [tokens, k, hidden] buffer and the routing weights sum a token's k outputs in
+choice order: the same order every run, where a scatter-add's may vary on a GPU.
 
 Tensor parallelism splits every expert's intermediate dimension over the TP group (w13's rows,
 w2's columns) and sums the partial outputs with one all-reduce. Expert parallelism
@@ -24,17 +24,25 @@ on every rank of the group, so there are two ways to bring each token to its exp
   its expert (`all_to_all_single`), computes what it receives, sends the results back, and an
   all-gather gives every rank all the tokens again.
 
-Measured on this machine's 2 CPU cores, gloo, 2 ranks of 1 thread each (`python -m
-triode.gpu.bench.moe`; 64 experts of intermediate size 256, top 4, hidden 1024, float32; the
-block's median time in ms):
+Measured with `python -m triode.gpu.bench.moe` (gloo, 2 ranks of 1 thread on a shared 2-core
+machine under a load of about 5; 64 experts of intermediate size 256, top 4, hidden 1024,
+float32; the median ms of one block forward, the splits timed in turn over 7 rounds):
 
-| tokens | TP | EP allreduce | EP all_to_all |
-|---:|---:|---:|---:|
-| 1 | RESULTS | | |
+| tokens | TP=1 | TP=2 | EP allreduce | EP all_to_all |
+|---:|---:|---:|---:|---:|
+| 1 | 8.0 | 8.9 | 10.4 | 20.8 |
+| 8 | 51.1 | 54.2 | 47.2 | 59.4 |
+| 64 | 93.9 | 99.6 | 92.2 | 90.4 |
+| 256 | 130.9 | 143.8 | 140.8 | 154.5 |
 
-"allreduce" is faster at every size measured and is the default (`DEFAULT_DISPATCH`): it moves
-one [tokens, hidden] sum through the shared-memory all-reduce, where all_to_all makes three
-exchanges (counts, rows out, rows back) and an all-gather, each a gloo round trip of its own.
+Both dispatches compute the same (token, expert) pairs on the same ranks, so they differ only
+in what they exchange: "allreduce" one [tokens, hidden] sum (through the shared-memory
+all-reduce on the CPU), "all_to_all" four collectives (counts, rows out, rows back, the
+all-gather), each a gloo round trip of its own, which cost it 2x at one token. It is no faster
+at 64 tokens and above either (within the noise), so "allreduce" is the default
+(`DEFAULT_DISPATCH`). From a few tokens on a step reads most experts' weights, so the block's
+time is memory traffic, which two ranks on two busy cores do not split: TP=2 is no faster than
+one rank here.
 """
 
 from __future__ import annotations
