@@ -177,28 +177,22 @@ def load_int4_weights(model_dir: Path) -> dict[str, Int4Weight]:
 
 
 def extract_gguf_int4(
-    gguf: Path, skeleton: torch.nn.Module, config: dict[str, Any], dense: dict[str, torch.Tensor]
+    reader: Any, processor: Any, names: dict[str, str], dense: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """The Q4_0/Q4_1 projections of `gguf` as safetensors entries (`<hf name>.codes`, `.scale`,
-    `.minimum`), each kept only if it dequantizes to exactly `dense[hf name]`.
+    """The Q4_0/Q4_1 projections of the GGUF file `reader` reads as safetensors entries
+    (`<hf name>.codes`, `.scale`, `.minimum`), each kept only if it dequantizes to exactly
+    `dense[hf name]`.
 
-    Names and row order come from transformers' own GGUF mapping (which un-permutes llama.cpp's
-    rotary layout of Q and K by whole rows), applied to row indices instead of values; a tensor
-    that mapping does not move by whole rows stays dense-only.
+    Names and row order come from the conversion's own mapping (`processor`, transformers'
+    tensor processor, which un-permutes llama.cpp's rotary layout of Q and K by whole rows;
+    `names`, GGUF name -> Hugging Face name), applied to row indices instead of values. A
+    tensor that mapping does not move by whole rows stays dense-only, as do 3-D tensors (a MoE
+    layer's stacked experts) and tensors of other formats.
     """
     # only a conversion reads GGUF: the model runner imports this module and would otherwise
-    # pay about 0.3 s more for gguf and transformers' GGUF mapping
-    from gguf import GGMLQuantizationType, GGUFReader
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-    )
+    # pay about 0.3 s more for gguf
+    from gguf import GGMLQuantizationType
 
-    reader = GGUFReader(gguf)
-    architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
-    names = get_gguf_hf_weights_map(skeleton, processor)
     formats = {GGMLQuantizationType.Q4_0: False, GGMLQuantizationType.Q4_1: True}
     out: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:

@@ -21,6 +21,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .cache_paths import (
     INT4_DIR,
@@ -30,6 +31,7 @@ from .cache_paths import (
     default_gguf,
     tiny_random_dir,
 )
+from .models.architectures import CheckpointMismatch
 from .tiny_model import build_tiny_model
 
 log = logging.getLogger(__name__)
@@ -103,30 +105,167 @@ def _write_hf_dir(gguf: Path, out: Path) -> None:
     """Dequantize to float32 safetensors plus config and tokenizer, and keep the 4-bit
     projections in `int4/`.
 
-    transformers' own GGUF reader does the name mapping and dequantization; it is driven with a
+    transformers' own GGUF mapping does the names, the dequantization and each architecture's
+    fix-ups (llama's rotary row order, Gemma's norms, stacked experts); it is driven with a
     meta-device skeleton of the model instead of `from_pretrained(gguf_file=...)`, which would
-    need `accelerate`, materialise the model twice and refuse to save it.
+    need `accelerate`, materialise the model twice and refuse to save it. The weights are saved
+    as the model's `save_pretrained` lays them out (experts one tensor each, by their checkpoint
+    names), as a Hugging Face directory of the family holds them.
 
     torch and transformers (and int4, which imports torch) are imported here, only for a
     conversion: resolving a model converted before takes milliseconds, without them.
     """
     import torch
+    from gguf import GGUFReader
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.core_model_loading import revert_weight_conversion
 
     from .int4 import extract_gguf_int4
 
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # gguf's reader parses every metadata array on opening (a large vocabulary takes seconds):
+    # one reader serves the config's fixes, the tensors and the 4-bit codes
+    reader = GGUFReader(gguf)
+    config = _complete_config(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name), reader)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(skeleton).__name__]
-    parsed = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)
-    tensors = {name: t.contiguous() for name, t in parsed["tensors"].items()}
+    processor, names = _tensor_mapping(reader, skeleton)
+    tensors = _dequantized(reader, processor, names, skeleton)
+    int4 = extract_gguf_int4(reader, processor, names, tensors)
+    tensors = {k: t.contiguous() for k, t in revert_weight_conversion(skeleton, tensors).items()}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    int4 = extract_gguf_int4(gguf, skeleton, parsed["config"], tensors)
     if int4:
         (out / INT4_DIR).mkdir()
         save_file(int4, out / INT4_DIR / INT4_FILE, metadata={"format": "pt"})
     config.save_pretrained(out)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+
+
+def _field(reader: Any, key: str) -> Any:
+    """A metadata value of the file (None where it has none)."""
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def _complete_config(config: Any, reader: Any) -> Any:
+    """transformers' config of the file with what its GGUF reader leaves out or gets wrong.
+
+    - `attention.key_length` is the head size; transformers reads it for some families only
+      (Qwen3's config would otherwise keep its default of 128);
+    - Qwen3-MoE: `expert_feed_forward_length` is the experts' size (`moe_intermediate_size`) and
+      `expert_weights_norm`, where the file has it, `norm_topk_prob`;
+    - Gemma 3: `attention.sliding_window_pattern` (a flag per layer), where the file has it, is
+      `layer_types` (without it, one global layer in six, as llama.cpp and transformers both
+      assume); the query scale is llama.cpp's: 1/sqrt(head size), which transformers spells
+      `query_pre_attn_scalar` (Gemma 3 27B, 62 layers, scales by hidden size / heads instead);
+      `final_logit_softcapping` where the file has it;
+    - Mixtral's files are `llama` with `expert_count`: transformers reads a Llama config and
+      would drop the experts; it becomes a Mixtral config.
+    """
+    from transformers import MixtralConfig  # a conversion's import, as in `_write_hf_dir`
+
+    architecture = _field(reader, "general.architecture")
+    head_dim = _field(reader, f"{architecture}.attention.key_length")
+    if head_dim is not None and hasattr(config, "head_dim"):
+        config.head_dim = int(head_dim)
+    experts = _field(reader, f"{architecture}.expert_count")
+    if config.model_type == "qwen3_moe":
+        expert_size = _field(reader, f"{architecture}.expert_feed_forward_length")
+        if expert_size is not None:
+            config.moe_intermediate_size = int(expert_size)
+        norm = _field(reader, f"{architecture}.expert_weights_norm")
+        if norm is not None:
+            config.norm_topk_prob = bool(norm)
+    if config.model_type == "gemma3_text":
+        pattern = _field(reader, f"{architecture}.attention.sliding_window_pattern")
+        if isinstance(pattern, list) and len(pattern) == config.num_hidden_layers:
+            config.layer_types = [
+                "sliding_attention" if sliding else "full_attention" for sliding in pattern
+            ]
+        if config.num_hidden_layers == 62:
+            config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+        else:
+            config.query_pre_attn_scalar = config.head_dim
+        softcap = _field(reader, f"{architecture}.final_logit_softcapping")
+        if softcap is not None:
+            config.final_logit_softcapping = float(softcap)
+    if config.model_type == "llama" and experts:
+        fields = config.to_dict()
+        kept = (
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+            "max_position_embeddings", "rms_norm_eps", "rope_parameters", "tie_word_embeddings",
+            "bos_token_id", "eos_token_id", "pad_token_id",
+        )  # fmt: skip
+        config = MixtralConfig(
+            **{key: fields[key] for key in kept if key in fields},
+            num_local_experts=int(experts),
+            num_experts_per_tok=int(_field(reader, f"{architecture}.expert_used_count")),
+        )
+    return config
+
+
+def _tensor_mapping(reader: Any, skeleton: Any) -> tuple[Any, dict[str, str]]:
+    """transformers' tensor processor for the file's architecture and its GGUF name -> Hugging
+    Face name map for `skeleton`.
+
+    Mixtral, llama with experts, is not one transformers maps: its processor here is llama's
+    (Q and K rows back to the rotary halves) with Qwen-MoE's stacked experts, over llama's
+    tensor names.
+    """
+    # a conversion's imports, as in `_write_hf_dir`
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        LlamaTensorProcessor,
+        Qwen2MoeTensorProcessor,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    class MixtralTensorProcessor(Qwen2MoeTensorProcessor):
+        def process(self, weights: Any, name: str, **kwargs: Any) -> Any:
+            if ".attn_q." in name or ".attn_k." in name:
+                return LlamaTensorProcessor(self.config).process(weights, name, **kwargs)
+            return super().process(weights, name, **kwargs)
+
+    architecture = _field(reader, "general.architecture")
+    config = skeleton.config.to_dict()
+    if skeleton.config.model_type == "mixtral":
+        processor = MixtralTensorProcessor(config=config)
+        return processor, get_gguf_hf_weights_map(skeleton, processor, model_type="llama")
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
+    return processor, get_gguf_hf_weights_map(skeleton, processor)
+
+
+def _dequantized(
+    reader: Any, processor: Any, names: dict[str, str], skeleton: Any
+) -> dict[str, Any]:
+    """The file's tensors dequantized to float32 under the skeleton's names (what
+    transformers' `load_gguf_checkpoint` does, with this file's mapping); CheckpointMismatch
+    when a parameter of the model gets no tensor (a tied LM head excepted)."""
+    # a conversion's imports, as in `_write_hf_dir`
+    import numpy as np
+    import torch
+    from gguf import dequantize
+
+    parsed: dict[str, Any] = {"tensors": {}}
+    for tensor in reader.tensors:
+        result = processor.process(
+            weights=dequantize(tensor.data, tensor.tensor_type),
+            name=tensor.name,
+            tensor_key_mapping=names,
+            parsed_parameters=parsed,
+        )
+        if result.name in names:
+            weights = np.asarray(result.weights, dtype=np.float32)
+            parsed["tensors"][names[result.name]] = torch.from_numpy(np.copy(weights))
+    tensors: dict[str, Any] = parsed["tensors"]
+    tied = "lm_head.weight" if skeleton.config.tie_word_embeddings else None
+    missing = sorted(set(skeleton.state_dict()) - set(tensors) - {tied})
+    if missing:
+        raise CheckpointMismatch(
+            f"the GGUF file has no tensor for {len(missing)} parameters of "
+            f"{type(skeleton).__name__}: {', '.join(missing[:4])}"
+        )
+    return tensors
