@@ -15,8 +15,9 @@ into the query-length dimension.
 A layer with a sliding window of w tokens lets a query at position i see the keys at positions j
 with i - w < j <= i (Hugging Face's semantics). Its masks are built by the first layer of a step
 that has that window and kept on the chunk or group for the others (a model may mix windowed and
-full layers, Gemma 3 several windows); a prefill chunk's windowed attention gathers only the
-blocks from its first query's window on. Layers without a window read the plain masks.
+full layers, Gemma 3 several windows); windowed attention gathers only the blocks its windows
+reach (a decode's from its window's first block on, a chunk's from its first query's). Layers
+without a window read the plain masks.
 """
 
 from __future__ import annotations
@@ -86,8 +87,10 @@ class DecodeGroup:
     context_lens: torch.Tensor  # [n]
     mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size], True: attend; the kernel
     # reads `context_lens` instead
-    # window -> its mask, built by the first layer of the step with that window
-    windowed: dict[int, torch.Tensor] = field(default_factory=dict, compare=False)
+    # window -> (`sees`'s answer), built by the first layer of the step with that window
+    windowed: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, compare=False
+    )
 
     @classmethod
     def build(
@@ -108,17 +111,28 @@ class DecodeGroup:
             mask = mask.view(len(tables), 1, 1, width * block_size)
         return cls(start, padded, context, mask)
 
-    def mask_for(self, window: int | None) -> torch.Tensor | None:
-        """The mask of a layer with sliding `window` (None: the whole context): the keys at
-        positions context - window .. context - 1 of each row."""
-        if window is None or self.mask is None or window >= self.mask.shape[-1]:
-            return self.mask
-        mask = self.windowed.get(window)
-        if mask is None:
-            keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
-            start = (self.context_lens - window)[:, None, None, None]
-            mask = self.windowed[window] = self.mask & (keys >= start)
-        return mask
+    def sees(self, window: int | None, block_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What a layer with sliding `window` (None: the whole context) reads: (block tables,
+        mask). Windowed, each row's table starts at the block of its window's first key, the
+        tables as wide as a window's blocks at most, and the mask keeps the keys at positions
+        context - window .. context - 1."""
+        width = self.block_tables.shape[1]
+        if window is None or self.mask is None or window >= width * block_size:
+            return self.block_tables, self.mask
+        seen = self.windowed.get(window)
+        if seen is None:
+            device = self.block_tables.device
+            span = min(width, (window - 1) // block_size + 2)  # the most blocks a window meets
+            context = self.context_lens[:, None]
+            first = (context - window).clamp(min=0) // block_size
+            columns = first + torch.arange(span, device=device)  # [n, span]
+            # columns past a row's table read its last block and are masked: no key twice
+            tables = self.block_tables.gather(1, columns.clamp(max=width - 1))
+            offsets = torch.arange(block_size, device=device)
+            keys = (columns[:, :, None] * block_size + offsets).flatten(1)
+            mask = (keys < context) & (keys >= context - window)
+            seen = self.windowed[window] = (tables, mask[:, None, None, :])
+        return seen
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,13 +213,12 @@ class Attention(nn.Module):
                 self.window or 0,
             )
         batch = q.shape[0]
-        keys = self._gather(self.k_cache, group.block_tables)
-        values = self._gather(self.v_cache, group.block_tables)
+        tables, mask = group.sees(self.window, self.k_cache.shape[1])
+        keys = self._gather(self.k_cache, tables)
+        values = self._gather(self.v_cache, tables)
         # [B, kv_heads, group, head_dim]: the group's query heads act as query positions
         q = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=group.mask_for(self.window), scale=self.scale
-        )
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         return out.view(batch, self.num_heads, self.head_dim)
 
     def _prefill(

@@ -86,6 +86,9 @@ def test_windowed_attention_matches_a_banded_reference(window: int | None) -> No
         [_banded(q, k, v, c, window) for q, k, v, c in zip(qs, ks, vs, computed, strict=True)]
     )
     torch.testing.assert_close(out, expected.reshape(-1, heads * dim))
+    if window is not None and window < 30:  # the 30-token decode reads its window's blocks
+        read, _ = meta.decodes[1].sees(window, BLOCK)
+        assert read.shape[1] == (window - 1) // BLOCK + 2 < len(tables[2])
     if window == WINDOW:  # the chunk after its cached prefix reads from its window's block on
         first_block, mask = meta.prefills[0].sees(WINDOW, BLOCK)
         assert first_block == (computed[3] + 1 - WINDOW) // BLOCK
