@@ -1,0 +1,257 @@
+"""GGUF files of each family, written in the test from a tiny checkpoint as llama.cpp writes
+them (`gguf_families`), convert into a Hugging Face directory that holds exactly the file's
+dequantized weights, with the family's config, and run as transformers runs that directory."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf_families import quantized_names, read_as_hf, write_gguf
+from runner_driver import Driver
+from safetensors.torch import load_file
+
+from triode.gpu.int4 import load_int4_weights
+from triode.gpu.loader import convert_gguf
+from triode.gpu.model_runner import ModelRunner
+from triode.gpu.models.architectures import CheckpointMismatch
+from triode.gpu.models.registry import MODELS
+from triode.gpu.tiny_model import _byte_tokenizer, build_tiny_model
+
+# a sliding window of 8, shorter than the prompt, and a global layer between sliding ones
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3": {"architecture": "qwen3", "head_dim": 16},
+    "gemma3": {
+        "architecture": "gemma3",
+        "num_layers": 3,
+        "head_dim": 16,
+        "sliding_window": 8,
+        "query_pre_attn_scalar": 16,  # llama.cpp's query scale: 1/sqrt(head size)
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "final_logit_softcapping": 30.0,
+    },
+    "qwen3_moe": {
+        "architecture": "qwen3_moe",
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,  # llama.cpp always renormalises Qwen3-MoE's top k
+    },
+    "mixtral": {"architecture": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2},
+    # the default model's family, for reference: its Q and K rows are permuted in the file
+    "llama": {"architecture": "llama"},
+}
+# what config.json of the converted directory must say, beyond the sizes every family has
+CONFIG_FIELDS: dict[str, dict[str, Any]] = {
+    "qwen3": {"architectures": ["Qwen3ForCausalLM"], "head_dim": 16},
+    "gemma3": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "head_dim": 16,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "query_pre_attn_scalar": 16,
+        "final_logit_softcapping": 30.0,
+    },
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "head_dim": 16,
+        "num_local_experts": 4,  # transformers' spelling of Qwen3-MoE's num_experts
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+    },
+    "mixtral": {
+        "architectures": ["MixtralForCausalLM"],
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    },
+    "llama": {"architectures": ["LlamaForCausalLM"], "head_dim": 16},
+}
+PROMPT_TOKENS = 21
+NEW_TOKENS = 10
+
+
+class Family:
+    """A tiny checkpoint, its GGUF file and the file converted."""
+
+    def __init__(self, source: Path, gguf: Path, converted: Path) -> None:
+        self.source, self.gguf, self.converted = source, gguf, converted
+        self.source_config = json.loads((source / "config.json").read_text())
+        self.config = json.loads((converted / "config.json").read_text())
+        self.source_weights = load_file(source / "model.safetensors")
+        self.weights = load_file(converted / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Any:
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory, monkeypatch_module: pytest.MonkeyPatch) -> Path:
+    """The module's folder, and its conversions' cache."""
+    path = tmp_path_factory.mktemp("gguf")
+    monkeypatch_module.setenv("TRIODE_CACHE", str(path / "cache"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer(root: Path) -> Path:
+    """A 259-token byte vocabulary: gguf's reader takes seconds over the default model's 49152
+    tokens and merges, each time a file is opened."""
+    _byte_tokenizer().save_pretrained(root / "tokenizer")
+    return root / "tokenizer"
+
+
+@pytest.fixture(scope="module")
+def families(root: Path, byte_tokenizer: Path) -> dict[str, Family]:
+    out = {}
+    for name, spec in FAMILIES.items():
+        source = build_tiny_model(root / name, tokenizer_from=byte_tokenizer, **spec)
+        gguf = write_gguf(source, root / f"{name}.gguf")
+        out[name] = Family(source, gguf, convert_gguf(gguf))
+    return out
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_converted_weights_are_the_files_dequantized_tensors(
+    families: dict[str, Family], name: str
+) -> None:
+    family = families[name]
+    assert sorted(family.weights) == sorted(family.source_weights)
+    expected = read_as_hf(family.gguf, family.source_config, sorted(family.source_weights))
+    for key, weight in family.weights.items():
+        assert weight.dtype == torch.float32, key
+        assert torch.equal(weight, expected[key]), key
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_converted_weights_are_the_checkpoints_up_to_quantization(
+    families: dict[str, Family], name: str
+) -> None:
+    family = families[name]
+    stored = quantized_names(family.gguf)
+    kinds = {stored[t] for t in stored}
+    assert GGMLQuantizationType.Q4_0 in kinds and GGMLQuantizationType.F32 in kinds
+    for key, original in family.source_weights.items():
+        converted = family.weights[key]
+        assert converted.shape == original.shape, key
+        if original.dim() == 1 or ".gate." in key:  # norms and routers: float32 in the file
+            # Gemma's norms are stored as 1 + weight: one float32 rounding each way
+            torch.testing.assert_close(converted, original, atol=2.5e-7, rtol=0)
+        else:
+            # Q4_0: half a step of a block's 16 levels; Q8_0 (the embedding) far less
+            step = original.abs().amax() / 8
+            assert (converted - original).abs().max() <= step, key
+            assert not torch.equal(converted, original), key
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_converted_config_names_the_family_and_its_fields(
+    families: dict[str, Family], name: str
+) -> None:
+    family = families[name]
+    for field, value in CONFIG_FIELDS[name].items():
+        assert family.config[field] == value, field
+    for field in (
+        "model_type",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "tie_word_embeddings",
+        "rope_parameters",
+    ):
+        assert family.config[field] == family.source_config[field], field
+    assert family.config["rms_norm_eps"] == pytest.approx(family.source_config["rms_norm_eps"])
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_kept_4_bit_codes_are_the_dense_projections(families: dict[str, Family], name: str) -> None:
+    family = families[name]
+    int4 = load_int4_weights(family.converted)
+    layers = family.source_config["num_hidden_layers"]
+    attention = {
+        f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(layers) for p in "qkvo"
+    }
+    # every 2-D Q4_0 projection: attention in all, the MLP in the dense families; a MoE layer's
+    # stacked experts (3-D) stay dense-only
+    assert attention <= set(int4)
+    assert all(".experts." not in key for key in int4)
+    if "num_local_experts" not in family.config:
+        assert f"model.layers.{layers - 1}.mlp.down_proj.weight" in int4
+    for key, weight in int4.items():
+        assert torch.equal(weight.dequantize(), family.weights[key]), key
+
+
+def test_a_file_missing_a_layers_tensors_is_refused(root: Path, byte_tokenizer: Path) -> None:
+    """A parameter the file does not fill is one clear error, not random weights."""
+    source = build_tiny_model(
+        root / "cut", tokenizer_from=byte_tokenizer, num_layers=1, hidden_size=32, num_heads=2
+    )
+    tmp_path = root / "cut"
+    full = write_gguf(source, tmp_path / "full.gguf")
+    reader = GGUFReader(full)
+    writer = GGUFWriter(tmp_path / "cut.gguf", "llama")
+    for key, field in reader.fields.items():
+        if not key.startswith(("GGUF.", "general.architecture")):
+            writer.add_key_value(key, field.contents(), field.types[0], field.types[-1])
+    for tensor in reader.tensors:
+        if tensor.name != "blk.0.ffn_down.weight":
+            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointMismatch, match=r"mlp\.down_proj"):
+        convert_gguf(tmp_path / "cut.gguf")
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_runner_on_the_converted_file_decodes_as_transformers(
+    families: dict[str, Family], name: str
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    family = families[name]
+    architecture = family.config["architectures"][0]
+    if architecture not in MODELS:
+        pytest.skip(f"no implementation of {architecture} is registered in gpu/models")
+    prompt = random.Random(name).choices(range(3, 250), k=PROMPT_TOKENS)
+    runner = ModelRunner(
+        family.converted,
+        dtype="float32",
+        quantization="none",
+        kv_cache_memory=1 << 21,
+        max_model_len=256,
+        num_threads=1,
+    )
+    d = Driver(runner)
+    d.add("r", prompt)
+    d.run(NEW_TOKENS)
+    seq = d.seqs["r"]
+    hf = AutoModelForCausalLM.from_pretrained(family.converted, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    expected = out.sequences[0, len(prompt) :].tolist()
+    assert seq.output[:NEW_TOKENS] == expected
+    theirs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
+    ours = np.concatenate([lp.logprobs for lp in seq.logprobs])[:NEW_TOKENS]
+    np.testing.assert_allclose(ours[:, 0], theirs[range(NEW_TOKENS), expected], atol=1e-4)
