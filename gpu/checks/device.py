@@ -10,10 +10,13 @@ It prints torch, CUDA and NCCL versions and the devices, then one markdown table
   rank: TP=N (N = the device count), PP=2 and, with 4 GPUs or more, TP=2xPP=2, each against
   TP=1: the same tokens over 24 tokens of 4 prompts, and top-20 logprobs within 1e-4, float32.
   A random tiny model stands in when the default model is missing.
+- Expert parallelism: a random tiny Qwen3-MoE (8 experts, top 2) at TP=N (at most 8; TP=2 on
+  the CPU) with its experts split over the ranks, against TP=1 on the same terms.
 
 Without a GPU it says so and exits 0 (2 with `--require-gpu`); with one, it exits 1 if any
-check failed. `--cpu` runs only the model checks, on the CPU with gloo (TP=2, PP=2 and
-TP=2xPP=2), GPU or not, and exits 1 if any failed. The whole run takes a few minutes at most.
+check failed. `--cpu` runs only the model checks, on the CPU with gloo (TP=2, PP=2,
+TP=2xPP=2 and TP=2+EP), GPU or not, and exits 1 if any failed. The whole run takes a few
+minutes at most.
 """
 
 from __future__ import annotations
@@ -24,16 +27,26 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..loader import resolve_model
 from ..local_group import RankError
-from ..tiny_model import build_uneven_tiny_model
+from ..tiny_model import build_tiny_model, build_uneven_tiny_model
 from .collective import CheckRow, check_collectives
 from .parallel import check_parallel_greedy, greedy_row
 
 CPU_SHAPES = ((2, 1), (1, 2), (2, 2))
+# the expert-parallel row's model: 8 experts split over up to 8 ranks
+TINY_MOE: dict[str, Any] = {
+    "architecture": "qwen3_moe",
+    "num_layers": 2,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+}
 EXIT_NO_GPU = 2
 _NOTE_LIMIT = 240
 
@@ -44,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"torch {torch.__version__}, CPU: {len(os.sched_getaffinity(0))} cores, gloo")
         print()
         rows = check_model("gloo", CPU_SHAPES, args.model)
+        rows += check_expert_parallel("gloo", 2)
     elif not torch.cuda.is_available():
         print("no CUDA GPU present: nothing to check (NCCL needs one)")
         return EXIT_NO_GPU if args.require_gpu else 0
@@ -56,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = _collectives("nccl", world, args.iterations)
         rows += _collectives("gloo", 2, args.iterations)
         rows += check_model("nccl", gpu_shapes(world), args.model)
+        if world >= 2:
+            rows += check_expert_parallel("nccl", min(world, TINY_MOE["num_experts"]))
         rows += _skipped_shapes(world)
     print(format_table(rows))
     return 1 if any(row.failed for row in rows) else 0
@@ -90,7 +106,7 @@ def gpu_shapes(world: int) -> list[tuple[int, int]]:
 
 def _skipped_shapes(world: int) -> list[CheckRow]:
     rows = []
-    for name, need in (("TP=N", 2), ("PP=2", 2), ("TP=2xPP=2", 4)):
+    for name, need in (("TP=N", 2), ("PP=2", 2), ("TP=2xPP=2", 4), ("TP=N+EP", 2)):
         if world < need:
             note = f"needs >= {need} GPUs, found {world}"
             op = f"greedy {name} vs TP=1"
@@ -113,6 +129,20 @@ def check_model(
                 greedy_row(tp, pp, backend, "FAIL", f"{type(e).__name__}: {e}") for tp, pp in shapes
             ]
         return check_parallel_greedy(path, shapes, backend=backend, which=which)
+
+
+def check_expert_parallel(backend: str, tp: int) -> list[CheckRow]:
+    """The TP=`tp`+EP row: a random tiny Qwen3-MoE whose experts the ranks split, against one
+    rank."""
+    with tempfile.TemporaryDirectory(prefix="triode-expert-parallel-check-") as tmp:
+        try:
+            model = build_tiny_model(Path(tmp) / "moe", **TINY_MOE)
+        except Exception as e:
+            return [greedy_row(tp, 1, backend, "FAIL", f"{type(e).__name__}: {e}", True)]
+        which = "a random tiny Qwen3-MoE"
+        return check_parallel_greedy(
+            model, [(tp, 1)], backend=backend, which=which, expert_parallel=True
+        )
 
 
 def _model(model: str | None, tmp: Path) -> tuple[Path, str]:

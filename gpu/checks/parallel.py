@@ -4,6 +4,7 @@
 each world (`local_group.run_ranks`; nccl: rank r on cuda:r, gloo: CPU), as the engine's
 workers do but without the engine: every rank executes the same hand-built `SchedulerOutput`s,
 a prefill of `PROMPTS` and then greedy decode steps whose tokens the driver rank broadcasts.
+With `expert_parallel`, a mixture of experts' experts are split over the TP ranks (TP=2+EP).
 A world passes when its driver's greedy tokens equal the world of one's over `MAX_TOKENS`
 tokens of every prompt, and every top-`TOP_LOGPROBS` logprob (float32) is within
 `LOGPROB_TOLERANCE` of its counterpart.
@@ -52,14 +53,20 @@ class Decoded:
 
 
 def check_parallel_greedy(
-    model: Path, shapes: Sequence[tuple[int, int]], *, backend: str, which: str
+    model: Path,
+    shapes: Sequence[tuple[int, int]],
+    *,
+    backend: str,
+    which: str,
+    expert_parallel: bool = False,
 ) -> list[CheckRow]:
-    """A row per (TP, PP) shape in `shapes`, each world's greedy decoding of `model` against
-    TP=1's. `which` names the model in each row's note. A world whose ranks raise, die or
-    hang is a failed row; so is every row when the world of one fails."""
+    """A row per (TP, PP) shape in `shapes`, each world's greedy decoding of `model` (its
+    experts split over the TP ranks with `expert_parallel`) against TP=1's. `which` names the
+    model in each row's note. A world whose ranks raise, die or hang is a failed row; so is
+    every row when the world of one fails."""
     try:
         prompts = _tokenize(model)
-        baseline: Decoded | BaseException = _decode(model, prompts, 1, 1, backend)
+        baseline: Decoded | BaseException = _decode(model, prompts, 1, 1, backend, False)
     except Exception as e:
         print(f"TP=1 failed:\n{e}", file=sys.stderr)
         baseline = e
@@ -70,24 +77,27 @@ def check_parallel_greedy(
             status, note = "FAIL", f"TP=1: {_describe(baseline)}"
         else:
             try:
-                got = _decode(model, prompts, tp, pp, backend)
+                got = _decode(model, prompts, tp, pp, backend, expert_parallel)
             except Exception as e:
-                print(f"{shape_name(tp, pp)} failed:\n{e}", file=sys.stderr)
+                print(f"{shape_name(tp, pp, expert_parallel)} failed:\n{e}", file=sys.stderr)
                 status, note = "FAIL", _describe(e)
             else:
                 status, note = compare(got, baseline)
-        rows.append(greedy_row(tp, pp, backend, status, f"{note}, {which}"))
+        note = f"{note}, {which}"
+        rows.append(greedy_row(tp, pp, backend, status, note, expert_parallel))
     return rows
 
 
-def greedy_row(tp: int, pp: int, backend: str, status: Status, note: str) -> CheckRow:
-    op = f"greedy {shape_name(tp, pp)} vs TP=1"
+def greedy_row(
+    tp: int, pp: int, backend: str, status: Status, note: str, expert_parallel: bool = False
+) -> CheckRow:
+    op = f"greedy {shape_name(tp, pp, expert_parallel)} vs TP=1"
     return CheckRow(op, backend, tp * pp, "float32", None, status, None, note)
 
 
-def shape_name(tp: int, pp: int) -> str:
+def shape_name(tp: int, pp: int, expert_parallel: bool = False) -> str:
     if pp == 1:
-        return f"TP={tp}"
+        return f"TP={tp}" + ("+EP" if expert_parallel else "")
     return f"PP={pp}" if tp == 1 else f"TP={tp}xPP={pp}"
 
 
@@ -139,7 +149,9 @@ def _tokenize(model: Path) -> list[list[int]]:
     return prompts
 
 
-def _decode(model: Path, prompts: list[list[int]], tp: int, pp: int, backend: str) -> Decoded:
+def _decode(
+    model: Path, prompts: list[list[int]], tp: int, pp: int, backend: str, expert_parallel: bool
+) -> Decoded:
     """The driver rank's `Decoded` from a world of `tp` x `pp` ranks."""
     world = tp * pp
     threads = len(parallel_state.cpu_share(0, world)) if backend == "gloo" else None
@@ -149,6 +161,7 @@ def _decode(model: Path, prompts: list[list[int]], tp: int, pp: int, backend: st
         pp,
         str(model),
         prompts,
+        expert_parallel,
         backend=backend,
         world=world,
         threads=threads,
@@ -160,17 +173,21 @@ def _decode(model: Path, prompts: list[list[int]], tp: int, pp: int, backend: st
     return driver
 
 
-def _rank_decode(me: Rank, tp: int, pp: int, model: str, prompts: list[list[int]]) -> object:
+def _rank_decode(
+    me: Rank, tp: int, pp: int, model: str, prompts: list[list[int]], expert_parallel: bool
+) -> object:
     """One rank's share of the steps; the driver returns the `Decoded`, the others None."""
     layout = ParallelLayout(tp, pp, me.rank)
     parallel_state.init_groups(layout, collective_timeout=WORLD_TIMEOUT, device=me.device)
     try:
-        return _steps(me, layout, model, prompts)
+        return _steps(me, layout, model, prompts, expert_parallel)
     finally:
         parallel_state.destroy_distributed()
 
 
-def _steps(me: Rank, layout: ParallelLayout, model: str, prompts: list[list[int]]) -> object:
+def _steps(
+    me: Rank, layout: ParallelLayout, model: str, prompts: list[list[int]], expert_parallel: bool
+) -> object:
 
     runner = ModelRunner(
         Path(model),
@@ -181,6 +198,7 @@ def _steps(me: Rank, layout: ParallelLayout, model: str, prompts: list[list[int]
         max_model_len=MAX_MODEL_LEN,
         device=str(me.device),
         num_threads=torch.get_num_threads(),
+        enable_expert_parallel=expert_parallel,
     )
     per_request = -(-MAX_MODEL_LEN // BLOCK_SIZE)
     if runner.num_kv_blocks < per_request * len(prompts):

@@ -65,14 +65,14 @@ def test_ranks_past_the_timeout_are_killed() -> None:
     assert multiprocessing.active_children() == []
 
 
-def _device_check(*args: str) -> subprocess.CompletedProcess[str]:
+def _device_check(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = os.environ | {"CUDA_VISIBLE_DEVICES": ""}  # no GPU, even on a machine with one
     return subprocess.run(
         [sys.executable, "-m", "triode.gpu.checks.device", *args],
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
 
 
@@ -90,13 +90,15 @@ def test_device_check_requiring_a_gpu_exits_2_without_one() -> None:
 
 def test_device_check_on_cpu_passes_every_parallel_world_of_a_tiny_model(tmp_path: Path) -> None:
     tiny = build_uneven_tiny_model(tmp_path / "tiny")
-    result = _device_check("--cpu", "--model", str(tiny))
+    # six worlds: TP=1, TP=2, PP=2, TP=2xPP=2, and a tiny MoE's TP=1 and TP=2+EP
+    result = _device_check("--cpu", "--model", str(tiny), timeout=400)
 
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| greedy")]
     assert [(r[0], r[1], r[2], r[5]) for r in rows] == [
         ("| greedy TP=2 vs TP=1", "gloo", "2", "pass"),
         ("| greedy PP=2 vs TP=1", "gloo", "2", "pass"),
         ("| greedy TP=2xPP=2 vs TP=1", "gloo", "4", "pass"),
+        ("| greedy TP=2+EP vs TP=1", "gloo", "2", "pass"),
     ], result.stdout + result.stderr
     assert result.returncode == 0
 
