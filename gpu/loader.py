@@ -159,7 +159,8 @@ def _complete_config(config: Any, reader: Any) -> Any:
       `layer_types` (without it, one global layer in six, as llama.cpp and transformers both
       assume); the query scale is llama.cpp's: 1/sqrt(head size), which transformers spells
       `query_pre_attn_scalar` (Gemma 3 27B, 62 layers, scales by hidden size / heads instead);
-      `final_logit_softcapping` where the file has it;
+      a linear `rope.scaling` (Gemma 3 4B and up) applies to the global layers' rotary
+      embedding only; `final_logit_softcapping` where the file has it;
     - Mixtral's files are `llama` with `expert_count`: transformers reads a Llama config and
       would drop the experts; it becomes a Mixtral config.
     """
@@ -187,6 +188,10 @@ def _complete_config(config: Any, reader: Any) -> Any:
             config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
         else:
             config.query_pre_attn_scalar = config.head_dim
+        if _field(reader, f"{architecture}.rope.scaling.type") == "linear":
+            factor = float(_field(reader, f"{architecture}.rope.scaling.factor"))
+            scaled = {"rope_type": "linear", "factor": factor}
+            config.rope_parameters["full_attention"] |= scaled
         softcap = _field(reader, f"{architecture}.final_logit_softcapping")
         if softcap is not None:
             config.final_logit_softcapping = float(softcap)

@@ -138,7 +138,7 @@ def read_as_hf(path: Path, config: dict[str, Any], hf_names: list[str]) -> dict[
     return out
 
 
-def quantized_names(path: Path) -> dict[str, GGMLQuantizationType]:
+def storage_types(path: Path) -> dict[str, GGMLQuantizationType]:
     """Each tensor of the file with its storage type."""
     return {t.name: t.tensor_type for t in GGUFReader(path).tensors}
 
@@ -205,6 +205,10 @@ def _write_hyperparameters(writer: GGUFWriter, config: dict[str, Any]) -> None:
     if "norm_topk_prob" in config:
         writer.add_expert_weights_norm(config["norm_topk_prob"])
     if config["model_type"] == "gemma3_text":
+        full = config["rope_parameters"]["full_attention"]
+        if full["rope_type"] == "linear":  # Gemma 3 4B and up: the global layers' only
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
         writer.add_sliding_window(config["sliding_window"])
         writer.add_sliding_window_pattern(
             [kind == "sliding_attention" for kind in config["layer_types"]]

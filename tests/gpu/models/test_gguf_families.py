@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
-from gguf_families import quantized_names, read_as_hf, write_gguf
+from gguf_families import read_as_hf, storage_types, write_gguf
 from runner_driver import Driver
 from safetensors.torch import load_file
 
@@ -35,6 +35,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "query_pre_attn_scalar": 16,  # llama.cpp's query scale: 1/sqrt(head size)
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
         "final_logit_softcapping": 30.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},  # the global layers'
     },
     "qwen3_moe": {
         "architecture": "qwen3_moe",
@@ -48,6 +49,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # the default model's family, for reference: its Q and K rows are permuted in the file
     "llama": {"architecture": "llama"},
 }
+# how each file stores its projections (the others: Q4_0); both 4-bit formats' codes are kept
+PROJECTIONS = {"qwen3_moe": GGMLQuantizationType.Q4_1}
 # what config.json of the converted directory must say, beyond the sizes every family has
 CONFIG_FIELDS: dict[str, dict[str, Any]] = {
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "head_dim": 16},
@@ -116,7 +119,8 @@ def families(root: Path, byte_tokenizer: Path) -> dict[str, Family]:
     out = {}
     for name, spec in FAMILIES.items():
         source = build_tiny_model(root / name, tokenizer_from=byte_tokenizer, **spec)
-        gguf = write_gguf(source, root / f"{name}.gguf")
+        projection = PROJECTIONS.get(name, GGMLQuantizationType.Q4_0)
+        gguf = write_gguf(source, root / f"{name}.gguf", projection_type=projection)
         out[name] = Family(source, gguf, convert_gguf(gguf))
     return out
 
@@ -138,9 +142,9 @@ def test_converted_weights_are_the_checkpoints_up_to_quantization(
     families: dict[str, Family], name: str
 ) -> None:
     family = families[name]
-    stored = quantized_names(family.gguf)
-    kinds = {stored[t] for t in stored}
-    assert GGMLQuantizationType.Q4_0 in kinds and GGMLQuantizationType.F32 in kinds
+    kinds = set(storage_types(family.gguf).values())
+    projection = PROJECTIONS.get(name, GGMLQuantizationType.Q4_0)
+    assert {projection, GGMLQuantizationType.Q8_0, GGMLQuantizationType.F32} <= kinds
     for key, original in family.source_weights.items():
         converted = family.weights[key]
         assert converted.shape == original.shape, key
@@ -148,7 +152,7 @@ def test_converted_weights_are_the_checkpoints_up_to_quantization(
             # Gemma's norms are stored as 1 + weight: one float32 rounding each way
             torch.testing.assert_close(converted, original, atol=2.5e-7, rtol=0)
         else:
-            # Q4_0: half a step of a block's 16 levels; Q8_0 (the embedding) far less
+            # 4 bits: within a step of a block's 16 levels; Q8_0 (the embedding) far less
             step = original.abs().amax() / 8
             assert (converted - original).abs().max() <= step, key
             assert not torch.equal(converted, original), key
@@ -184,7 +188,7 @@ def test_kept_4_bit_codes_are_the_dense_projections(families: dict[str, Family],
     attention = {
         f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(layers) for p in "qkvo"
     }
-    # every 2-D Q4_0 projection: attention in all, the MLP in the dense families; a MoE layer's
+    # every 2-D 4-bit projection: attention in all, the MLP in the dense families; a MoE layer's
     # stacked experts (3-D) stay dense-only
     assert attention <= set(int4)
     assert all(".experts." not in key for key in int4)
