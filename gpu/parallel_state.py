@@ -17,6 +17,9 @@ of a world of one, with no groups.
 On the CPU, a tensor-parallel group whose ranks share a host also gets a `ShmAllReduce`, which
 `tp_all_reduce` uses for the small sums of every layer (gloo's all-reduce costs ~2 ms there);
 `TRIODE_SHM_ALLREDUCE=0` turns it off.
+
+Expert parallelism adds no group: a mixture-of-experts block built under `expert_parallel`
+splits its experts over the TP group's ranks and exchanges within that group.
 """
 
 from __future__ import annotations
