@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,8 +92,10 @@ def write_gguf(
     out: Path,
     *,
     projection_type: GGMLQuantizationType = GGMLQuantizationType.Q4_0,
+    omit: Collection[str] = (),
 ) -> Path:
-    """`model_dir`'s checkpoint (a `build_tiny_model` directory) as a GGUF file at `out`."""
+    """`model_dir`'s checkpoint (a `build_tiny_model` directory) as a GGUF file at `out`,
+    without the GGUF tensors named in `omit` (a broken file)."""
     config = json.loads((model_dir / "config.json").read_text())
     weights = load_file(model_dir / "model.safetensors")
     architecture = GGUF_ARCHITECTURES[config["model_type"]]
@@ -101,6 +104,8 @@ def write_gguf(
     _write_hyperparameters(writer, config)
     _write_tokenizer(writer, model_dir)
     for entry in tensor_entries(config, sorted(weights)):
+        if entry.gguf_name in omit:
+            continue
         data = np.stack([weights[name].float().numpy() for name in entry.hf_names])
         if len(entry.hf_names) == 1:
             data = data[0]
