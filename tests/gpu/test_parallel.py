@@ -126,7 +126,17 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         # grouped-query attention, 4 layers: two stages of two
         "even": build_tiny_model(root / "even", num_heads=4, num_kv_heads=2, num_layers=4),
         "uneven": build_uneven_tiny_model(root / "uneven"),
-    }
+        # sliding windows shorter than the prompts; Gemma 3 mixes windowed and full layers
+        "qwen3": build_tiny_model(
+            root / "qwen3", architecture="qwen3", num_layers=4, head_dim=16,
+            sliding_window=6, use_sliding_window=True, max_window_layers=1,
+        ),
+        "gemma3": build_tiny_model(
+            root / "gemma3", architecture="gemma3", num_layers=4, head_dim=16,
+            query_pre_attn_scalar=16, sliding_window=6, final_logit_softcapping=30.0,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        ),
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +148,20 @@ def references(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFa
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)])
 @pytest.mark.parametrize("model", ["even", "uneven"])
 def test_parallel_world_matches_a_world_of_one(
+    tiny_models: dict[str, Path],
+    references: dict,
+    tmp_path: Path,
+    model: str,
+    tp: int,
+    pp: int,
+) -> None:
+    got = _run_world(tiny_models[model], tp, pp, tmp_path)
+    _assert_same(references[model], got)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+@pytest.mark.parametrize("model", ["qwen3", "gemma3"])
+def test_parallel_families_match_a_world_of_one(
     tiny_models: dict[str, Path],
     references: dict,
     tmp_path: Path,
