@@ -118,7 +118,7 @@ def _write_hf_dir(gguf: Path, out: Path) -> None:
     import torch
     from gguf import GGUFReader
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
 
     from .int4 import extract_gguf_int4
@@ -139,7 +139,29 @@ def _write_hf_dir(gguf: Path, out: Path) -> None:
         (out / INT4_DIR).mkdir()
         save_file(int4, out / INT4_DIR / INT4_FILE, metadata={"format": "pt"})
     config.save_pretrained(out)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    _tokenizer(gguf, reader, config).save_pretrained(out)
+
+
+def _tokenizer(gguf: Path, reader: Any, config: Any) -> Any:
+    """transformers' tokenizer of the file.
+
+    Gemma's tokenizer class rebuilds a SentencePiece pipeline (spaces as "▁") over whatever
+    vocabulary it is given; a Gemma file whose vocabulary is byte-level BPE (`gpt2`) keeps the
+    pipeline transformers built from the file instead, in the generic class.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # as in `_write_hf_dir`
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if config.model_type != "gemma3_text" or _field(reader, "tokenizer.ggml.model") != "gpt2":
+        return tokenizer
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer.backend_tokenizer,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+        unk_token=tokenizer.unk_token,
+        pad_token=tokenizer.pad_token,
+        chat_template=tokenizer.chat_template,
+    )
 
 
 def _field(reader: Any, key: str) -> Any:

@@ -198,6 +198,24 @@ def test_kept_4_bit_codes_are_the_dense_projections(families: dict[str, Family],
         assert torch.equal(weight.dequantize(), family.weights[key]), key
 
 
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_converted_tokenizer_is_the_checkpoints(families: dict[str, Family], name: str) -> None:
+    from transformers import AutoTokenizer
+
+    family = families[name]
+    theirs = AutoTokenizer.from_pretrained(family.source)
+    ours = AutoTokenizer.from_pretrained(family.converted)
+    text = "<|im_start|>user\nWhat is 17 + 25? Ünïcode, too.<|im_end|>\n"
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    assert ours.convert_tokens_to_ids("<|im_end|>") == theirs.convert_tokens_to_ids("<|im_end|>")
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (
+        theirs.bos_token_id,
+        theirs.eos_token_id,
+        theirs.pad_token_id,
+    )
+    assert ours.chat_template == theirs.chat_template
+
+
 def test_a_file_missing_a_layers_tensors_is_refused(root: Path, byte_tokenizer: Path) -> None:
     """A parameter the file does not fill is one clear error, not random weights."""
     source = build_tiny_model(
