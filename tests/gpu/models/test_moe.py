@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from safetensors.torch import load_file
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.models.architectures import CheckpointMismatch
 from triode.gpu.models.moe import Experts, SparseMoeBlock
+from triode.gpu.models.qwen3_moe import sparse_layer
 from triode.gpu.tiny_model import build_tiny_model
 
 QWEN3_MOE = {
@@ -119,3 +121,18 @@ def test_a_missing_or_unknown_expert_tensor_is_a_checkpoint_mismatch(
     extra = weights | {name.replace("experts.2", "experts.4"): weights[name]}
     with pytest.raises(CheckpointMismatch, match=r"experts\.4"):
         model.load_weights(extra.items())
+
+
+@pytest.mark.parametrize(
+    ("step", "dense", "expected"),
+    [
+        (1, [], [True] * 4),
+        (2, [], [False, True, False, True]),
+        (1, [0, 3], [False, True, True, False]),
+    ],
+)
+def test_qwen3_moe_layers_with_experts_follow_the_sparse_step_and_the_dense_list(
+    step: int, dense: list[int], expected: list[bool]
+) -> None:
+    config = SimpleNamespace(num_experts=8, decoder_sparse_step=step, mlp_only_layers=dense)
+    assert [sparse_layer(config, i) for i in range(4)] == expected
