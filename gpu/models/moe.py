@@ -24,25 +24,24 @@ on every rank of the group, so there are two ways to bring each token to its exp
   its expert (`all_to_all_single`), computes what it receives, sends the results back, and an
   all-gather gives every rank all the tokens again.
 
-Measured with `python -m triode.gpu.bench.moe` (gloo, 2 ranks of 1 thread on a shared 2-core
-machine under a load of about 5; 64 experts of intermediate size 256, top 4, hidden 1024,
-float32; the median ms of one block forward, the splits timed in turn over 7 rounds):
+Measured with `python -m triode.gpu.bench.moe --rounds 9` (gloo, 2 ranks of 1 thread on a
+shared 2-core machine, load about 3; 64 experts of intermediate size 256, top 4, hidden 1024,
+float32; the median ms of one block forward, the splits timed in turn):
 
 | tokens | TP=1 | TP=2 | EP allreduce | EP all_to_all |
 |---:|---:|---:|---:|---:|
-| 1 | 8.0 | 8.9 | 10.4 | 20.8 |
-| 8 | 51.1 | 54.2 | 47.2 | 59.4 |
-| 64 | 93.9 | 99.6 | 92.2 | 90.4 |
-| 256 | 130.9 | 143.8 | 140.8 | 154.5 |
+| 1 | 3.3 | 4.4 | 2.2 | 7.9 |
+| 8 | 18.0 | 11.8 | 11.7 | 16.7 |
+| 64 | 70.2 | 41.7 | 40.5 | 45.2 |
+| 256 | 132.8 | 149.6 | 138.2 | 143.2 |
 
 Both dispatches compute the same (token, expert) pairs on the same ranks, so they differ only
 in what they exchange: "allreduce" one [tokens, hidden] sum (through the shared-memory
 all-reduce on the CPU), "all_to_all" four collectives (counts, rows out, rows back, the
-all-gather), each a gloo round trip of its own, which cost it 2x at one token. It is no faster
-at 64 tokens and above either (within the noise), so "allreduce" is the default
-(`DEFAULT_DISPATCH`). From a few tokens on a step reads most experts' weights, so the block's
-time is memory traffic, which two ranks on two busy cores do not split: TP=2 is no faster than
-one rank here.
+all-gather), each a gloo round trip of its own: 3.6x slower at one token, and slower at every
+size in this run and the runs around it, so "allreduce" is the default (`DEFAULT_DISPATCH`).
+From a few tokens on a step reads most experts' weights: the block's time is memory traffic,
+which two ranks on two shared cores split only while the machine is otherwise quiet.
 """
 
 from __future__ import annotations
