@@ -136,3 +136,13 @@ def test_qwen3_moe_layers_with_experts_follow_the_sparse_step_and_the_dense_list
 ) -> None:
     config = SimpleNamespace(num_experts=8, decoder_sparse_step=step, mlp_only_layers=dense)
     assert [sparse_layer(config, i) for i in range(4)] == expected
+
+
+def test_four_bit_codes_of_experts_and_routers_are_left_alone(models: dict[str, Path]) -> None:
+    # experts run dense (a GGUF's arrive dequantized); the router stays in the model's dtype
+    model = _runner(models["qwen3-moe-norm"]).model
+    prefix = "model.layers.0.mlp"
+    names = [f"{prefix}.gate.weight"] + [
+        f"{prefix}.experts.{e}.{p}.weight" for e in range(8) for p in ("gate_proj", "up_proj")
+    ]
+    assert model.load_int4_weights(dict.fromkeys(names)) == 0  # type: ignore[arg-type]
