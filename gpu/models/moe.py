@@ -123,7 +123,8 @@ class Experts(nn.Module):
     ) -> None:
         """Copy one expert's checkpoint projection (gate or up [I, hidden], down [hidden, I])
         into its place: this rank's slice of I under tensor parallelism, all of it under
-        expert parallelism. Another rank's expert is no business of this one."""
+        expert parallelism. ValueError for an expert this rank does not hold (the model's
+        `checkpoint_targets` sends those nowhere)."""
         expert, part = shard
         if not self.holds(expert):
             raise ValueError(f"expert {expert} is not on this rank")
@@ -173,8 +174,8 @@ class Experts(nn.Module):
 
 
 def weighted_sum(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """[T, hidden]: the k outputs of each token ([T * k, hidden], choice-major per token)
-    weighted and summed, in the outputs' dtype."""
+    """[T, hidden]: each token's k outputs (`outputs` [T * k, hidden], token t's choice j at
+    row t * k + j) weighted by `weights` [T, k] and summed, in the outputs' dtype."""
     tokens, k = weights.shape
     scaled = outputs.view(tokens, k, outputs.shape[-1]) * weights.to(outputs.dtype).unsqueeze(-1)
     return scaled.sum(dim=1)
