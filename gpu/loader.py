@@ -139,20 +139,22 @@ def _write_hf_dir(gguf: Path, out: Path) -> None:
         (out / INT4_DIR).mkdir()
         save_file(int4, out / INT4_DIR / INT4_FILE, metadata={"format": "pt"})
     config.save_pretrained(out)
-    _tokenizer(gguf, reader, config).save_pretrained(out)
+    _tokenizer(gguf, reader).save_pretrained(out)
 
 
-def _tokenizer(gguf: Path, reader: Any, config: Any) -> Any:
-    """transformers' tokenizer of the file.
+def _tokenizer(gguf: Path, reader: Any) -> Any:
+    """transformers' tokenizer of the file, in a class that loads back as it is.
 
-    Gemma's tokenizer class rebuilds a SentencePiece pipeline (spaces as "▁") over whatever
-    vocabulary it is given; a Gemma file whose vocabulary is byte-level BPE (`gpt2`) keeps the
-    pipeline transformers built from the file instead, in the generic class.
+    For a byte-level BPE vocabulary (`gpt2`), transformers builds the tokenizer the file
+    describes (its pre-tokenizer from `tokenizer.ggml.pre`, as llama.cpp splits text) but names
+    the family's class, which on loading rebuilds its own pipeline over the vocabulary (Qwen's
+    digit splitting, Gemma's SentencePiece spaces): the directory would tokenize otherwise than
+    the file. Such a tokenizer is saved in the generic class, which loads tokenizer.json as it is.
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast  # as in `_write_hf_dir`
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if config.model_type != "gemma3_text" or _field(reader, "tokenizer.ggml.model") != "gpt2":
+    if _field(reader, "tokenizer.ggml.model") != "gpt2":
         return tokenizer
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer.backend_tokenizer,

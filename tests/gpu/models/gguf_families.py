@@ -43,6 +43,11 @@ GGUF_ARCHITECTURES = {
 }
 _EXPERT = re.compile(r"^(?P<layer>.*\.experts)\.(?P<index>\d+)\.(?P<proj>\w+)\.weight$")
 _TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
+_CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 @dataclass
@@ -54,6 +59,41 @@ class Entry:
     hf_names: list[str]
     permute_heads: int | None = None  # llama's rotary row permutation over this many heads
     norm_shift: float = 0.0  # added on writing, taken off on reading
+
+
+def write_bpe_tokenizer(path: Path) -> Path:
+    """A 320-token byte-level BPE tokenizer (bytes, ChatML's special tokens and 61 merges learnt
+    from a few sentences) saved at `path`: the default model's kind of vocabulary, small enough
+    that gguf's reader opens a file of it at once."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast  # as in `_write_tokenizer`
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [
+        "The quick brown fox jumps over the lazy dog. " * 3,
+        "What is 17 + 25? The answer is 42.",
+        "user assistant system the them there",
+    ]
+    backend.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|im_end|>",
+    )
+    tokenizer.chat_template = _CHATML
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def tensor_entries(config: dict[str, Any], hf_names: list[str]) -> list[Entry]:

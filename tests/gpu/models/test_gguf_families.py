@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf_families import read_as_hf, storage_types, write_gguf
+from gguf_families import read_as_hf, storage_types, write_bpe_tokenizer, write_gguf
 from runner_driver import Driver
 from safetensors.torch import load_file
 
@@ -22,7 +22,7 @@ from triode.gpu.loader import convert_gguf
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.models.architectures import CheckpointMismatch
 from triode.gpu.models.registry import MODELS
-from triode.gpu.tiny_model import _byte_tokenizer, build_tiny_model
+from triode.gpu.tiny_model import build_tiny_model
 
 # a sliding window of 8, shorter than the prompt, and a global layer between sliding ones
 FAMILIES: dict[str, dict[str, Any]] = {
@@ -107,18 +107,17 @@ def root(tmp_path_factory: pytest.TempPathFactory, monkeypatch_module: pytest.Mo
 
 
 @pytest.fixture(scope="module")
-def byte_tokenizer(root: Path) -> Path:
-    """A 259-token byte vocabulary: gguf's reader takes seconds over the default model's 49152
-    tokens and merges, each time a file is opened."""
-    _byte_tokenizer().save_pretrained(root / "tokenizer")
-    return root / "tokenizer"
+def tokenizer(root: Path) -> Path:
+    """A small byte-level BPE vocabulary with merges: gguf's reader takes seconds over the
+    default model's 49152 tokens and merges, each time a file is opened."""
+    return write_bpe_tokenizer(root / "tokenizer")
 
 
 @pytest.fixture(scope="module")
-def families(root: Path, byte_tokenizer: Path) -> dict[str, Family]:
+def families(root: Path, tokenizer: Path) -> dict[str, Family]:
     out = {}
     for name, spec in FAMILIES.items():
-        source = build_tiny_model(root / name, tokenizer_from=byte_tokenizer, **spec)
+        source = build_tiny_model(root / name, tokenizer_from=tokenizer, **spec)
         projection = PROJECTIONS.get(name, GGMLQuantizationType.Q4_0)
         gguf = write_gguf(source, root / f"{name}.gguf", projection_type=projection)
         out[name] = Family(source, gguf, convert_gguf(gguf))
@@ -198,7 +197,7 @@ def test_kept_4_bit_codes_are_the_dense_projections(families: dict[str, Family],
         assert torch.equal(weight.dequantize(), family.weights[key]), key
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_converted_tokenizer_is_the_checkpoints(families: dict[str, Family], name: str) -> None:
     from transformers import AutoTokenizer
 
@@ -216,10 +215,10 @@ def test_converted_tokenizer_is_the_checkpoints(families: dict[str, Family], nam
     assert ours.chat_template == theirs.chat_template
 
 
-def test_a_file_missing_a_layers_tensors_is_refused(root: Path, byte_tokenizer: Path) -> None:
+def test_a_file_missing_a_layers_tensors_is_refused(root: Path, tokenizer: Path) -> None:
     """A parameter the file does not fill is one clear error, not random weights."""
     source = build_tiny_model(
-        root / "cut", tokenizer_from=byte_tokenizer, num_layers=1, hidden_size=32, num_heads=2
+        root / "cut", tokenizer_from=tokenizer, num_layers=1, hidden_size=32, num_heads=2
     )
     gguf = write_gguf(source, root / "cut.gguf", omit={"blk.0.ffn_down.weight"})
     with pytest.raises(CheckpointMismatch, match=r"mlp\.down_proj"):
