@@ -37,6 +37,9 @@ BENCHMARKS = {
     "moe": Benchmark(
         "triode.edge.bench.moe", "a 1.3 B mixture of experts: transformers, TP, expert parallel"
     ),
+    "moe-dispatch": Benchmark(
+        "triode.gpu.bench.moe", "one MoE block: TP against expert parallel's two dispatches"
+    ),
     "step": Benchmark("triode.gpu.bench.step", "one decode step at several batch sizes, profiled"),
     "collectives": Benchmark(
         "triode.gpu.bench.collectives", "tensor and pipeline parallelism's exchanges"

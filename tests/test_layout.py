@@ -58,6 +58,7 @@ STRING_IMPORTS = {
     "triode.gpu.bench.collectives",
     "triode.gpu.bench.hf_baseline",
     "triode.gpu.bench.kv_transfer",
+    "triode.gpu.bench.moe",
     "triode.gpu.bench.moe_model",
     "triode.gpu.bench.step",
     "triode.gpu.bench.weight_push",
