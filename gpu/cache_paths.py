@@ -20,7 +20,7 @@ from pathlib import Path
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_RANDOM = "tiny-random"  # the model's name, and its directory's under the cache
-_CONVERTED_LAYOUT = 2  # 2: with int4/
+_CONVERTED_LAYOUT = 3  # 2: with int4/; 3: families' config fixes, GGUF sampling defaults
 INT4_DIR = "int4"  # under a converted model directory
 INT4_FILE = "weights.safetensors"
 

@@ -15,6 +15,7 @@ of a race throws its copy away.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -140,6 +141,27 @@ def _write_hf_dir(gguf: Path, out: Path) -> None:
         save_file(int4, out / INT4_DIR / INT4_FILE, metadata={"format": "pt"})
     config.save_pretrained(out)
     _tokenizer(gguf, reader).save_pretrained(out)
+    defaults = _sampling_defaults(reader)
+    if defaults:
+        (out / "generation_config.json").write_text(json.dumps(defaults, indent=2))
+
+
+# the sampling settings a GGUF file may carry (`general.sampling.*`, as llama.cpp writes them
+# from a model's generation_config.json) -> the generation config's names
+_GGUF_SAMPLING = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
+
+def _sampling_defaults(reader: Any) -> dict[str, float]:
+    """The file's sampling settings as a generation config (`generation_config.py` takes the
+    request defaults from it); empty where it has none."""
+    values = {name: _field(reader, key) for key, name in _GGUF_SAMPLING.items()}
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def _tokenizer(gguf: Path, reader: Any) -> Any:

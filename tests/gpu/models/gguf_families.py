@@ -133,9 +133,11 @@ def write_gguf(
     *,
     projection_type: GGMLQuantizationType = GGMLQuantizationType.Q4_0,
     omit: Collection[str] = (),
+    sampling: dict[str, float | int] | None = None,
 ) -> Path:
     """`model_dir`'s checkpoint (a `build_tiny_model` directory) as a GGUF file at `out`,
-    without the GGUF tensors named in `omit` (a broken file)."""
+    without the GGUF tensors named in `omit` (a broken file), with `sampling` as the file's
+    `general.sampling.*` settings (`top_k` an integer, the others floats)."""
     config = json.loads((model_dir / "config.json").read_text())
     weights = load_file(model_dir / "model.safetensors")
     architecture = GGUF_ARCHITECTURES[config["model_type"]]
@@ -143,6 +145,11 @@ def write_gguf(
     writer.add_name(f"tiny {config['model_type']}")
     _write_hyperparameters(writer, config)
     _write_tokenizer(writer, model_dir)
+    for key, value in (sampling or {}).items():
+        if isinstance(value, int):
+            writer.add_int32(f"general.sampling.{key}", value)
+        else:
+            writer.add_float32(f"general.sampling.{key}", value)
     for entry in tensor_entries(config, sorted(weights)):
         if entry.gguf_name in omit:
             continue

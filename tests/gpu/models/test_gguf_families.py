@@ -225,6 +225,26 @@ def test_a_file_missing_a_layers_tensors_is_refused(root: Path, tokenizer: Path)
         convert_gguf(gguf)
 
 
+def test_a_files_sampling_settings_become_the_generation_config(
+    root: Path, tokenizer: Path
+) -> None:
+    """llama.cpp's `general.sampling.*` keys are the request defaults of the converted model
+    (`--generation-config auto`); a file without them gets no generation config."""
+    source = build_tiny_model(
+        root / "sampled", tokenizer_from=tokenizer, num_layers=1, hidden_size=32, num_heads=2
+    )
+    (source / "generation_config.json").unlink(missing_ok=True)
+    plain = convert_gguf(write_gguf(source, root / "plain.gguf"))
+    assert not (plain / "generation_config.json").exists()
+    settings = {"temp": 0.25, "top_p": 0.875, "top_k": 40, "min_p": 0.0625, "penalty_repeat": 1.5}
+    converted = convert_gguf(write_gguf(source, root / "sampled.gguf", sampling=settings))
+    config = json.loads((converted / "generation_config.json").read_text())
+    assert config == {
+        "temperature": 0.25, "top_p": 0.875, "top_k": 40, "min_p": 0.0625,
+        "repetition_penalty": 1.5,
+    }  # fmt: skip
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_runner_on_the_converted_file_decodes_as_transformers(
     families: dict[str, Family], name: str
