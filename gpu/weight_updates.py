@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.core_model_loading import revert_weight_conversion
 
 from triode.wire import OperationError
 
@@ -39,6 +40,12 @@ SHAPE_FIELDS = (
     "tie_word_embeddings",
     "attention_bias",
     "mlp_bias",
+    # a mixture of experts': how many, of which size, on which layers
+    "num_experts",
+    "num_local_experts",
+    "moe_intermediate_size",
+    "decoder_sparse_step",
+    "mlp_only_layers",
 )
 # a config.json is a few kB; anything near this is no model's
 MAX_CONFIG_BYTES = 1 << 20
@@ -46,6 +53,13 @@ MAX_CONFIG_BYTES = 1 << 20
 SKIPPED = "rotary_emb.inv_freq"
 
 Weights = Sequence[tuple[str, torch.Tensor]]
+
+
+def checkpoint_layout(
+    skeleton: nn.Module, params: Iterable[tuple[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """A transformers model's parameters as its checkpoints name and shape them."""
+    return revert_weight_conversion(skeleton, dict(params))
 
 
 def invalid(message: str) -> OperationError:
@@ -62,9 +76,11 @@ class Architecture:
         # transformers may set attributes on the config it builds from: a copy takes them
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(config))
-        params = skeleton.named_parameters(remove_duplicate=False)
-        self.shapes = {name: tuple(p.shape) for name, p in params}
-        self.required = [name for name, _ in skeleton.named_parameters()]
+        # by the names checkpoints hold (transformers keeps a mixture's experts stacked in the
+        # module and saves them one tensor per expert, as the families load them)
+        params = checkpoint_layout(skeleton, skeleton.named_parameters(remove_duplicate=False))
+        self.shapes = {name: tuple(p.shape) for name, p in params.items()}
+        self.required = list(checkpoint_layout(skeleton, skeleton.named_parameters()))
 
     def check_tensor(self, name: str, shape: Sequence[int], dtype: str, floating: bool) -> None:
         """OperationError `invalid` unless `name` is a tensor of this architecture of its full

@@ -255,6 +255,36 @@ def test_update_from_disk_serves_what_a_fresh_runner_on_the_checkpoint_does(
     _assert_same(_greedy(runner), after)
 
 
+@pytest.mark.parametrize(
+    ("architecture", "family"),
+    [
+        ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+        ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    ],
+)
+def test_update_from_disk_of_a_mixture_of_experts_takes_its_experts_tensors(
+    architecture: str, family: dict[str, int], root: Path, tmp_path: Path
+) -> None:
+    """A checkpoint holds one tensor per expert, as the model loads them: an update of them is
+    checked against those names and shapes and gives what a fresh runner gives."""
+    model = build_tiny_model(root / architecture, architecture=architecture, **family)  # type: ignore[arg-type]
+    experts = [n for n in load_file(model / "model.safetensors") if ".experts." in n]
+    changed = _copy_checkpoint(model, tmp_path / "changed", _perturbed(model, experts))
+    runner = _runner(model)
+    before = _greedy(runner)
+    result = Operations(runner).update_weights_from_disk(str(changed))
+    assert result["loaded"]
+    after = _greedy(runner)
+    _assert_same(after, _greedy(_runner(changed)))
+    assert after[1].tolist() != before[1].tolist()
+    # a tensor of an expert the config does not have is no parameter of the architecture
+    extra = experts[0].replace(".experts.0.", ".experts.4.")
+    wrong = _copy_checkpoint(model, tmp_path / "wrong", {extra: torch.zeros(1)})
+    with pytest.raises(OperationError, match=r"experts\.4"):
+        Operations(runner).update_weights_from_disk(str(wrong))
+    _assert_same(_greedy(runner), after)
+
+
 def test_update_from_disk_while_asleep_becomes_what_waking_loads(
     tiny: Path, tmp_path: Path
 ) -> None:
