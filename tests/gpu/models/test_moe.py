@@ -88,15 +88,22 @@ def test_only_the_configured_layers_hold_experts(models: dict[str, Path]) -> Non
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in layers] == [True, False, True]
 
 
-def test_grouped_experts_equal_each_token_through_its_own_experts() -> None:
+# how many of the twelve experts tokens choose among (the even ones; the odd ones stay idle):
+# half of them, one batched product per projection; a quarter, a product per expert
+@pytest.mark.parametrize(("choosable", "batched"), [(6, True), (3, False)])
+def test_grouped_experts_equal_each_token_through_its_own_experts(
+    choosable: int, batched: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    batch = Experts._batched
+    monkeypatch.setattr(Experts, "_batched", lambda *a: calls.append(1) or batch(*a))
     torch.manual_seed(0)
-    num_experts, hidden, intermediate, tokens, k = 6, 16, 12, 40, 3
+    num_experts, hidden, intermediate, tokens, k = 12, 16, 12, 40, 2
     experts = Experts(num_experts, hidden, intermediate, expert_parallel=False)
     experts.w13.data.normal_()
     experts.w2.data.normal_()
     x = torch.randn(tokens, hidden)
-    # expert 5 left without tokens: the grouping skips an expert nobody chose
-    chosen = torch.stack([torch.randperm(num_experts - 1)[:k] for _ in range(tokens)])
+    chosen = torch.stack([torch.randperm(choosable)[:k] * 2 for _ in range(tokens)])
     weights = torch.rand(tokens, k)
     got = experts(x, weights, chosen)
     want = torch.zeros_like(x)
@@ -106,6 +113,7 @@ def test_grouped_experts_equal_each_token_through_its_own_experts() -> None:
             gate, up = (experts.w13[e] @ x[t]).chunk(2)
             want[t] += weights[t, j] * (experts.w2[e] @ (torch.nn.functional.silu(gate) * up))
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    assert bool(calls) == batched
 
 
 def test_a_missing_or_unknown_expert_tensor_is_a_checkpoint_mismatch(
