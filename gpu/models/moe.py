@@ -163,7 +163,7 @@ class Experts(nn.Module):
         for local expert i): one product per projection and expert, or, where most experts
         have rows, one batched product per projection over all of them (`_batched`)."""
         active = sum(1 for n in counts if n)
-        if active > 1 and active * BATCHED_SHARE >= len(counts):
+        if 1 < active and active * BATCHED_SHARE >= len(counts) and max(counts) <= BATCHED_ROWS:
             return self._batched(rows, counts)
         parts, offset = [], 0
         for i, n in enumerate(counts):
@@ -197,8 +197,12 @@ class Experts(nn.Module):
 
 
 # the batched product (`Experts._batched`) once at least 1 / BATCHED_SHARE of the experts have
-# rows: it reads every expert's weights, so with fewer it would read more than the loop does
+# rows (it reads every expert's weights, so with fewer it would read more than the loop does)
+# and none has more than BATCHED_ROWS: past a few rows the products are no longer bound by the
+# weights' bytes, and the grid's padding to the busiest expert (a prompt's rows spread unevenly)
+# would be arithmetic paid for nothing
 BATCHED_SHARE = 2
+BATCHED_ROWS = 8
 
 
 def weighted_sum(outputs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -98,7 +98,7 @@ def test_grouped_experts_equal_each_token_through_its_own_experts(
     batch = Experts._batched
     monkeypatch.setattr(Experts, "_batched", lambda *a: calls.append(1) or batch(*a))
     torch.manual_seed(0)
-    num_experts, hidden, intermediate, tokens, k = 12, 16, 12, 40, 2
+    num_experts, hidden, intermediate, tokens, k = 12, 16, 12, 12, 2
     experts = Experts(num_experts, hidden, intermediate, expert_parallel=False)
     experts.w13.data.normal_()
     experts.w2.data.normal_()
