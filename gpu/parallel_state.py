@@ -127,10 +127,11 @@ def layout() -> ParallelLayout:
     return _state.layout
 
 
-def partition(total: int, parts: int) -> list[tuple[int, int]]:
+def partition(total: int, parts: int, *, allow_empty: bool = False) -> list[tuple[int, int]]:
     """`total` items cut into `parts` contiguous (start, count) ranges whose counts differ by at
-    most one, the larger ones first."""
-    if parts < 1 or total < parts:
+    most one, the larger ones first; some are empty where `allow_empty` lets `total` be fewer
+    than `parts` (a step's tokens over the ranks)."""
+    if parts < 1 or (total < parts and not allow_empty):
         raise ValueError(f"cannot split {total} into {parts} non-empty parts")
     base, extra = divmod(total, parts)
     ranges, start = [], 0

@@ -248,7 +248,7 @@ class SparseMoeBlock(nn.Module):
         ranks and back, then every rank gathers every share."""
         experts, group = self.experts, parallel_state.get().tp_group
         size, rank = experts.tp_size, experts.tp_rank
-        shares = token_shares(hidden.shape[0], size)
+        shares = parallel_state.partition(hidden.shape[0], size, allow_empty=True)
         start, count = shares[rank]
         mine = hidden[start : start + count]
         weights, chosen = self.gate(mine)
@@ -281,17 +281,6 @@ class SparseMoeBlock(nn.Module):
         gathered = [torch.empty_like(part) for _ in range(size)]
         dist.all_gather(gathered, part, group=group)
         return torch.cat([g[:n] for g, (_, n) in zip(gathered, shares, strict=True)])
-
-
-def token_shares(tokens: int, parts: int) -> list[tuple[int, int]]:
-    """`tokens` rows cut into `parts` contiguous (start, count) shares, some maybe empty."""
-    base, extra = divmod(tokens, parts)
-    shares, start = [], 0
-    for i in range(parts):
-        count = base + (i < extra)
-        shares.append((start, count))
-        start += count
-    return shares
 
 
 class MoeForCausalLM(LlamaForCausalLM):
