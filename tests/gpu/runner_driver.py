@@ -103,3 +103,27 @@ class Driver:
         """Step until every request has `num_tokens` outputs; `chunks` caps prefill chunks."""
         while any(len(s.output) < num_tokens for s in self.seqs.values()):
             self.step(chunks)
+
+
+def assert_greedy_as_transformers(seq: Seq, hf_model: object, steps: int) -> None:
+    """`seq`'s first `steps` outputs are transformers' greedy `generate` after its prompt (EOS
+    not stopping it), and every logprob the runner returned with them (the chosen token's and
+    its top alternatives') is transformers' log-softmax within 1e-4."""
+    import torch
+
+    prompt = seq.tokens[: seq.prompt_len]
+    with torch.inference_mode():
+        out = hf_model.generate(  # type: ignore[attr-defined]
+            torch.tensor([prompt]),
+            max_new_tokens=steps,
+            do_sample=False,
+            eos_token_id=None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    assert seq.output[:steps] == out.sequences[0, len(prompt) :].tolist()
+    for logprobs, logits in zip(seq.logprobs[:steps], out.logits, strict=True):
+        ids = torch.from_numpy(logprobs.token_ids[0]).long()
+        theirs = logits[0].float().log_softmax(-1)[ids]
+        ours = torch.from_numpy(logprobs.logprobs[0])
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from runner_driver import Driver
+from runner_driver import Driver, assert_greedy_as_transformers
 
 from triode.gpu.attention import AttentionMetadata, PrefillChunk
 from triode.gpu.model_runner import ModelRunner
@@ -114,25 +114,10 @@ def test_greedy_tokens_and_logprobs_match_transformers_generate(
 ) -> None:
     model_dir = _model(tmp_root, family)
     prompt, steps = _prompt(2 * WINDOW + 3, seed=1), 12
-    with torch.inference_mode():
-        hf = _hf(model_dir).generate(
-            torch.tensor([prompt]),
-            max_new_tokens=steps,
-            do_sample=False,
-            eos_token_id=None,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
     driver = Driver(_runner(model_dir))
     driver.add("r", prompt)
     driver.run(steps)
-    seq = driver.seqs["r"]
-    assert seq.output == hf.sequences[0, len(prompt) :].tolist()
-    for logprobs, logits in zip(seq.logprobs, hf.logits, strict=True):
-        ids = torch.from_numpy(logprobs.token_ids[0]).long()
-        theirs = logits[0].log_softmax(-1)[ids]
-        ours = torch.from_numpy(logprobs.logprobs[0])
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    assert_greedy_as_transformers(driver.seqs["r"], _hf(model_dir), steps)
 
 
 def test_gemma3_softcapped_logits_stay_within_the_cap(tmp_root: Path) -> None:

@@ -9,12 +9,11 @@ import random
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf_families import read_as_hf, storage_types, write_bpe_tokenizer, write_gguf
-from runner_driver import Driver
+from runner_driver import Driver, assert_greedy_as_transformers
 from safetensors.torch import load_file
 
 from triode.gpu.int4 import load_int4_weights
@@ -269,17 +268,4 @@ def test_runner_on_the_converted_file_decodes_as_transformers(
     d.run(NEW_TOKENS)
     seq = d.seqs["r"]
     hf = AutoModelForCausalLM.from_pretrained(family.converted, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    expected = out.sequences[0, len(prompt) :].tolist()
-    assert seq.output[:NEW_TOKENS] == expected
-    theirs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
-    ours = np.concatenate([lp.logprobs for lp in seq.logprobs])[:NEW_TOKENS]
-    np.testing.assert_allclose(ours[:, 0], theirs[range(NEW_TOKENS), expected], atol=1e-4)
+    assert_greedy_as_transformers(seq, hf, NEW_TOKENS)

@@ -7,10 +7,9 @@ import random
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
-from runner_driver import Driver
+from runner_driver import Driver, assert_greedy_as_transformers
 from safetensors.torch import load_file
 
 from triode.gpu.model_runner import ModelRunner
@@ -65,22 +64,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(models: dict[str, Path], 
     d.run(NEW_TOKENS)
     seq = d.seqs["r"]
     hf = AutoModelForCausalLM.from_pretrained(models[name], dtype=torch.float32).eval()
-    with torch.inference_mode():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    expected = out.sequences[0, len(prompt) :].tolist()
-    assert seq.output[:NEW_TOKENS] == expected
-    theirs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
-    ours = np.concatenate([lp.logprobs for lp in seq.logprobs])[:NEW_TOKENS]
-    # column 0 the chosen token's, then the top 3
-    np.testing.assert_allclose(ours[:, 0], theirs[range(NEW_TOKENS), expected], atol=1e-4)
-    np.testing.assert_allclose(ours[:, 1:], theirs.topk(3).values, atol=1e-4)
+    assert_greedy_as_transformers(seq, hf, NEW_TOKENS)
 
 
 def test_only_the_configured_layers_hold_experts(models: dict[str, Path]) -> None:
