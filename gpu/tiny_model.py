@@ -124,14 +124,25 @@ def _byte_tokenizer() -> Any:
     """Byte-level BPE with no merges: every byte a token, plus ChatML's special tokens."""
     # only for a build, as in `build_tiny_model`
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {t: i for i, t in enumerate(specials + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab = {
+        t: i for i, t in enumerate(CHATML_SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()))
+    }
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(specials)
+    backend.add_special_tokens(CHATML_SPECIALS)
+    return chatml_tokenizer(backend)
+
+
+CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def chatml_tokenizer(backend: Any) -> Any:
+    """`backend` (a `tokenizers.Tokenizer` holding `CHATML_SPECIALS`) as a transformers
+    tokenizer with ChatML's roles and chat template."""
+    from transformers import PreTrainedTokenizerFast  # only for a build, as in `build_tiny_model`
+
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token="<|im_start|>",

@@ -32,6 +32,8 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from safetensors.torch import load_file
 
+from triode.gpu.tiny_model import CHATML_SPECIALS, chatml_tokenizer
+
 # config.json's model_type -> gguf's architecture name
 GGUF_ARCHITECTURES = {
     "llama": "llama",
@@ -43,11 +45,6 @@ GGUF_ARCHITECTURES = {
 }
 _EXPERT = re.compile(r"^(?P<layer>.*\.experts)\.(?P<index>\d+)\.(?P<proj>\w+)\.weight$")
 _TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
-_CHATML = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
-    " + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 
 @dataclass
@@ -66,15 +63,13 @@ def write_bpe_tokenizer(path: Path) -> Path:
     from a few sentences) saved at `path`: the default model's kind of vocabulary, small enough
     that gguf's reader opens a file of it at once."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast  # as in `_write_tokenizer`
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=320,
-        special_tokens=specials,
+        special_tokens=CHATML_SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -84,15 +79,7 @@ def write_bpe_tokenizer(path: Path) -> Path:
         "user assistant system the them there",
     ]
     backend.train_from_iterator(corpus, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        unk_token="<|endoftext|>",
-        pad_token="<|im_end|>",
-    )
-    tokenizer.chat_template = _CHATML
-    tokenizer.save_pretrained(path)
+    chatml_tokenizer(backend).save_pretrained(path)
     return path
 
 
