@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 FILE = "generation_config.json"
+# a generation config is a few hundred bytes; anything near this is no model's
+MAX_FILE_BYTES = 1 << 20
 # generation_config.json's keys that vLLM takes -> the request field each is the default of
 REQUEST_FIELDS = {
     "temperature": "temperature",
@@ -94,9 +96,12 @@ def parse_override(override: Mapping[str, Any] | str | None) -> dict[str, Any]:
 
 def _read(path: Path) -> dict[str, Any]:
     try:
-        config = json.loads(path.read_text())
+        too_large = path.stat().st_size > MAX_FILE_BYTES
+        config = None if too_large else json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise GenerationConfigError(f"{path}: cannot be read as JSON: {e}") from None
+    if too_large:
+        raise GenerationConfigError(f"{path}: over {MAX_FILE_BYTES} bytes, not a generation config")
     if not isinstance(config, dict):
         raise GenerationConfigError(f"{path}: not a JSON object")
     return config

@@ -95,3 +95,9 @@ def test_a_models_file_that_is_not_json_is_named(tmp_path: Path) -> None:
     (model / "generation_config.json").write_text("{")
     with pytest.raises(GenerationConfigError, match="cannot be read as JSON"):
         request_defaults(model)
+
+
+def test_a_file_over_a_mebibyte_is_refused_unread(tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"pad": "x" * (1 << 20)}))
+    with pytest.raises(GenerationConfigError, match="over 1048576 bytes"):
+        request_defaults(tmp_path)
