@@ -170,3 +170,19 @@ def test_the_check_imports_neither_torch_nor_transformers() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("head", "why"),
+    [
+        ((1 << 40).to_bytes(8, "little"), "not a safetensors file"),  # a terabyte's header
+        ((64).to_bytes(8, "little") + b"{not json", "its header is not JSON"),
+        (b"\x01", "not a safetensors file"),  # shorter than the length itself
+    ],
+)
+def test_a_broken_safetensors_header_is_named_without_reading_past_it(
+    tmp_path: Path, head: bytes, why: str
+) -> None:
+    model = _model(tmp_path / "m")
+    (model / "model.safetensors").write_bytes(head)
+    assert why in _problem(str(model))
