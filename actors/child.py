@@ -31,6 +31,8 @@ from triode.wire import (
     Socket,
 )
 
+from .errors import exception_leaves
+
 log = logging.getLogger(__name__)
 
 CONFIG_TIMEOUT = 30.0
@@ -130,19 +132,12 @@ async def _watch_parent(
 def _box(exc: BaseException) -> Error:
     error = Error.from_exception(exc)
     if isinstance(exc, BaseExceptionGroup):
-        leaves = _leaves(exc)
+        leaves = exception_leaves(exc)
         if len(leaves) == 1:
             error.type_name, error.message = type(leaves[0]).__qualname__, str(leaves[0])
         else:
             error.message = "; ".join(f"{type(e).__qualname__}: {e}" for e in leaves)
     return error
-
-
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    out: list[BaseException] = []
-    for e in group.exceptions:
-        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
-    return out
 
 
 async def _exit_with_parent(parent_pid: int, name: str) -> None:

@@ -6,6 +6,14 @@ from __future__ import annotations
 from triode.wire import Error
 
 
+def exception_leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    """The exceptions inside `group` and the groups nested in it, in order."""
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(exception_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
+
+
 class ActorError(Exception):
     """Base of the runtime's errors about a child actor process."""
 

@@ -22,7 +22,7 @@ import trio
 from triode.wire import Ready
 
 from .config import EngineArgs
-from .errors import ActorError, RemoteError
+from .errors import ActorError, RemoteError, exception_leaves
 from .model_env import model_process_env
 from .process import Child, open_child
 
@@ -44,11 +44,17 @@ class EngineCoreStartError(Exception):
         super().__init__(line)
         self.line = line
 
+    @staticmethod
+    def summary(group: BaseExceptionGroup) -> str:
+        """The distinct lines of the start errors in `group` (several engine cores may fail)."""
+        lines = (e.line for e in exception_leaves(group) if isinstance(e, EngineCoreStartError))
+        return "; ".join(dict.fromkeys(lines))
+
 
 def start_failure_line(group: BaseExceptionGroup) -> str:
     """One line for what an engine core's start raised: each distinct failure's first line."""
     lines: list[str] = []
-    for leaf in _leaves(group):
+    for leaf in exception_leaves(group):
         if isinstance(leaf, RemoteError):
             message = (leaf.remote_message.strip().splitlines() or [""])[0]
             line = f"{leaf.type_name}: {message}"
@@ -58,14 +64,6 @@ def start_failure_line(group: BaseExceptionGroup) -> str:
             line = (str(leaf).strip().splitlines() or [type(leaf).__name__])[0]
         lines.append(line)
     return "; ".join(dict.fromkeys(lines))
-
-
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    return [
-        leaf
-        for e in group.exceptions
-        for leaf in (_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
-    ]
 
 
 class EngineCoreEndpoint(msgspec.Struct, kw_only=True):

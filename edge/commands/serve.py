@@ -318,17 +318,9 @@ def _run_server(serve: Any, *args: Any) -> int:
     if failed is None:
         return 0
     logging.getLogger("triode.serve").debug("the engine core's start", exc_info=failed)
-    lines = dict.fromkeys(e.line for e in _leaves(failed) if isinstance(e, EngineCoreStartError))
-    print(f"triode serve: engine core failed to start: {'; '.join(lines)}", file=sys.stderr)
+    summary = EngineCoreStartError.summary(failed)
+    print(f"triode serve: engine core failed to start: {summary}", file=sys.stderr)
     return 2
-
-
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
-    return [
-        leaf
-        for e in group.exceptions
-        for leaf in (_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
-    ]
 
 
 def _run_headless(model: str | None, engine_args: dict[str, object]) -> int:
