@@ -39,6 +39,13 @@ class ScheduledRequest(msgspec.Struct, **_HOT):
     slot `p % block_size`). When `sample` is set, the chunk ends at the last known token and the
     runner samples the next one from the logits of the last position.
 
+    A speculating request's `token_ids` end with `num_draft_tokens` proposed tokens past its
+    last known one (speculative decoding): the runner computes their K/V like any other, takes
+    the logits of the last known position and of every proposal, and keeps the longest run of
+    proposals the model agrees with (`RequestStepResult.accepted_token_ids`) and one token of
+    its own after them. The K/V it wrote for rejected proposals is stale: the scheduler
+    computes those positions again.
+
     For a prompt given as embeddings, `prompt_embeds` holds the rows [rows, hidden size] of the
     chunk's first `rows` positions, those in the prompt: the runner uses them in place of the
     embedding lookup of `token_ids` there. They are in the request's `prompt_embeds_dtype`,
@@ -52,6 +59,7 @@ class ScheduledRequest(msgspec.Struct, **_HOT):
     sample: bool = True
     new: NewRequestData | None = None
     prompt_embeds: np.ndarray | None = None
+    num_draft_tokens: int = 0
 
 
 class SchedulerOutput(msgspec.Struct, **_HOT):
@@ -60,7 +68,9 @@ class SchedulerOutput(msgspec.Struct, **_HOT):
     finished_request_ids: list[str] = []  # the runner forgets their state
     kv_connector_metadata: KVConnectorMetadata | None = None  # with a KV connector only
     # Structured output: row i of the packed int32 bitmask [n, ceil(vocab / 32)] allows the
-    # next tokens of `grammar_request_ids[i]` (bit t of the row: token t).
+    # next tokens of `grammar_request_ids[i]` (bit t of the row: token t). A speculating
+    # request has 1 + `num_draft_tokens` rows in a row, one per verified position: what its
+    # grammar allows after the known tokens, then after each proposal in turn.
     grammar_request_ids: list[str] = []
     grammar_bitmask: np.ndarray | None = None
 
@@ -76,12 +86,17 @@ class RequestStepResult(msgspec.Struct, **_HOT):
     reach the end of the prompt). `logprobs` has one row, for the sampled token, when the
     request asked for logprobs. `prompt_logprobs` has a row per prompt position whose logprob
     this step computed: the row for prompt token i (i >= 1) is conditioned on tokens < i.
+
+    A speculating request's step produces `accepted_token_ids` (the proposals the model
+    agreed with), then `token_id`; its `logprobs` then has a row for each of those tokens, in
+    that order.
     """
 
     request_id: str
     token_id: int | None = None
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
+    accepted_token_ids: list[int] = []
 
 
 class ModelRunnerOutput(msgspec.Struct, **_HOT):
