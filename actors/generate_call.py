@@ -116,16 +116,19 @@ class GenerateCall:
             self.output.kv_transfer_params = out.kv_transfer_params
         if out.new_prompt_logprobs is not None and self.output.prompt_logprobs is not None:
             self.output.prompt_logprobs.extend(token_logprobs(out.new_prompt_logprobs))
-        completion.token_ids.extend(out.new_token_ids)
-        if out.new_logprobs is not None and completion.logprobs is not None:
-            completion.logprobs.extend(token_logprobs(out.new_logprobs))
         on_stop_token = out.finish_reason is FinishReason.STOP and not isinstance(
             out.stop_reason, str
         )
         detok = self.detokenizers[i]
-        stop_string = detok.update(out.new_token_ids, stop_terminated=on_stop_token)
-        if stop_string is not None:
-            completion.finish_reason, completion.stop_reason = "stop", stop_string
+        hit = detok.update(out.new_token_ids, stop_terminated=on_stop_token)
+        # several tokens at once (verified speculation) keep only those up to the stop string's
+        new_ids = out.new_token_ids if hit is None else out.new_token_ids[: hit.kept]
+        completion.token_ids.extend(new_ids)
+        if out.new_logprobs is not None and completion.logprobs is not None:
+            rows = token_logprobs(out.new_logprobs)
+            completion.logprobs.extend(rows if hit is None else rows[: hit.kept])
+        if hit is not None:
+            completion.finish_reason, completion.stop_reason = "stop", hit.stop
             self._stopped.append(out.request_id)
         elif out.finish_reason is not None:
             completion.finish_reason = str(out.finish_reason)
