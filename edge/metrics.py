@@ -1,8 +1,8 @@
 """Prometheus metrics under vLLM's names, prefixed `triode:`, each labelled with `model_name`.
 
 Nothing per request is exposed: no ids, prompts or users, and every label takes its values from
-a fixed set (the served name, the finish reasons, the prompt-token sources), so no client can
-add series.
+a fixed set (the served name, the finish reasons, the prompt-token sources, the positions in a
+speculative draft), so no client can add series.
 
 Several API server processes (`--api-server-count`) share their metrics through
 prometheus-client's multiprocess mode: the parent points `PROMETHEUS_MULTIPROC_DIR` at a
@@ -154,10 +154,26 @@ _KV_TRANSFER_METRICS = (
 )
 
 
+# speculative decoding's counters, only while it is on: (name, the engine's stat, help)
+_SPEC_DECODE_METRICS = (
+    (
+        "triode:spec_decode_num_drafts",
+        "spec_num_drafts",
+        "Drafts verified: one per step per request with at least one proposal.",
+    ),
+    ("triode:spec_decode_num_draft_tokens", "spec_num_draft_tokens", "Proposed tokens verified."),
+    (
+        "triode:spec_decode_num_accepted_tokens",
+        "spec_num_accepted_tokens",
+        "Proposed tokens accepted.",
+    ),
+)
+
+
 class _EngineCollector(Collector):
     """Counters the engine core keeps (cumulative there), exposed as of its last `get_stats`:
-    where prompt tokens came from (vLLM's `prompt_tokens_by_source`) and the KV connector's
-    transfers."""
+    where prompt tokens came from (vLLM's `prompt_tokens_by_source`), the KV connector's
+    transfers, and speculative decoding's acceptance where it is on."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
@@ -189,3 +205,23 @@ class _EngineCollector(Collector):
         )
         refused.add_metric([self.model_name], stats.get("kv_params_refused", 0))
         yield refused
+        yield from self._spec_decode(stats)
+
+    def _spec_decode(self, stats: dict[str, Any]) -> Iterator[CounterMetricFamily]:
+        """vLLM's `spec_decode_*` counters; none without speculative decoding, whose stats
+        carry none of their keys."""
+        for name, key, doc in _SPEC_DECODE_METRICS:
+            if key in stats:
+                metric = CounterMetricFamily(name, doc, labels=["model_name"])
+                metric.add_metric([self.model_name], stats[key])
+                yield metric
+        per_pos = stats.get("spec_num_accepted_tokens_per_pos")
+        if per_pos is not None:
+            metric = CounterMetricFamily(
+                "triode:spec_decode_num_accepted_tokens_per_pos",
+                "Proposed tokens accepted, by their position in the draft (0 first).",
+                labels=["model_name", "position"],
+            )
+            for position, accepted in enumerate(per_pos):
+                metric.add_metric([self.model_name, str(position)], accepted)
+            yield metric

@@ -142,3 +142,52 @@ def test_a_given_registry_is_used() -> None:
     metrics = Metrics("m", registry=registry)
     assert metrics.registry is registry
     assert registry.get_sample_value("triode:num_requests_running", {"model_name": "m"}) == 0
+
+
+SPEC_FAMILIES = {
+    "triode:spec_decode_num_drafts",
+    "triode:spec_decode_num_draft_tokens",
+    "triode:spec_decode_num_accepted_tokens",
+    "triode:spec_decode_num_accepted_tokens_per_pos",
+}
+
+
+def test_speculative_decoding_counters_take_the_engines_latest_stats() -> None:
+    metrics = Metrics("m")
+    metrics.update_engine({"spec_num_drafts": 1, "spec_num_accepted_tokens_per_pos": [1, 0, 0]})
+    metrics.update_engine(
+        {
+            "prompt_tokens_computed": 12,
+            "spec_num_drafts": 40,
+            "spec_num_draft_tokens": 120,
+            "spec_num_accepted_tokens": 71,
+            "spec_num_accepted_tokens_per_pos": [35, 22, 14],
+        }
+    )
+
+    types, samples = _scrape(metrics)
+
+    assert {name: types[name] for name in SPEC_FAMILIES} == dict.fromkeys(SPEC_FAMILIES, "counter")
+    m = _labels(model_name="m")
+    assert samples[("triode:spec_decode_num_drafts_total", m)] == 40
+    assert samples[("triode:spec_decode_num_draft_tokens_total", m)] == 120
+    assert samples[("triode:spec_decode_num_accepted_tokens_total", m)] == 71
+    per_pos = {
+        dict(labels)["position"]: value
+        for (name, labels), value in samples.items()
+        if name == "triode:spec_decode_num_accepted_tokens_per_pos_total"
+    }
+    assert per_pos == {"0": 35, "1": 22, "2": 14}
+    computed = _labels(model_name="m", source="local_compute")
+    assert samples[("triode:prompt_tokens_by_source_total", computed)] == 12
+
+
+def test_without_speculative_decoding_no_spec_family_is_exposed() -> None:
+    metrics = Metrics("m")
+    metrics.update_engine({"prompt_tokens_computed": 12, "kv_load_failures": 1})
+
+    types, samples = _scrape(metrics)
+
+    assert "triode:prompt_tokens_by_source" in types
+    assert not SPEC_FAMILIES & set(types)
+    assert not [name for name, _ in samples if name.startswith("triode:spec_decode")]
