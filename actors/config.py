@@ -14,6 +14,8 @@ from triode.wire.cluster_key import MAKE_ONE
 from triode.wire.kv_transfer import parse_kv_transfer_config
 from triode.wire.messages import MAX_LORA_NAME
 
+from .core.speculation.config import parse_speculative_config
+
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -132,6 +134,18 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             'disaggregated prefill, as vLLM spells it: \'{"kv_connector": "TriodeConnector", '
             '"kv_role": "kv_producer|kv_consumer|kv_both", "kv_port": 0, '
             '"kv_connector_extra_config": {"transport": "tcp|shm", "secret_file": PATH}}\'',
+            metavar="JSON",
+            group="options",
+        ),
+    ] = None
+    # speculative decoding, vLLM's `--speculative-config`: JSON text or its dict; kept as the
+    # dict with defaults filled in (`SpeculativeConfig`)
+    speculative_config: Annotated[
+        dict[str, Any] | str | None,
+        EngineFlag(
+            'speculative decoding, as vLLM spells it: \'{"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' '
+            'or \'{"method": "suffix", "num_speculative_tokens": 8}\'',
             metavar="JSON",
             group="options",
         ),
@@ -260,6 +274,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             config = parse_kv_transfer_config(self.kv_transfer_config)
             self.kv_transfer_config = msgspec.to_builtins(config)
         self._check_generation_config()
+        if self.speculative_config is not None:
+            config = parse_speculative_config(self.speculative_config)
+            self.speculative_config = msgspec.to_builtins(config)
         if self.dtype not in DTYPES:
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}"

@@ -408,7 +408,8 @@ def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
 
 
 def sum_stat_dicts(stats: list[dict[str, Any]]) -> dict[str, Any]:
-    """Numbers summed key by key, except `kv_cache_usage`: the used share of all blocks."""
+    """Numbers summed key by key, lists of numbers position by position, except
+    `kv_cache_usage`: the used share of all blocks."""
     if len(stats) == 1:
         return dict(stats[0])
     total: dict[str, Any] = {}
@@ -416,6 +417,11 @@ def sum_stat_dicts(stats: list[dict[str, Any]]) -> dict[str, Any]:
         for key, value in one.items():
             if isinstance(value, int | float) and not isinstance(value, bool):
                 total[key] = total.get(key, 0) + value
+            elif isinstance(value, list):
+                summed = total.setdefault(key, [])
+                summed += [0] * (len(value) - len(summed))
+                for i, x in enumerate(value):
+                    summed[i] += x
     blocks = sum(s.get("num_total_blocks", 0) for s in stats)
     if blocks:
         used = sum(s.get("kv_cache_usage", 0.0) * s.get("num_total_blocks", 0) for s in stats)

@@ -443,6 +443,7 @@ class EngineCore:
             "loras_resident": len(self.loras.resident),
             "lora_loads": self.loras.loads,
             "lora_evictions": self.loras.evictions,
+            **({} if self.scheduler.drafter is None else self.scheduler.drafter.stats()),
         }
 
     def seconds_stalled(self) -> float:

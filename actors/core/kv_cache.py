@@ -269,6 +269,19 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self._cache_full_blocks(request, self.req_blocks[request.request_id], num_tokens)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past those its first `num_tokens` tokens need: slots it
+        reserved for proposals that were rejected. No prefix is registered there (a block is
+        registered only once full of known tokens)."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        assert self._num_cached_blocks.get(request.request_id, 0) <= keep
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free_blocks(reversed(tail))
+
     def free(self, request: Request) -> None:
         """Release the request's blocks."""
         self.release(self.detach(request))
@@ -304,7 +317,7 @@ class KVCacheManager:
     def _cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_tokens: int
     ) -> None:
-        # Slots reserved past the known tokens (none today) must not hash a partial block.
+        # Slots reserved past the known tokens (proposals) must not hash a partial block.
         num_full = min(num_tokens, request.num_tokens) // self.block_size
         start = self._num_cached_blocks.get(request.request_id, 0)
         if num_full <= start:

@@ -31,6 +31,8 @@ from .loras import LoRASettings
 from .publisher import OUTPUT_HWM
 from .scheduler import Scheduler
 from .scheduler_config import SchedulerConfig
+from .speculation.config import parse_speculative_config
+from .speculation.drafter import Drafter
 from .structured_output import StructuredOutputManager
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,9 @@ async def serve_engine_core(ctx: ChildContext) -> None:
             ),
             connector,
             structured,
+            drafter=None
+            if args.speculative_config is None
+            else Drafter(parse_speculative_config(args.speculative_config)),
         )
         core = EngineCore(
             scheduler,

@@ -31,7 +31,6 @@ from triode.wire.messages import (
 from triode.wire.step import (
     ModelRunnerOutput,
     NewRequestData,
-    RequestStepResult,
     ScheduledRequest,
     SchedulerOutput,
 )
@@ -43,10 +42,11 @@ from .kv_transfers import KVTransfers
 from .request import Request, RequestStatus
 from .scheduler_config import SchedulerConfig
 from .scheduler_stats import scheduler_stats
-from .step_results import advance_grammar, check_stop, unsent_prompt_logprobs
+from .step_results import apply_result
 
 if TYPE_CHECKING:
     from .loras import LoRAEntry, LoRARegistry
+    from .speculation.drafter import Drafter
     from .structured_output import Grammar, StructuredOutputManager
 
 
@@ -59,8 +59,11 @@ class Scheduler:
         config: SchedulerConfig,
         connector: KVConnectorScheduler | None = None,
         structured: StructuredOutputManager | None = None,
+        drafter: Drafter | None = None,
     ) -> None:
         self.config = config
+        # speculative decoding: which running requests propose tokens to verify each step
+        self.drafter = drafter
         self.connector = connector
         if connector is not None:
             connector.num_blocks = config.num_blocks  # what its holds may take a share of
@@ -208,6 +211,8 @@ class Scheduler:
             self.transfers.finish(req)
         else:
             self.kv_cache.free(req)
+        if self.drafter is not None:
+            self.drafter.stop(req)
         if req.runner_knows:
             self._runner_forget.append(req.request_id)
 
@@ -227,8 +232,9 @@ class Scheduler:
             self.transfers.expire_holds()
         budget = self.config.max_num_batched_tokens
         room = max_requests if max_requests is not None else self.config.max_num_seqs
-        scheduled: list[tuple[Request, int]] = []
+        scheduled: list[tuple[Request, int, list[int]]] = []
         preempted = False
+        planned = {} if self.drafter is None else self.drafter.plan(self.running, self.max_len)
 
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < room:
@@ -241,7 +247,11 @@ class Scheduler:
             if num_new <= 0:  # still waiting for the token it sampled last step
                 i += 1
                 continue
-            while self.kv_cache.allocate_slots(req, num_new) is None:
+            drafts = planned.get(req.request_id, [])[: budget - num_new] if num_new == 1 else []
+            # proposals take only blocks that are free: they never preempt anyone
+            if drafts and self.kv_cache.allocate_slots(req, num_new + len(drafts)) is None:
+                drafts = []
+            while not drafts and self.kv_cache.allocate_slots(req, num_new) is None:
                 if not preempt:
                     # wait for blocks to come free, admitting nobody who would take them
                     return self._build_output(scheduled)
@@ -251,8 +261,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append((req, num_new))
-                budget -= num_new
+                scheduled.append((req, num_new, drafts))
+                budget -= num_new + len(drafts)
                 i += 1
 
         # New admissions would only take blocks that the preempted requests need back.
@@ -293,7 +303,7 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
             bisect.insort(self.running, req, key=_sort_key)
-            scheduled.append((req, num_new))
+            scheduled.append((req, num_new, []))
             budget -= num_new
             new_prompt_tokens += num_new
 
@@ -344,7 +354,7 @@ class Scheduler:
         self.num_preemptions += 1
         bisect.insort(self.waiting, req, key=_sort_key)
 
-    def _build_output(self, scheduled: list[tuple[Request, int]]) -> SchedulerOutput:
+    def _build_output(self, scheduled: list[tuple[Request, int, list[int]]]) -> SchedulerOutput:
         self._step += 1
         out = SchedulerOutput(step=self._step)
         if self.connector is not None:
@@ -353,14 +363,15 @@ class Scheduler:
             # An engine may skip the runner for an empty step; the ids must not get lost there.
             out.finished_request_ids, self._runner_forget = self._runner_forget, []
         in_flight = {}
-        for req, num_new in scheduled:
+        for req, num_new, drafts in scheduled:
             start = req.num_computed_tokens
             entry = ScheduledRequest(
                 request_id=req.request_id,
-                token_ids=req.all_token_ids[start : start + num_new],
+                token_ids=req.all_token_ids[start : start + num_new] + drafts,
                 num_computed_tokens=start,
                 block_ids=self.kv_cache.block_ids(req.request_id),
                 sample=start + num_new == req.num_tokens,
+                num_draft_tokens=len(drafts),
             )
             if not req.runner_knows:
                 entry.new = NewRequestData(
@@ -369,15 +380,16 @@ class Scheduler:
                 req.runner_knows = True
             if req.prompt_embeds is not None and start < req.num_prompt_tokens:
                 entry.prompt_embeds = req.prompt_embeds[start : start + num_new]
-            # Advance now, so a chunked prefill goes on next step without waiting for results.
-            req.num_computed_tokens = start + num_new
+            # Advance now, so a chunked prefill goes on next step without waiting for results
+            # (past the proposals too: the result takes back those it rejects).
+            req.num_computed_tokens = start + num_new + len(drafts)
             self.prompt_tokens_computed += max(
                 0, min(start + num_new, req.num_prompt_tokens) - start
             )
             out.requests.append(entry)
             in_flight[req.request_id] = (req, entry)
-            if entry.sample and req.grammar is not None:
-                out.grammar_request_ids.append(req.request_id)  # masked in fill_bitmask
+            if entry.sample and req.grammar is not None:  # masked in fill_bitmask
+                out.grammar_request_ids += [req.request_id] * (1 + len(drafts))
         if in_flight:
             self._in_flight[out.step] = in_flight
         return out
@@ -391,8 +403,10 @@ class Scheduler:
             return
         assert self.structured is not None
         in_flight = self._in_flight[scheduler_output.step]
-        grammars = [in_flight[rid][0].grammar for rid in scheduler_output.grammar_request_ids]
-        scheduler_output.grammar_bitmask = self.structured.bitmask(grammars)  # type: ignore[arg-type]
+        constrained = dict.fromkeys(scheduler_output.grammar_request_ids)  # each request once
+        grammars = [in_flight[rid][0].grammar for rid in constrained]
+        drafts = [_drafts(in_flight[rid][1]) for rid in constrained]
+        scheduler_output.grammar_bitmask = self.structured.bitmask(grammars, drafts)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -412,7 +426,7 @@ class Scheduler:
             # Identity, not id: an id aborted during the step may already name a new request.
             if req is None or entry is None or req.is_finished:
                 continue
-            output = self._apply_result(req, entry, result)
+            output = apply_result(self, req, entry, result)
             if output is None:
                 continue
             outputs[req.client_index].append(output)
@@ -424,34 +438,6 @@ class Scheduler:
             )
             for client in outputs.keys() | finished.keys()
         }
-
-    def _apply_result(
-        self, req: Request, entry: ScheduledRequest, result: RequestStepResult
-    ) -> EngineCoreOutput | None:
-        prompt_logprobs = unsent_prompt_logprobs(req, entry, result.prompt_logprobs)
-        new_token_ids: list[int] = []
-        if result.token_id is not None and entry.sample:
-            req.append_output_token(result.token_id)
-            new_token_ids.append(result.token_id)
-            stop = check_stop(req, self.max_len)
-            if req.grammar is not None and stop is None:
-                stop = advance_grammar(req, result.token_id)
-            if stop is not None:
-                self.running.remove(req)
-                self.finish(req, stop)
-        if not new_token_ids and prompt_logprobs is None:
-            return None
-        return EngineCoreOutput(
-            req.request_id,
-            new_token_ids=new_token_ids,
-            finish_reason=req.status.finish_reason,
-            stop_reason=req.stop_reason,
-            new_logprobs=result.logprobs if new_token_ids else None,
-            new_prompt_logprobs=prompt_logprobs,
-            kv_transfer_params=req.kv_transfer_params_out,
-            num_cached_tokens=max(0, req.num_cached_tokens),
-            weight_version=self.weight_version,
-        )
 
     # Queries
 
@@ -498,3 +484,8 @@ class Scheduler:
 
 def _sort_key(req: Request) -> tuple[int, int]:
     return req.sort_key
+
+
+def _drafts(entry: ScheduledRequest) -> list[int]:
+    """The proposals a step verifies for a request."""
+    return entry.token_ids[len(entry.token_ids) - entry.num_draft_tokens :]

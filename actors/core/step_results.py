@@ -1,15 +1,85 @@
-"""What one step's result means for a request: whether the token it sampled stops it
-(`check_stop`, then for a constrained request `advance_grammar`), and which prompt logprob rows
-are new (`unsent_prompt_logprobs`). The scheduler applies them to each request of a step whose
-result comes back.
+"""What one step's result means for a request (`apply_result`): the tokens it emitted, each
+checked for a stop (`check_stop`, then for a constrained request `advance_grammar`) before the
+next is taken, the proposals it rejected taken back, and which prompt logprob rows are new
+(`unsent_prompt_logprobs`). The scheduler applies it to each request of a step whose result
+comes back.
 """
 
 from __future__ import annotations
 
-from triode.wire.messages import Logprobs
-from triode.wire.step import ScheduledRequest
+from typing import TYPE_CHECKING
+
+from triode.wire.messages import EngineCoreOutput, Logprobs
+from triode.wire.step import RequestStepResult, ScheduledRequest
 
 from .request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+
+def apply_result(
+    scheduler: Scheduler, req: Request, entry: ScheduledRequest, result: RequestStepResult
+) -> EngineCoreOutput | None:
+    """Take `req`'s share of a step's results (`entry` what was scheduled, `result` what came
+    back): what to tell its client, or None when there is nothing new.
+
+    A speculating request emits the proposals the model accepted and one token of its own;
+    its computed tokens go back to the end of the accepted ones, and blocks that only held
+    rejected proposals are freed. Tokens after one that stops the request are dropped."""
+    prompt_logprobs = unsent_prompt_logprobs(req, entry, result.prompt_logprobs)
+    new_token_ids: list[int] = []
+    if result.token_id is not None and entry.sample:
+        emitted = [*result.accepted_token_ids, result.token_id]
+        if entry.num_draft_tokens:
+            _take_back(scheduler, req, entry, len(result.accepted_token_ids))
+        for token_id in emitted:
+            req.append_output_token(token_id)
+            new_token_ids.append(token_id)
+            stop = check_stop(req, scheduler.max_len)
+            if req.grammar is not None and stop is None:
+                stop = advance_grammar(req, token_id)
+            if stop is not None:
+                scheduler.running.remove(req)
+                scheduler.finish(req, stop)
+                break
+        if scheduler.drafter is not None and not req.is_finished:
+            scheduler.drafter.extend(req, new_token_ids)
+    if not new_token_ids and prompt_logprobs is None:
+        return None
+    logprobs = result.logprobs if new_token_ids else None
+    if logprobs is not None and len(logprobs.ranks) > len(new_token_ids):
+        logprobs = _first_rows(logprobs, len(new_token_ids))
+    return EngineCoreOutput(
+        req.request_id,
+        new_token_ids=new_token_ids,
+        finish_reason=req.status.finish_reason,
+        stop_reason=req.stop_reason,
+        new_logprobs=logprobs,
+        new_prompt_logprobs=prompt_logprobs,
+        kv_transfer_params=req.kv_transfer_params_out,
+        num_cached_tokens=max(0, req.num_cached_tokens),
+        weight_version=scheduler.weight_version,
+    )
+
+
+def _take_back(
+    scheduler: Scheduler, req: Request, entry: ScheduledRequest, num_accepted: int
+) -> None:
+    """Count a verification, and move `req`'s computed tokens back from past its proposals to
+    the end of the accepted ones, freeing the blocks past what its tokens need."""
+    if scheduler.drafter is not None:
+        scheduler.drafter.verified(req, entry.num_draft_tokens, num_accepted)
+    scheduled_to = entry.num_computed_tokens + len(entry.token_ids)
+    if req.num_computed_tokens != scheduled_to:  # preempted meanwhile: it starts over anyway
+        return
+    req.num_computed_tokens = scheduled_to - entry.num_draft_tokens + num_accepted
+    # the model's own token comes after them; the next step computes it
+    scheduler.kv_cache.trim(req, req.num_computed_tokens + 1)
+
+
+def _first_rows(logprobs: Logprobs, n: int) -> Logprobs:
+    return Logprobs(logprobs.token_ids[:n], logprobs.logprobs[:n], logprobs.ranks[:n])
 
 
 def check_stop(req: Request, max_len: int) -> RequestStatus | None:

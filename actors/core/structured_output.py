@@ -128,15 +128,43 @@ class StructuredOutputManager:
         """`compile_now` in a worker thread, so the engine's loop goes on meanwhile."""
         return await trio.to_thread.run_sync(self.compile_now, params, abandon_on_cancel=True)
 
-    def bitmask(self, grammars: Sequence[Grammar]) -> np.ndarray:
-        """The packed mask [len(grammars), words] of the tokens each grammar allows next,
-        computed in parallel (llguidance's own threads, without the GIL)."""
-        mask = np.empty((len(grammars), self.words), dtype=np.int32)
-        if len(grammars) == 1:
-            llguidance.numpy.fill_next_token_bitmask(grammars[0].matcher, mask, 0)
-            return mask
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        matchers = [(g.matcher, i) for i, g in enumerate(grammars)]
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, matchers, mask)
+    def bitmask(
+        self, grammars: Sequence[Grammar], drafts: Sequence[Sequence[int]] = ()
+    ) -> np.ndarray:
+        """The packed mask [rows, words] of the tokens each grammar allows next, computed in
+        parallel (llguidance's own threads, without the GIL).
+
+        A grammar with proposals to verify (`drafts[i]`, which it allows: the drafter checked)
+        has 1 + len(drafts[i]) rows in a row: what it allows now, then after each proposal in
+        turn; its matcher goes through them and back."""
+        drafts = list(drafts) or [()] * len(grammars)
+        mask = np.empty((sum(1 + len(d) for d in drafts), self.words), dtype=np.int32)
+        plain, row = [], 0
+        for grammar, proposed in zip(grammars, drafts, strict=True):
+            if proposed:
+                self._fill_ahead(grammar, proposed, mask, row)
+            else:
+                plain.append((grammar.matcher, row))
+            row += 1 + len(proposed)
+        if len(plain) == 1:
+            llguidance.numpy.fill_next_token_bitmask(plain[0][0], mask, plain[0][1])
+        elif plain:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, plain, mask)
         return mask
+
+    @staticmethod
+    def _fill_ahead(grammar: Grammar, drafts: Sequence[int], mask: np.ndarray, row: int) -> None:
+        """Rows `row` .. `row + len(drafts)` of `mask`: what `grammar` allows after each prefix
+        of `drafts`; the matcher ends where it began."""
+        matcher, consumed = grammar.matcher, 0
+        for j in range(len(drafts) + 1):
+            if j == consumed:
+                llguidance.numpy.fill_next_token_bitmask(matcher, mask, row + j)
+            else:  # a proposal it refused: the rows after it are never reached
+                mask[row + j] = mask[row + j - 1]
+            if j < len(drafts) and j == consumed and matcher.consume_token(drafts[j]):
+                consumed += 1
+        if consumed:
+            matcher.rollback(consumed)
