@@ -52,8 +52,12 @@ class _Sequence:
         self.array[start:end] = tokens[start:end]
         n = self.min_n
         ends = self.ends
-        for i in range(max(start, n - 1), end):
-            key = tuple(tokens[i - n + 1 : i + 1])
+        first = max(start, n - 1)
+        if end <= first:
+            return
+        # the n-grams ending at first, first + 1, ...: zip builds the tuples without a Python loop
+        grams = zip(*(tokens[first - n + 1 + j : end - n + 1 + j] for j in range(n)), strict=True)
+        for i, key in enumerate(grams, first):
             positions = ends.get(key)
             if positions is None:
                 ends[key] = [i]

@@ -31,7 +31,9 @@ Memory is O(tokens) per request and O(global capacity) shared.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import itertools
+from collections import Counter
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -46,7 +48,7 @@ SEED_N = 4
 # a cached output contributes at most this many tokens to the global source's capacity
 TOKENS_PER_CACHED_OUTPUT = 1024
 MAX_GLOBAL_TOKENS = 1 << 19
-# below this many occurrences Python lists beat numpy's per-call overhead
+# below this many occurrences a match is extended one by one rather than over arrays
 _SMALL = 12
 
 
@@ -77,8 +79,13 @@ class LocalSource:
         self.array[start:end] = tokens[start:end]
         for i in range(start, end):
             _add(self.last, tokens[i], i)
-            if i >= SEED_N - 1:
-                _add(self.grams, tuple(tokens[i - SEED_N + 1 : i + 1]), i)
+        first = max(start, SEED_N - 1)
+        if end <= first:
+            return
+        # the SEED_N-grams ending at first, first + 1, ...: zip builds the tuples
+        shifted = (tokens[first - SEED_N + 1 + j : end - SEED_N + 1 + j] for j in range(SEED_N))
+        for i, key in enumerate(zip(*shifted, strict=True), first):
+            _add(self.grams, key, i)
 
     def seed(self, key: int | tuple[int, ...]) -> np.ndarray:
         """The most recent positions where `key` (a token, or SEED_N of them) ends."""
@@ -87,14 +94,15 @@ class LocalSource:
             return _EMPTY
         return np.array(positions[-MAX_OCCURRENCES:], dtype=np.int64)
 
-    def back(self, positions: np.ndarray, steps: int) -> np.ndarray:
-        """The positions `steps` tokens earlier; -1 before the start."""
-        out = positions - steps
-        out[out < 0] = -1
-        return out
-
-    def token(self, positions: np.ndarray) -> np.ndarray:
-        return self.array[positions]
+    def match_lengths(
+        self, ends: np.ndarray, reverse: list[int], first: int, last: int
+    ) -> np.ndarray:
+        """How many tokens, at most `last`, of `reverse` (the context, last token first) occur
+        ending at each of `ends`, whose first `first` are known to."""
+        behind = ends[:, None] - np.arange(first, last)[None, :]
+        same = self.array[np.maximum(behind, 0)] == np.array(reverse[first:last])
+        same &= behind >= 0
+        return first + np.cumprod(same, axis=1).sum(axis=1)
 
     def forward(self, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The tokens after `ends` (-1 at the end) and their positions."""
@@ -216,19 +224,34 @@ class GlobalSource:
         ends = np.array(positions[-MAX_OCCURRENCES:], dtype=np.int64)
         return ends[self.output[ends % len(self.token_at)] >= self.first_alive]
 
-    def back(self, positions: np.ndarray, steps: int) -> np.ndarray:
-        """The positions `steps` tokens earlier in the same output; -1 before its start."""
+    def match_lengths(
+        self, ends: np.ndarray, reverse: list[int], first: int, last: int
+    ) -> np.ndarray:
+        """`LocalSource.match_lengths`, one step back along the outputs' links at a time: over
+        arrays while many occurrences still match, then one by one."""
         size = len(self.token_at)
         low = max(self.count - size, 0)
-        out = positions
-        for _ in range(steps):
-            out = np.where(out >= low, self.before[out % size], -1)
-        out = out.copy() if out is positions else out
-        out[out < low] = -1
-        return out
-
-    def token(self, positions: np.ndarray) -> np.ndarray:
-        return self.token_at[positions % len(self.token_at)]
+        lengths = np.full(len(ends), first, dtype=np.int64)
+        cursor = ends
+        for _ in range(first - 1):
+            cursor = np.where(cursor >= low, self.before[cursor % size], -1)
+        alive = np.arange(len(ends))
+        j = first
+        while j < last and len(alive) > _SMALL:
+            cursor = np.where(cursor >= low, self.before[cursor % size], -1)
+            keep = (cursor >= low) & (self.token_at[cursor % size] == reverse[j])
+            alive, cursor = alive[keep], cursor[keep]
+            lengths[alive] += 1
+            j += 1
+        for i, position in zip(alive.tolist(), cursor.tolist(), strict=True):
+            k = j
+            while k < last and position >= low:
+                position = int(self.before[position % size])
+                if position < low or int(self.token_at[position % size]) != reverse[k]:
+                    break
+                k += 1
+            lengths[i] = k
+        return lengths
 
     def forward(self, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The tokens after `ends` in their outputs (-1 where none yet) and their positions."""
@@ -322,10 +345,11 @@ class SuffixProposer:
         if max_tokens <= 0:
             return []
         context = local.tokens[-self.depth :]
+        limits = [self._limit(m, max_tokens) for m in range(self.depth + 1)]
         best = _Draft()
         for source in (local, self._global):
             if source is not None:
-                draft = self._draft(source, context, max_tokens, best)
+                draft = self._draft(source, context, limits, best)
                 if (draft.score, draft.match) > (best.score, best.match):
                     best = draft
         return best.tokens
@@ -335,70 +359,55 @@ class SuffixProposer:
         by_factor = int(match * self.spec_factor + 1e-6)
         return max(0, min(max_tokens, by_factor, self.depth - match))
 
-    def _draft(self, source: Source, context: list[int], max_tokens: int, best: _Draft) -> _Draft:
-        """The best draft of one source that beats `best`, else an empty one."""
+    def _draft(self, source: Source, context: list[int], limits: list[int], best: _Draft) -> _Draft:
+        """The best draft of one source that beats `best`, else an empty one. Matches of at
+        least SEED_N tokens come first, so that shorter ones, seeded by the last token alone,
+        are followed only where their limit could beat what the longer ones found."""
         longest = len(context) - 1
-        found = _Draft()
-        floor = best
-        shallow_top = min(SEED_N - 1, longest)
+        reverse = context[::-1]
+        seeds = []
         if longest >= SEED_N:
-            groups = self._matches(source, context, SEED_N, longest)
-            for draft in self._follow_groups(source, groups, max_tokens, floor):
-                found = floor = draft
-        # a shorter match is worth following only if its limit beats what is already found
-        if shallow_top >= 1 and any(
-            self._limit(m, max_tokens) > floor.score for m in range(1, shallow_top + 1)
-        ):
-            groups = self._matches(source, context, 1, shallow_top)
-            for draft in self._follow_groups(source, groups, max_tokens, floor):
-                found = floor = draft
-        return found
-
-    def _matches(
-        self, source: Source, context: list[int], first: int, last: int
-    ) -> list[tuple[list[int], np.ndarray]]:
-        """Groups of match lengths in [first, last] that share one set of occurrences (as the
-        positions of their last token), shortest first, up to the first length with none."""
-        key = tuple(context[-first:]) if first > 1 else context[-1]
-        ends = source.seed(key)
-        starts = source.back(ends, first - 1)
-        groups: list[tuple[list[int], np.ndarray]] = []
-        for m in range(first, last + 1):
+            seeds.append((SEED_N, longest, tuple(context[-SEED_N:])))
+        if longest >= 1:
+            seeds.append((1, min(SEED_N - 1, longest), context[-1]))
+        found = floor = best
+        for first, last, key in seeds:
+            if max(limits[first : last + 1]) <= floor.score:
+                continue
+            ends = source.seed(key)
             if len(ends) == 0:
-                break
-            if groups and len(groups[-1][1]) == len(ends):
-                groups[-1][0].append(m)
-            else:
-                groups.append(([m], ends))
-            if m == last:
-                break
-            self.last_examined += len(ends)
-            before = source.back(starts, 1)
-            keep = before >= 0
-            keep[keep] = source.token(before[keep]) == context[-m - 1]
-            ends, starts = ends[keep], before[keep]
-        return groups
+                continue
+            self.last_examined += len(ends) * max(last - first, 1)
+            lengths = source.match_lengths(ends, reverse, first, last)
+            for draft in self._follow(source, ends, lengths, first, limits, floor):
+                found = floor = draft
+        return found if found is not best else _Draft()
 
-    def _follow_groups(
+    def _follow(
         self,
         source: Source,
-        groups: list[tuple[list[int], np.ndarray]],
-        max_tokens: int,
+        ends: np.ndarray,
+        lengths: np.ndarray,
+        first: int,
+        limits: list[int],
         floor: _Draft,
-    ):
-        """Drafts that beat `floor`, each beating the one before, longest matches first."""
-        for lengths, ends in reversed(groups):
-            limits = [self._limit(m, max_tokens) for m in lengths]
-            top = max(limits)
+    ) -> Iterator[_Draft]:
+        """Drafts that beat `floor`, each beating the one before, longest matches first. The
+        match lengths between two consecutive values of `lengths` share one set of
+        occurrences, hence one path, cut at each length's limit."""
+        distinct = sorted(set(lengths.tolist()), reverse=True)
+        for i, longest in enumerate(distinct):
+            shortest = distinct[i + 1] + 1 if i + 1 < len(distinct) else first
+            matches = range(longest, shortest - 1, -1)
+            top = max(limits[m] for m in matches)
             if top == 0 or top <= floor.score:
                 continue
-            tokens, probs = self._path(source, ends, top)
-            prefix = np.concatenate(([0.0], np.cumsum(probs)))
-            for m, limit in sorted(zip(lengths, limits, strict=True), reverse=True):
-                n = min(limit, len(tokens))
-                score = float(prefix[n])
-                if n and (score, m) > (floor.score, floor.match):
-                    floor = _Draft(score, m, tokens[:n])
+            tokens, probs = self._path(source, ends[lengths >= longest], top)
+            prefix = [0.0, *itertools.accumulate(probs)]
+            for m in matches:
+                n = min(limits[m], len(tokens))
+                if n and (prefix[n], m) > (floor.score, floor.match):
+                    floor = _Draft(prefix[n], m, tokens[:n])
                     yield floor
 
     def _path(self, source: Source, ends: np.ndarray, limit: int) -> tuple[list[int], list[float]]:
@@ -440,22 +449,12 @@ class _Draft:
 
 def _most_frequent(following: np.ndarray) -> tuple[int, int]:
     """The most frequent non-negative token and its count, ties to the last one to occur;
-    (-1, 0) when there is none."""
-    if len(following) <= _SMALL:
-        counts: dict[int, int] = {}
-        for t in following.tolist():
-            if t >= 0:
-                counts[t] = counts.get(t, 0) + 1
-        if not counts:
-            return -1, 0
-        top = max(counts.values())
-        last = next(t for t in reversed(following.tolist()) if counts.get(t) == top)
-        return last, top
-    present = following[following >= 0]
-    if len(present) == 0:
+    (-1, 0) when there is none. At most MAX_OCCURRENCES tokens: Python's counter is quicker
+    here than numpy's sorting."""
+    tokens = following.tolist()
+    counts = Counter(tokens)
+    counts.pop(-1, None)
+    if not counts:
         return -1, 0
-    values, first_from_end, counts = np.unique(present[::-1], return_index=True, return_counts=True)
-    top = counts.max()
-    order = np.where(counts == top, first_from_end, len(present))
-    pick = int(np.argmin(order))
-    return int(values[pick]), int(top)
+    top = max(counts.values())
+    return next(t for t in reversed(tokens) if counts.get(t) == top), top

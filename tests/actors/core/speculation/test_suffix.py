@@ -198,7 +198,9 @@ def test_the_global_source_keeps_at_most_its_capacity_of_tokens():
     assert len(source.seed(10)) == 0  # overwritten
     assert sum(len(v) for v in source.last.values()) <= 2 * 64
     assert source.follow(990, 20) == list(range(991, 1000))
-    assert list(source.back(source.seed(999), 70)) == [-1]  # past the ring's oldest token
+    # a match runs back to the ring's oldest token and no further
+    reverse = list(range(999, -1, -1))
+    assert source.match_lengths(source.seed(999), reverse, 1, 100).tolist() == [64]
 
 
 def test_seeds_draw_on_the_most_recent_occurrences():
