@@ -4,7 +4,9 @@ Semantics follow vLLM V1. Logprobs describe the raw model distribution. The logi
 processed in this order: allowed_token_ids, logit_bias, min_tokens, penalties (repetition over
 prompt + output, presence and frequency over output), then greedy argmax or temperature, top-k,
 top-p, min-p and an exponential race. The processing is in `logits_processing`, each request's
-state in `sampling_state`.
+state in `sampling_state`. What each row is drawn from (`min_p_logits`, `truncated_candidates`)
+and the draws (`draw_plain`, `draw_candidates`) are public for the verification of speculative
+proposals (`rejection_sampler`), which draws from the same distributions.
 
 The race picks argmax(p_i / q_i) with q_i ~ Exp(1), which draws token i with probability p_i.
 It runs in log space, argmax(logit_i / T - log q_i), so it needs no softmax and survives rows
@@ -114,17 +116,30 @@ def compute_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, num_top: in
 
 
 def _sample_plain(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """Temperature, min-p and the race over the whole vocabulary.
+    """Temperature, min-p and the race over the whole vocabulary."""
+    return draw_plain(min_p_logits(logits, states), states)
+
+
+def min_p_logits(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """What the sampler draws from for rows that neither are greedy nor truncate: the logits,
+    unscaled, with -inf below each row's min-p floor (`logits` itself when no row uses min-p).
+    A row's distribution is their softmax at its temperature."""
+    if not any(s.uses_min_p for s in states):
+        return logits
+    temperature = _column([s.params.temperature for s in states])
+    # p_i >= min_p * p_max  <=>  logit_i / T >= max / T + log(min_p)
+    floor = logits.amax(dim=-1, keepdim=True) + temperature * _column(
+        [_log(s.params.min_p) for s in states]
+    )
+    return logits.masked_fill(logits < floor, -math.inf)
+
+
+def draw_plain(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """One token per row from softmax(logits / T) by the race.
 
     argmax(logit / T - log q) is argmax(logit - T log q): one fused pass, no division.
     """
     temperature = _column([s.params.temperature for s in states])
-    if any(s.uses_min_p for s in states):
-        # p_i >= min_p * p_max  <=>  logit_i / T >= max / T + log(min_p)
-        floor = logits.amax(dim=-1, keepdim=True) + temperature * _column(
-            [_log(s.params.min_p) for s in states]
-        )
-        logits = logits.masked_fill(logits < floor, -math.inf)
     log_q = _log_exponentials(states, logits.shape[1], None)
     return _argmax(torch.addcmul(logits, log_q, -temperature))
 
@@ -137,11 +152,28 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
 
 def _sample_truncated(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p and the race over each row's surviving candidates."""
+    values, ids = truncated_candidates(logits, states)
+    return draw_candidates(values, ids, states, logits.shape[1])
+
+
+def truncated_candidates(
+    logits: torch.Tensor, states: list[SamplingState]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the sampler draws from for rows that truncate (top-k or top-p, not greedy): each
+    row's candidates as temperature-scaled log-weights (descending, -inf outside top-k, top-p
+    and min-p) and their token ids, both [n, w]."""
     values, ids = _candidates(logits, states)
     if any(s.uses_min_p for s in states):
         floor = values[:, :1] + _column([_log(s.params.min_p) for s in states])
         values = values.masked_fill(values < floor, -math.inf)
-    scores = values - _log_exponentials(states, logits.shape[1], ids)
+    return values, ids
+
+
+def draw_candidates(
+    values: torch.Tensor, ids: torch.Tensor, states: list[SamplingState], vocab: int
+) -> torch.Tensor:
+    """One token per row from softmax(values) over the candidates `ids`, by the race."""
+    scores = values - _log_exponentials(states, vocab, ids)
     return ids.gather(1, scores.argmax(dim=-1, keepdim=True)).squeeze(1)
 
 

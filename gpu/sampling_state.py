@@ -5,6 +5,8 @@ output, the seeded generator.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
@@ -84,6 +86,21 @@ class SamplingState:
                 self._outputs = np.resize(self._outputs, 2 * n)
             self._outputs[n] = token_id
         self.output_token_ids.append(token_id)
+
+    def ahead(self, tokens: list[int]) -> SamplingState:
+        """This state as it will be once `tokens` are appended, for processing a row further on
+        (a speculative proposal's verification row): penalties count `tokens` and min_tokens
+        sees a longer output. Shares everything that does not change, the seeded generator
+        included; the output is its own, so `self` is untouched.
+        """
+        view = copy.copy(self)
+        view.output_token_ids = [*self.output_token_ids, *tokens]
+        if self.penalized:
+            known, n = len(self.output_token_ids), len(view.output_token_ids)
+            view._outputs = np.empty(n + 16, dtype=np.int64)
+            view._outputs[:known] = self.output_ids
+            view._outputs[known:n] = tokens
+        return view
 
     @property
     def output_ids(self) -> np.ndarray:
