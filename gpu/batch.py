@@ -59,9 +59,15 @@ def flatten(
         context = r.num_computed_tokens
         return _bucket(-(-(context + 1) // bs)), lora_of(r), context
 
-    decodes = sorted((r for r in requests if len(r.token_ids) == 1), key=decode_order)
+    def row_by_row(r: ScheduledRequest) -> bool:
+        """Whether each of `r`'s tokens attends like a decode: a decode, or a speculating
+        request's verify rows (its last token and its proposals), each seeing the context up
+        to its own position."""
+        return len(r.token_ids) == 1 or r.num_draft_tokens > 0
+
+    decodes = sorted((r for r in requests if row_by_row(r)), key=decode_order)
     # a chunk's place among the chunks is free: each adapter's chunks next to each other
-    chunks = sorted((r for r in requests if len(r.token_ids) != 1), key=lora_of)
+    chunks = sorted((r for r in requests if not row_by_row(r)), key=lora_of)
 
     def in_kernel(r: ScheduledRequest) -> bool:
         """Whether `r`'s tokens attend through the kernel, each like a decode: decodes and
@@ -71,13 +77,12 @@ def flatten(
     # then the chunks the kernel takes, then the others
     ordered = decodes + [r for r in chunks if in_kernel(r)]
     ordered += [r for r in chunks if not in_kernel(r)]
-    kernel_tables: list[list[int]] = []
-    kernel_lens: list[int] = []
+    row_tables: list[list[int]] = []  # the decode-like rows': their request's table
+    row_lens: list[int] = []  # and the context each row sees
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     starts: dict[str, int] = {}
-    tables: list[list[int]] = []
     prefills: list[PrefillChunk] = []
     embed_rows: list[int] = []
     embeds: list[torch.Tensor] = []
@@ -95,11 +100,11 @@ def flatten(
         ids += r.token_ids
         positions += range(begin, end)
         slots += [table[p // bs] * bs + p % bs for p in range(begin, end)]
-        tables.append(table)
-        if in_kernel(r):
-            kernel_tables += [table] * (end - begin)
-            kernel_lens += range(begin + 1, end + 1)
-        elif len(r.token_ids) > 1:
+        if in_kernel(r) or row_by_row(r):
+            # a row per token, each seeing the context up to its own position
+            row_tables += [table] * (end - begin)
+            row_lens += range(begin + 1, end + 1)
+        else:
             block_table = torch.tensor(table, device=device)
             prefills.append(
                 PrefillChunk.build(starts[r.request_id], end - begin, begin, block_table)
@@ -107,22 +112,16 @@ def flatten(
     # the kernel reads each context's own length: one group; torch's attention pads
     if paged_kernel:
         groups = []
-        if kernel_lens:
-            groups = [DecodeGroup.build(0, kernel_tables, kernel_lens, bs, device, False)]
+        if row_lens:
+            groups = [DecodeGroup.build(0, row_tables, row_lens, bs, device, False)]
     else:
         groups = [
-            DecodeGroup.build(
-                lo,
-                tables[lo:hi],
-                [r.num_computed_tokens + 1 for r in decodes[lo:hi]],
-                bs,
-                device,
-            )
-            for lo, hi in decode_groups([len(t) for t in tables[: len(decodes)]])
+            DecodeGroup.build(lo, row_tables[lo:hi], row_lens[lo:hi], bs, device)
+            for lo, hi in decode_groups([-(-n // bs) for n in row_lens])
         ]
     meta = AttentionMetadata(
         slot_mapping=_tensor(device, slots),
-        num_decodes=len(decodes),
+        num_decodes=sum(len(r.token_ids) for r in decodes),
         decodes=tuple(groups),
         prefills=tuple(prefills),
     )

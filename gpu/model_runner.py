@@ -37,14 +37,14 @@ from .cpu_paths import (
 )
 from .kv.connector import FinishedTransfers, KVConnectorWorker
 from .loader import resolve_model
-from .logits_processing import apply_token_bitmask
 from .lora.config import lora_config_of
 from .lora.store import LoraStore, start_lora_step
 from .model_files import context_limit, eos_token_ids, safetensors_weights
 from .models.llama import head_dim, parameter_defaults
 from .models.registry import model_class
-from .sampler import Sampler, SamplerOutput, compute_logprobs, plain_greedy
+from .sampler import Sampler, compute_logprobs
 from .sampling_state import SamplingState
+from .step_sampling import Drawn, draw, logit_rows
 
 # what steps with prompt tokens pad their dense products to (see cpu_paths.RowPaths.dense_min)
 DENSE_MIN_ROWS = 64
@@ -335,25 +335,25 @@ class ModelRunner:
             return ModelRunnerOutput(step=sched.step)
 
         sampling = [r for r in sched.requests if r.sample]
-        tokens: dict[str, tuple[int, Logprobs | None]] = {}
-        sampled: SamplerOutput | None = None
+        tokens: dict[str, Drawn] = {}
         if sampling:
-            rows = [batch.start[r.request_id] + len(r.token_ids) - 1 for r in sampling]
+            rows = logit_rows(sampling, batch.start)
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             if logits is not None:
                 states = [self._state(r.request_id) for r in sampling]
-                if self._fused is not None and not sched.grammar_request_ids:
-                    sampled = self._greedy(logits, states)
-                if sampled is None:
-                    sampled = self._sample(logits, states, sched, sampling, await_bitmask)
-                picks = zip(sampled.token_ids, sampled.logprobs, strict=True)
-                tokens = dict(zip((r.request_id for r in sampling), picks, strict=True))
+                drawn = draw(
+                    logits, sampling, states, sched, self.sampler, self._fused, await_bitmask
+                )
+                tokens = dict(zip((r.request_id for r in sampling), drawn, strict=True))
         results = []
         for r in sched.requests:
             result = RequestStepResult(r.request_id)
             if r.request_id in tokens:
-                result.token_id, result.logprobs = tokens[r.request_id]
-                self._state(r.request_id).append(result.token_id)
+                emitted, result.logprobs = tokens[r.request_id]
+                *result.accepted_token_ids, result.token_id = emitted
+                state = self._state(r.request_id)
+                for token_id in emitted:
+                    state.append(token_id)
             span = self._prompt_logprob_span(r)
             if span is not None:
                 first_position, targets = span
@@ -365,33 +365,6 @@ class ModelRunner:
         if not self.parallel.is_driver:
             return ModelRunnerOutput(step=sched.step)
         return ModelRunnerOutput(step=sched.step, results=results)
-
-    def _greedy(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput | None:
-        """A step whose rows all take their argmax and report nothing else, straight from the
-        bfloat16 logits (`FusedOps.argmax`, the same picks as the sampler's); else None."""
-        if logits.dtype != torch.bfloat16 or not plain_greedy(states):
-            return None
-        assert self._fused is not None
-        return SamplerOutput(self._fused.argmax(logits).tolist(), [None] * len(states))
-
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        states: list[SamplingState],
-        sched: SchedulerOutput,
-        sampling: list[ScheduledRequest],
-        await_bitmask: Callable[[], object] | None,
-    ) -> SamplerOutput:
-        logits = logits.float().cpu()  # sampling is on the CPU
-        if sched.grammar_request_ids:
-            if sched.grammar_bitmask is None and await_bitmask is not None:
-                await_bitmask()  # filled beside the forward (InProcessExecutor)
-            if sched.grammar_bitmask is None:
-                raise ValueError("a step with constrained rows came without its bitmask")
-            row_of = {r.request_id: i for i, r in enumerate(sampling)}
-            rows = [row_of[request_id] for request_id in sched.grammar_request_ids]
-            apply_token_bitmask(logits, rows, sched.grammar_bitmask)
-        return self.sampler(logits, states)
 
     def shutdown(self) -> None:
         """Stop the KV connector's threads; the runner steps no more."""

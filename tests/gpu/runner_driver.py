@@ -41,6 +41,7 @@ class Driver:
         self.seqs: dict[str, Seq] = {}
         self.step_count = 0
         self.finished: list[str] = []
+        self.accepted = 0  # proposals the runner accepted
 
     def add(
         self,
@@ -61,13 +62,19 @@ class Driver:
         self.free += self.seqs.pop(request_id).blocks
         self.finished.append(request_id)
 
-    def step(self, chunks: dict[str, int] | None = None) -> None:
-        """One step for every request; `chunks` caps a request's token count this step."""
+    def step(
+        self,
+        chunks: dict[str, int] | None = None,
+        drafts: dict[str, list[int]] | None = None,
+    ) -> None:
+        """One step for every request; `chunks` caps a request's token count this step;
+        `drafts` gives decoding requests proposals to verify (speculative decoding)."""
         scheduled = []
         for request_id, seq in self.seqs.items():
             n = min(len(seq.tokens) - seq.computed, (chunks or {}).get(request_id, 10**9))
             end = seq.computed + n
-            while len(seq.blocks) * self.runner.block_size < end:
+            proposed = (drafts or {}).get(request_id, []) if n == 1 else []
+            while len(seq.blocks) * self.runner.block_size < end + len(proposed):
                 seq.blocks.append(self.free.pop(0))
             new = None
             if not seq.announced:
@@ -77,11 +84,12 @@ class Driver:
             scheduled.append(
                 ScheduledRequest(
                     request_id,
-                    seq.tokens[seq.computed : end],
+                    seq.tokens[seq.computed : end] + proposed,
                     seq.computed,
                     list(seq.blocks),
                     sample=end == len(seq.tokens),
                     new=new,
+                    num_draft_tokens=len(proposed),
                 )
             )
         out = self.runner.execute(
@@ -89,13 +97,20 @@ class Driver:
         )
         self.step_count, self.finished = self.step_count + 1, []
         for r in scheduled:
-            self.seqs[r.request_id].computed += len(r.token_ids)
+            self.seqs[r.request_id].computed += len(r.token_ids) - r.num_draft_tokens
         for result in out.results:
             seq = self.seqs[result.request_id]
             if result.token_id is not None:
-                seq.tokens.append(result.token_id)
-            if result.logprobs is not None:
-                seq.logprobs.append(result.logprobs)
+                emitted = [*result.accepted_token_ids, result.token_id]
+                seq.tokens += emitted
+                seq.computed += len(result.accepted_token_ids)
+                self.accepted += len(result.accepted_token_ids)
+            if result.logprobs is not None:  # a row per emitted token
+                lp = result.logprobs
+                seq.logprobs += [
+                    Logprobs(lp.token_ids[i : i + 1], lp.logprobs[i : i + 1], lp.ranks[i : i + 1])
+                    for i in range(len(lp.ranks))
+                ]
             if result.prompt_logprobs is not None:
                 seq.prompt_logprobs.append(result.prompt_logprobs)
 
