@@ -40,6 +40,7 @@ BENCHMARKS = {
     "moe-dispatch": Benchmark(
         "triode.gpu.bench.moe", "one MoE block: TP against expert parallel's two dispatches"
     ),
+    "spec": Benchmark("triode.edge.bench.spec", "speculative decoding against none, served"),
     "step": Benchmark("triode.gpu.bench.step", "one decode step at several batch sizes, profiled"),
     "collectives": Benchmark(
         "triode.gpu.bench.collectives", "tensor and pipeline parallelism's exchanges"
