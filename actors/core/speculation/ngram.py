@@ -4,11 +4,13 @@ For each request the proposer keeps the sequence (prompt, then output) and an in
 `min_n`-gram to the positions where it ends, in increasing order; an appended token adds one
 entry. `propose` looks up the last `min_n` tokens, extends each earlier occurrence backwards up
 to `max_n` tokens, and copies what followed the best one: the longest match, and among equally
-long matches the most recent. vLLM takes the earliest; the most recent is the better guess for
-what a model is copying now (a passage quoted twice, a line of code edited and repeated, the
-latest turn of a conversation), and in a repetitive output the most recent occurrence is the
-one whose continuation reaches furthest into what has just been generated, so it can run up to
-the current position and keep copying. Both rules agree whenever the longest match is unique.
+long matches the most recent one that is followed by `max_tokens` tokens (else the earliest,
+which is followed by the most). vLLM takes the earliest; the most recent is the better guess
+for what a model is copying now (a passage quoted twice, a line of code edited and repeated,
+the latest turn of a conversation), but in a run of one token or a short cycle the most recent
+occurrence ends just before the current position, with one or two tokens after it: there the
+latest one with a whole proposal after it wins. Both rules agree whenever the longest match is
+unique.
 
 Cost: `start` and `extend` are O(1) per token. `propose` examines at most `MAX_CANDIDATES` of
 the most recent occurrences (older ones are ignored: a 20,000-fold repeated token costs what a
@@ -18,6 +20,7 @@ O(MAX_CANDIDATES * max_n) whatever the history. Memory is O(tokens) per request.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 import numpy as np
@@ -107,31 +110,34 @@ class NgramProposer:
             return []
         candidates = ends[-MAX_CANDIDATES - 1 : -1]
         self.last_candidates = len(candidates)
-        if self.max_n == self.min_n:
-            best = candidates[-1]
-        elif len(candidates) < _VECTOR_THRESHOLD:
-            best = self._best_scalar(tokens, candidates)
-        else:
-            best = self._best_vector(seq.array[:length], candidates)
+        if self.max_n > self.min_n:
+            if len(candidates) < _VECTOR_THRESHOLD:
+                candidates = self._longest_scalar(tokens, candidates)
+            else:
+                candidates = self._longest_vector(seq.array[:length], candidates)
+        # the latest that a whole proposal follows, else the earliest (the most follows it)
+        i = bisect.bisect_right(candidates, length - 1 - max_tokens) - 1
+        best = candidates[max(i, 0)]
         return tokens[best + 1 : best + 1 + max_tokens]
 
-    def _best_scalar(self, tokens: list[int], candidates: list[int]) -> int:
-        """The most recent candidate with the longest match, comparing token by token."""
+    def _longest_scalar(self, tokens: list[int], candidates: list[int]) -> list[int]:
+        """The candidates with the longest match, in order, comparing token by token."""
         last = len(tokens) - 1
         reach = min(self.max_n, last)  # the suffix may not be longer than the sequence before it
-        best, best_n = candidates[-1], -1
-        for end in reversed(candidates):
+        longest: list[int] = []
+        best_n = -1
+        for end in candidates:
             n = self.min_n
             while n < reach and end - n >= 0 and tokens[end - n] == tokens[last - n]:
                 n += 1
             if n > best_n:
-                best, best_n = end, n
-                if n == reach:
-                    break
-        return best
+                longest, best_n = [end], n
+            elif n == best_n:
+                longest.append(end)
+        return longest
 
-    def _best_vector(self, array: np.ndarray, candidates: list[int]) -> int:
-        """`_best_scalar` over numpy arrays, one gather per extra token of match."""
+    def _longest_vector(self, array: np.ndarray, candidates: list[int]) -> list[int]:
+        """`_longest_scalar` over numpy arrays, one gather per extra token of match."""
         last = len(array) - 1
         ends = np.asarray(candidates, dtype=np.int64)
         matched = np.full(len(ends), self.min_n, dtype=np.int64)
@@ -143,5 +149,4 @@ class NgramProposer:
             if not alive.any():
                 break
             matched += alive
-        top = matched.max()
-        return int(ends[len(ends) - 1 - int(np.argmax(matched[::-1] == top))])
+        return ends[matched == matched.max()].tolist()

@@ -13,13 +13,16 @@ from triode.actors.core.speculation.suffix import SuffixProposer
 
 
 def reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """Longest n in [min_n, max_n] whose suffix occurred earlier; most recent such occurrence."""
+    """Longest n in [min_n, max_n] whose suffix occurred earlier; among those occurrences the
+    most recent with k tokens after it, else the earliest."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = tokens[length - n :]
-        for start in range(length - n - 1, -1, -1):
-            if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+        found = [s for s in range(length - n) if tokens[s : s + n] == suffix]
+        if found:
+            whole = [s for s in found if length - (s + n) >= k]
+            start = whole[-1] if whole else found[0]
+            return tokens[start + n : start + n + k]
     return []
 
 
@@ -103,7 +106,7 @@ def test_matches_a_brute_force_reference(seed: int):
 @pytest.mark.parametrize("min_n,max_n", [(1, 8), (3, 3)])
 def test_a_long_repetition_examines_a_bounded_number_of_candidates(min_n: int, max_n: int):
     p = proposer([7] * 20_000, min_n, max_n)
-    assert p.propose("r", 4) == [7]
+    assert p.propose("r", 4) == [7] * 4  # a run proposes a whole run, not the one token left
     assert p.last_candidates == MAX_CANDIDATES
     # a periodic sequence over three tokens: its last min_n tokens occur hundreds of times
     rng = random.Random(0)
