@@ -588,7 +588,7 @@ def test_a_profile_holds_the_steps_run_on_another_thread(tiny: Path, tmp_path: P
     assert stopped["files"] == [started["file"]]
     trace = json.loads(Path(started["file"]).read_text())
     names = {event.get("name") for event in trace["traceEvents"]}
-    assert {"aten::linear", "aten::mm"} <= names
+    assert "aten::mm" in names  # the projections
     assert list((tmp_path / "traces").iterdir()) == [Path(started["file"])]
     with pytest.raises(OperationError) as e:
         ops.stop_profile()
