@@ -28,9 +28,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     matched token (and `num_speculative_tokens`).
 
     `disable_by_batch_size`: no proposals in a step with more running requests than this (None:
-    the row budget alone decides, `drafter`). `max_verify_rows`: the most rows (decodes and
-    proposals together) a step verifies in; None: what this CPU computes at about the cost of
-    one decode row (`drafter.default_verify_rows`).
+    the cost model alone decides, `drafter`). `max_verify_rows`: the most rows (decodes, prompt
+    chunks and proposals together) a step with proposals may have; None: no bound but the cost
+    model's.
     """
 
     method: Literal["ngram", "suffix"]

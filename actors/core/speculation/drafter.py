@@ -1,20 +1,21 @@
 """Which running requests propose how many tokens in a step (`Drafter.plan`), and what their
 verification showed (`Drafter.verified`).
 
-On a CPU a decode step reads every weight once whatever its row count, up to the row count
-where arithmetic starts to cost more than reading: rows below it ride almost free. A step's
-proposals therefore share what is left of a row budget (`max_verify_rows`) after its decodes
-and prompt rows, and none are made past it: at a large batch the step is already
-arithmetic-bound, and verifying would only slow it. The spare rows go to the proposals worth
-most: a request's j-th proposal is accepted with about its recent per-token acceptance rate to
-the j-th power, and a proposal worth less than `MIN_WORTH` tokens is not made at all. A request
+A step reads every weight once whatever its row count, but each row adds arithmetic: on a CPU
+a step of r rows costs about 1 + slope * (r - 1) steps of one (`row_cost_slope`, by CPU
+family). A request's j-th proposal is accepted with about its recent per-token acceptance rate
+to the j-th power: that is its worth in tokens. `plan` takes the proposals worth most, as many
+as make the step's tokens per unit of time (its decodes plus the proposals' worth, over its
+cost) greatest: at one stream a proposal pays from a few percent of acceptance, at a large
+batch the step is already arithmetic-bound and only near-certain proposals pay, so
+speculation fades out on its own as the batch grows. A proposal worth less than `MIN_WORTH`
+tokens is not made at all. A request
 whose rate falls below that pauses its proposals for `FIRST_PAUSE` steps, twice as many each
 time it falls again (up to `MAX_PAUSE`), then tries afresh: what it copies may change.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from collections.abc import Sequence
@@ -37,10 +38,13 @@ MAX_PAUSE = 128
 LOG_INTERVAL = 10.0
 
 
-def default_verify_rows(cpuinfo: str | None = None) -> int:
-    """The rows a step computes at about the cost of one on this CPU (`triode bench step`):
-    with AVX2 alone float32 products turn arithmetic-bound from about 8 rows; AVX512 and AMX
-    units take bfloat16 at several times that rate."""
+def row_cost_slope(cpuinfo: str | None = None) -> float:
+    """What one more row adds to a decode step, in steps of one row, on this CPU.
+
+    Measured with `triode bench step` on SmolLM2 (float32, a 2-core AVX2 EPYC): 1, 2, 5, 8, 16
+    and 32 rows took 103, 111, 129, 149, 219 and 339 ms, about 1 + 0.07 (r - 1). CPUs with
+    bfloat16 units (AVX512-BF16, AMX) run the model in bfloat16 with several times the
+    arithmetic per byte read, so a row costs them less."""
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
@@ -48,12 +52,10 @@ def default_verify_rows(cpuinfo: str | None = None) -> int:
             cpuinfo = ""
     flags = set(cpuinfo.split())
     if "amx_bf16" in flags:
-        return 48
+        return 0.01
     if "avx512_bf16" in flags:
-        return 24
-    if "avx512f" in flags:
-        return 16
-    return 8
+        return 0.03
+    return 0.07
 
 
 class _Track:
@@ -93,12 +95,13 @@ class Drafter:
         self,
         config: SpeculativeConfig,
         proposer: Proposer | None = None,
-        max_verify_rows: int | None = None,
+        slope: float | None = None,
     ) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
         self.proposer = proposer if proposer is not None else make_proposer(config)
-        self.max_verify_rows = max_verify_rows or config.max_verify_rows or default_verify_rows()
+        # a step of r rows costs 1 + slope * (r - 1) steps of one
+        self.slope = row_cost_slope() if slope is None else slope
         self._tracks: dict[str, _Track] = {}
         # vLLM's counters: steps that verified proposals, proposals, accepted ones, and
         # accepted ones by position
@@ -109,13 +112,27 @@ class Drafter:
         self._logged_at = time.monotonic()
         self._logged = (0, 0, 0)
 
+    def cost(self, rows: int) -> float:
+        """What a step of `rows` rows costs, in steps of one row."""
+        return 1.0 + self.slope * (rows - 1)
+
     def plan(self, running: Sequence[Request], max_len: int) -> dict[str, list[int]]:
-        """Each running request's proposals for the next step (none for most), within the row
-        budget: only requests whose last token is known and that are past their prompt."""
+        """Each running request's proposals for the next step (none for most): only requests
+        whose last token is known and that are past their prompt propose, and only the
+        proposals that make the step's tokens per unit of time greatest are kept."""
         rows = sum(max(0, r.num_tokens - r.num_computed_tokens) for r in running)
-        spare = self.max_verify_rows - rows
+        ready = [
+            r for r in running if r.num_computed_tokens == r.num_tokens - 1 and r.output_token_ids
+        ]
         limit = self.config.disable_by_batch_size
-        if spare <= 0 or (limit is not None and len(running) > limit):
+        cap = self.config.max_verify_rows
+        # a proposal sure to be accepted must beat the step's tokens per row to pay
+        if (
+            not ready
+            or (limit is not None and len(running) > limit)
+            or (cap is not None and rows >= cap)
+            or self.slope * len(ready) / self.cost(rows) > 1 - MIN_WORTH
+        ):
             return {}
         offers: list[tuple[float, int, str, int]] = []  # (-worth, order, request id, count)
         proposals: dict[str, list[int]] = {}
@@ -142,8 +159,18 @@ class Drafter:
                 if worth < MIN_WORTH:
                     break
                 offers.append((-worth, order, req.request_id, count))
+        offers.sort()
+        if cap is not None:
+            del offers[max(0, cap - rows) :]
+        # the number of best offers that makes (tokens) / (cost) greatest
+        best, best_rate, tokens = 0, len(ready) / self.cost(rows), float(len(ready))
+        for n, (negative_worth, *_) in enumerate(offers, 1):
+            tokens -= negative_worth
+            rate = tokens / self.cost(rows + n)
+            if rate > best_rate:
+                best, best_rate = n, rate
         planned: dict[str, list[int]] = {}
-        for _, _, request_id, count in heapq.nsmallest(spare, offers):
+        for _, _, request_id, count in offers[:best]:
             taken = max(count, len(planned.get(request_id, ())))
             planned[request_id] = proposals[request_id][:taken]
         return planned

@@ -15,9 +15,16 @@ from collections.abc import Callable, Sequence
 import pytest
 from test_scheduler import VOCAB, FakeRunner, Harness, prompt_of, reference
 
+from triode.actors.core.request import Request
 from triode.actors.core.speculation.config import SpeculativeConfig
 from triode.actors.core.speculation.drafter import Drafter
-from triode.wire import FinishReason, ModelRunnerOutput, RequestStepResult, SchedulerOutput
+from triode.wire import (
+    FinishReason,
+    ModelRunnerOutput,
+    RequestStepResult,
+    SamplingParams,
+    SchedulerOutput,
+)
 
 
 class VerifyingRunner(FakeRunner):
@@ -75,15 +82,18 @@ def speculating(
     max_tokens: int,
     wrong: Callable[[int], bool],
     k: int = 4,
-    max_verify_rows: int = 64,
+    max_verify_rows: int | None = None,
+    slope: float = 0.0,
     **config: object,
 ) -> tuple[Harness, OracleProposer]:
     h = Harness(**config)  # type: ignore[arg-type]
     h.runner = VerifyingRunner(h.config.block_size)
     truth = {rid: reference(p, max_tokens + k) for rid, p in prompts.items()}
     proposer = OracleProposer(truth, wrong)
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
-    h.sched.drafter = Drafter(spec, proposer, max_verify_rows=max_verify_rows)
+    spec = SpeculativeConfig(
+        method="ngram", num_speculative_tokens=k, max_verify_rows=max_verify_rows
+    )
+    h.sched.drafter = Drafter(spec, proposer, slope=slope)
     for rid, prompt in prompts.items():
         h.add(rid, prompt, max_tokens=max_tokens)
     return h, proposer
@@ -225,3 +235,46 @@ def test_an_aborted_speculating_request_frees_its_blocks_and_its_proposer_state(
     assert tokens_of(h, "y") == reference(prompt_of(7, 6), 30)
     assert not proposer.done
     assert h.sched.kv_cache.num_free_blocks == h.config.num_blocks
+
+
+def _decoding(n: int) -> list[Request]:
+    """n requests past their prompt, each with one output token whose K/V is not computed."""
+    requests = []
+    for i in range(n):
+        req = Request(f"d{i}", prompt_of(i, 6), SamplingParams(max_tokens=100))
+        req.append_output_token(1)
+        req.num_computed_tokens = req.num_tokens - 1
+        requests.append(req)
+    return requests
+
+
+class _Always:
+    """Proposes four tokens for anyone."""
+
+    def start(self, request_id: str, prompt_token_ids: Sequence[int]) -> None: ...
+    def extend(self, request_id: str, token_ids: Sequence[int]) -> None: ...
+    def stop(self, request_id: str) -> None: ...
+    def propose(self, request_id: str, max_tokens: int) -> list[int]:
+        return [5, 6, 7, 8][:max_tokens]
+
+
+def test_the_cost_model_keeps_proposals_that_pay_and_fades_them_out_as_the_batch_grows() -> None:
+    """With a step of r rows costing 1 + 0.07 (r - 1): one fresh request (worth 0.5, 0.25,
+    then below MIN_WORTH) verifies two proposals; 24 fresh ones none, a row costing them more
+    than half a token's worth; 24 whose proposals were all accepted lately verify some."""
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    drafter = Drafter(spec, _Always(), slope=0.07)
+    assert {k: len(v) for k, v in drafter.plan(_decoding(1), 1000).items()} == {"d0": 2}
+    crowd = _decoding(24)
+    assert drafter.plan(crowd, 1000) == {}
+    for req in crowd:
+        for _ in range(4):
+            drafter.verified(req, 4, 4)
+    planned = drafter.plan(crowd, 1000)
+    assert planned and sum(map(len, planned.values())) < 24 * 4
+    with_cap = Drafter(
+        SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_verify_rows=3),
+        _Always(),
+        slope=0.0,
+    )
+    assert sum(map(len, with_cap.plan(_decoding(1), 1000).values())) == 2  # 1 decode + 2
