@@ -10,12 +10,14 @@ of speculation.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import pytest
 from test_scheduler import VOCAB, FakeRunner, Harness, prompt_of, reference
 
 from triode.actors.core.request import Request
+from triode.actors.core.speculation import drafter as drafter_module
 from triode.actors.core.speculation.config import SpeculativeConfig
 from triode.actors.core.speculation.drafter import Drafter
 from triode.wire import (
@@ -278,3 +280,14 @@ def test_the_cost_model_keeps_proposals_that_pay_and_fades_them_out_as_the_batch
         slope=0.0,
     )
     assert sum(map(len, with_cap.plan(_decoding(1), 1000).values())) == 2  # 1 decode + 2
+
+
+def test_the_acceptance_is_logged(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(drafter_module, "LOG_INTERVAL", 0.0)
+    h, _ = speculating({"l": prompt_of(8, 6)}, 10, lambda i: i % 4 == 3, k=4)
+    with caplog.at_level(logging.INFO, logger=drafter_module.__name__):
+        h.run()
+    lines = [r.getMessage() for r in caplog.records if "speculative decoding" in r.getMessage()]
+    assert lines and "mean acceptance length" in lines[0] and "acceptance rate" in lines[0]
