@@ -142,6 +142,7 @@ class EngineCore:
                     self._parked = trio.Event()
                     self._progress_at = trio.current_time()
             if len(in_flight) < depth and not self.holds:
+                started = time.perf_counter()
                 scheduler_output = self.scheduler.schedule(
                     max_requests=self._micro_batch(depth), preempt=not in_flight
                 )
@@ -153,6 +154,7 @@ class EngineCore:
                             scheduler_output, self.scheduler.fill_bitmask
                         )
                         await self._publish_step(scheduler_output, output)
+                        self._timed(scheduler_output, time.perf_counter() - started)
                         if not scheduler_output.requests:  # the KV connector's poll
                             await self._poll_pause()
                         continue
@@ -171,6 +173,17 @@ class EngineCore:
             await self._publish_step(scheduler_output, output)
             if not scheduler_output.requests and not in_flight:
                 await self._poll_pause()
+
+    def _timed(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        """Tell the drafter what a step of decodes (and proposals) took, scheduling and
+        publishing included: what its cost model of a row is fitted to."""
+        drafter = self.scheduler.drafter
+        requests = scheduler_output.requests
+        if drafter is None or not requests:
+            return
+        if any(len(r.token_ids) - r.num_draft_tokens > 1 for r in requests):
+            return  # prompt rows cost otherwise
+        drafter.observe(scheduler_output.num_scheduled_tokens, seconds)
 
     def _micro_batch(self, depth: int) -> int | None:
         """The most requests one step takes: an equal share of the live ones per stage."""

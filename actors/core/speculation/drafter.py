@@ -1,9 +1,12 @@
 """Which running requests propose how many tokens in a step (`Drafter.plan`), and what their
 verification showed (`Drafter.verified`).
 
-A step reads every weight once whatever its row count, but each row adds arithmetic: on a CPU
-a step of r rows costs about 1 + slope * (r - 1) steps of one (`row_cost_slope`, by CPU
-family). A request's j-th proposal is accepted with about its recent per-token acceptance rate
+A step reads every weight once whatever its row count, but each row adds arithmetic: a step of
+r rows takes about a + b * r seconds. The engine core times its decode steps (`observe`) and
+`StepCost` fits a and b over the recent ones, so the cost of a row is this machine's, with its
+model, its overheads and its load; until the fit has seen steps of different sizes, a step of r
+rows is taken to cost 1 + slope * (r - 1) steps of one (`row_cost_slope`, by CPU family). A
+request's j-th proposal is accepted with about its recent per-token acceptance rate
 to the j-th power: that is its worth in tokens. `plan` takes the proposals worth most, as many
 as make the step's tokens per unit of time (its decodes plus the proposals' worth, over its
 cost) greatest: at one stream a proposal pays from a few percent of acceptance, at a large
@@ -58,6 +61,48 @@ def row_cost_slope(cpuinfo: str | None = None) -> float:
     return 0.07
 
 
+class StepCost:
+    """What a step of r rows costs, in steps of one row: fitted as a + b * r seconds over the
+    recent decode steps (least squares, each step's weight decaying by `FORGET` a step), or
+    from the CPU family's slope while the recent steps' row counts are too alike to fit."""
+
+    FORGET = 0.99  # about the last hundred steps count
+    MIN_WEIGHT = 8.0  # steps before a fit
+    MIN_SPREAD = 1.0  # the variance of their row counts, in rows squared
+
+    def __init__(self, slope: float) -> None:
+        self.slope = slope
+        self._sums = [0.0] * 5  # weight, rows, seconds, rows^2, rows * seconds
+
+    def observe(self, rows: int, seconds: float) -> None:
+        sums = self._sums
+        for i in range(5):
+            sums[i] *= self.FORGET
+        for i, value in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
+            sums[i] += value
+
+    def fit(self) -> tuple[float, float] | None:
+        """(a, b) of the recent steps, or None while they cannot tell."""
+        w, x, y, xx, xy = self._sums
+        if w < self.MIN_WEIGHT:
+            return None
+        spread = xx / w - (x / w) ** 2
+        if spread < self.MIN_SPREAD:
+            return None
+        b = (xy / w - (x / w) * (y / w)) / spread
+        a = y / w - b * x / w
+        if b <= 0 or a + b <= 0:  # noise: more rows cannot cost less
+            return None
+        return a, b
+
+    def relative(self, rows: int) -> float:
+        fitted = self.fit()
+        if fitted is None:
+            return 1.0 + self.slope * (rows - 1)
+        a, b = fitted
+        return (a + b * rows) / (a + b)
+
+
 class _Track:
     """A request's recent acceptance: decayed counts of proposals accepted and tried, and
     the pause its failures earned."""
@@ -100,8 +145,7 @@ class Drafter:
         self.config = config
         self.k = config.num_speculative_tokens
         self.proposer = proposer if proposer is not None else make_proposer(config)
-        # a step of r rows costs 1 + slope * (r - 1) steps of one
-        self.slope = row_cost_slope() if slope is None else slope
+        self.step_cost = StepCost(row_cost_slope() if slope is None else slope)
         self._tracks: dict[str, _Track] = {}
         # vLLM's counters: steps that verified proposals, proposals, accepted ones, and
         # accepted ones by position
@@ -114,7 +158,11 @@ class Drafter:
 
     def cost(self, rows: int) -> float:
         """What a step of `rows` rows costs, in steps of one row."""
-        return 1.0 + self.slope * (rows - 1)
+        return self.step_cost.relative(rows)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A step of `rows` rows, decodes and proposals only, took `seconds`."""
+        self.step_cost.observe(rows, seconds)
 
     def plan(self, running: Sequence[Request], max_len: int) -> dict[str, list[int]]:
         """Each running request's proposals for the next step (none for most): only requests
@@ -131,7 +179,8 @@ class Drafter:
             not ready
             or (limit is not None and len(running) > limit)
             or (cap is not None and rows >= cap)
-            or self.slope * len(ready) / self.cost(rows) > 1 - MIN_WORTH
+            or (self.cost(rows + 1) - self.cost(rows)) * len(ready) / self.cost(rows)
+            > 1 - MIN_WORTH
         ):
             return {}
         offers: list[tuple[float, int, str, int]] = []  # (-worth, order, request id, count)

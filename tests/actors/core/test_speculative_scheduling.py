@@ -19,7 +19,7 @@ from test_scheduler import VOCAB, FakeRunner, Harness, prompt_of, reference
 from triode.actors.core.request import Request
 from triode.actors.core.speculation import drafter as drafter_module
 from triode.actors.core.speculation.config import SpeculativeConfig
-from triode.actors.core.speculation.drafter import Drafter
+from triode.actors.core.speculation.drafter import Drafter, StepCost
 from triode.wire import (
     FinishReason,
     ModelRunnerOutput,
@@ -291,3 +291,25 @@ def test_the_acceptance_is_logged(
         h.run()
     lines = [r.getMessage() for r in caplog.records if "speculative decoding" in r.getMessage()]
     assert lines and "mean acceptance length" in lines[0] and "acceptance rate" in lines[0]
+
+
+def test_the_step_cost_is_fitted_to_the_steps_timed() -> None:
+    cost = StepCost(slope=0.07)
+    assert cost.relative(11) == pytest.approx(1.7)  # the CPU family's slope, nothing timed
+    for _ in range(20):
+        cost.observe(8, 0.18)
+    assert cost.fit() is None  # steps all alike: no slope in them
+    for rows in [8, 12, 16, 24, 9, 13] * 4:
+        cost.observe(rows, 0.1 + 0.01 * rows)
+    a, b = cost.fit()  # type: ignore[misc]
+    assert (a, b) == (pytest.approx(0.1, rel=0.05), pytest.approx(0.01, rel=0.05))
+    assert cost.relative(11) == pytest.approx(0.21 / 0.11, rel=0.05)
+
+
+def test_steps_timed_dearer_than_the_prior_stop_the_proposals_it_would_make() -> None:
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    drafter = Drafter(spec, _Always(), slope=0.0)  # rows free, by the prior
+    assert drafter.plan(_decoding(1), 1000)
+    for rows in [1, 2, 3, 5] * 5:  # but a row costs what a whole step of one did
+        drafter.observe(rows, 0.01 + 0.1 * rows)
+    assert drafter.plan(_decoding(1), 1000) == {}
