@@ -312,6 +312,12 @@ class ModelRunner:
             raise ValueError(f"{sched.num_scheduled_tokens} tokens exceed max_num_batched_tokens")
         if len(sched.requests) > self.max_num_seqs:
             raise ValueError(f"{len(sched.requests)} requests exceed max_num_seqs")
+        for r in sched.requests:
+            if r.num_draft_tokens and not (0 < r.num_draft_tokens < len(r.token_ids) and r.sample):
+                raise ValueError(
+                    f"{r.request_id}: {r.num_draft_tokens} proposals in a chunk of "
+                    f"{len(r.token_ids)} tokens that {'samples' if r.sample else 'does not sample'}"
+                )
         if not sched.requests:
             return ModelRunnerOutput(step=sched.step)
         if self.sleeping:

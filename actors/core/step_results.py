@@ -30,9 +30,11 @@ def apply_result(
     prompt_logprobs = unsent_prompt_logprobs(req, entry, result.prompt_logprobs)
     new_token_ids: list[int] = []
     if result.token_id is not None and entry.sample:
-        emitted = [*result.accepted_token_ids, result.token_id]
+        # never more accepted than were proposed, whatever a worker says
+        accepted = result.accepted_token_ids[: entry.num_draft_tokens]
+        emitted = [*accepted, result.token_id]
         if entry.num_draft_tokens:
-            _take_back(scheduler, req, entry, len(result.accepted_token_ids))
+            _take_back(scheduler, req, entry, len(accepted))
         for token_id in emitted:
             req.append_output_token(token_id)
             new_token_ids.append(token_id)

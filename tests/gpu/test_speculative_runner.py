@@ -14,7 +14,7 @@ from runner_driver import GREEDY, Driver, Seq
 
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.tiny_model import build_tiny_model
-from triode.wire import SamplingParams
+from triode.wire import SamplingParams, ScheduledRequest, SchedulerOutput
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +149,24 @@ def test_verify_rows_of_a_windowed_model_see_only_their_window(tmp_path: Path) -
     truth = {"w": reference["w"].output}
     d = _speculating(_runner(model), prompts, truth, 12, GREEDY, {"w": "second"})
     assert d.seqs["w"].output[:12] == truth["w"][:12]
+
+
+@pytest.mark.parametrize(
+    ("token_ids", "num_draft_tokens", "sample"),
+    [([5, 6, 7], 3, True), ([5, 6, 7], -1, True), ([5, 6, 7], 2, False)],
+    ids=["all-proposals", "negative", "not-sampling"],
+)
+def test_a_step_with_impossible_proposals_is_refused(
+    tiny: Path, token_ids: list[int], num_draft_tokens: int, sample: bool
+) -> None:
+    runner = _runner(tiny)
+    d = Driver(runner)
+    d.add("r", _prompt(6, 1))
+    d.step()
+    seq = d.seqs["r"]
+    bad = ScheduledRequest(
+        "r", token_ids, seq.computed, [*seq.blocks, d.free.pop(0)], sample=sample,
+        num_draft_tokens=num_draft_tokens,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="proposals"):
+        runner.execute(SchedulerOutput(99, [bad]))

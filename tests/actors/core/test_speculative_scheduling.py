@@ -313,3 +313,22 @@ def test_steps_timed_dearer_than_the_prior_stop_the_proposals_it_would_make() ->
     for rows in [1, 2, 3, 5] * 5:  # but a row costs what a whole step of one did
         drafter.observe(rows, 0.01 + 0.1 * rows)
     assert drafter.plan(_decoding(1), 1000) == {}
+
+
+def test_a_runner_claiming_more_accepted_than_proposed_is_held_to_the_proposals() -> None:
+    class Boastful(VerifyingRunner):
+        def __call__(self, out: SchedulerOutput) -> ModelRunnerOutput:
+            verified = super().__call__(out)
+            for result in verified.results:
+                result.accepted_token_ids = [*result.accepted_token_ids, 1, 2, 3, 4, 5, 6]
+            return verified
+
+    h, _ = speculating({"b": prompt_of(3, 6)}, 30, lambda i: i % 3 == 1, k=2)
+    h.runner = Boastful(h.config.block_size)
+    h.run()
+    # a step emits at most its proposals and one token, so each after the prompt's computes
+    # the last token and at most two proposals
+    assert all(len(o.new_token_ids) <= 3 for o in h.outputs["b"])
+    assert all(len(r.token_ids) <= 3 for o in h.schedules[1:] for r in o.requests)
+    assert any(r.num_draft_tokens for o in h.schedules for r in o.requests)
+    assert h.sched.kv_cache.num_free_blocks == h.config.num_blocks
