@@ -142,7 +142,7 @@ class StructuredOutputManager:
         plain, row = [], 0
         for grammar, proposed in zip(grammars, drafts, strict=True):
             if proposed:
-                self._fill_ahead(grammar, proposed, mask, row)
+                self._fill_ahead(grammar, proposed, mask, row, self.eos_token_ids)
             else:
                 plain.append((grammar.matcher, row))
             row += 1 + len(proposed)
@@ -155,16 +155,28 @@ class StructuredOutputManager:
         return mask
 
     @staticmethod
-    def _fill_ahead(grammar: Grammar, drafts: Sequence[int], mask: np.ndarray, row: int) -> None:
+    def _fill_ahead(
+        grammar: Grammar, drafts: Sequence[int], mask: np.ndarray, row: int, eos: Sequence[int]
+    ) -> None:
         """Rows `row` .. `row + len(drafts)` of `mask`: what `grammar` allows after each prefix
-        of `drafts`; the matcher ends where it began."""
+        of `drafts`; the matcher ends where it began.
+
+        It goes no further than an end-of-sequence proposal: that one ends a constrained
+        request wherever the grammar allows it (`advance_grammar`), so no row after it is ever
+        read; and a stopped matcher does not count an end-of-sequence token it consumes, which
+        a rollback would then take for the token before."""
         matcher, consumed = grammar.matcher, 0
         for j in range(len(drafts) + 1):
             if j == consumed:
                 llguidance.numpy.fill_next_token_bitmask(matcher, mask, row + j)
-            else:  # a proposal it refused: the rows after it are never reached
+            else:  # past a proposal it refused or an end: never read
                 mask[row + j] = mask[row + j - 1]
-            if j < len(drafts) and j == consumed and matcher.consume_token(drafts[j]):
+            if (
+                j < len(drafts)
+                and j == consumed
+                and drafts[j] not in eos
+                and matcher.consume_token(drafts[j])
+            ):
                 consumed += 1
         if consumed:
             matcher.rollback(consumed)

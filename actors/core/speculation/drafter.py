@@ -11,8 +11,9 @@ to the j-th power: that is its worth in tokens. `plan` takes the proposals worth
 as make the step's tokens per unit of time (its decodes plus the proposals' worth, over its
 cost) greatest: at one stream a proposal pays from a few percent of acceptance, at a large
 batch the step is already arithmetic-bound and only near-certain proposals pay, so
-speculation fades out on its own as the batch grows. A proposal worth less than `MIN_WORTH`
-tokens is not made at all. A request
+speculation fades out on its own as the batch grows; a step whose best promises less than
+`MARGIN` more tokens per second verifies none. A proposal worth less than `MIN_WORTH` tokens is
+not made at all. A request
 whose rate falls below that pauses its proposals for `FIRST_PAUSE` steps, twice as many each
 time it falls again (up to `MAX_PAUSE`), then tries afresh: what it copies may change.
 """
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 
 # a proposal expected to be accepted less often than this is not worth its row
 MIN_WORTH = 0.2
+# a step verifies proposals only where they promise this much more tokens per second: the
+# cost model's error at large batches is about that
+MARGIN = 0.1
 # how much of a request's acceptance history each verification keeps: about the last 5 count
 DECAY = 0.8
 # the steps a request whose proposals fail pauses proposing for, the first time and at most
@@ -212,12 +216,15 @@ class Drafter:
         if cap is not None:
             del offers[max(0, cap - rows) :]
         # the number of best offers that makes (tokens) / (cost) greatest
-        best, best_rate, tokens = 0, len(ready) / self.cost(rows), float(len(ready))
+        plain = len(ready) / self.cost(rows)
+        best, best_rate, tokens = 0, plain, float(len(ready))
         for n, (negative_worth, *_) in enumerate(offers, 1):
             tokens -= negative_worth
             rate = tokens / self.cost(rows + n)
             if rate > best_rate:
                 best, best_rate = n, rate
+        if best_rate < plain * (1 + MARGIN):
+            return {}
         planned: dict[str, list[int]] = {}
         for _, _, request_id, count in offers[:best]:
             taken = max(count, len(planned.get(request_id, ())))
