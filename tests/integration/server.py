@@ -36,6 +36,23 @@ class Server:
         return self.log.read_text(errors="replace")
 
 
+def idle(server: Server, timeout: float = 10.0) -> bool:
+    """Whether the server's engine comes to run nothing with an empty KV cache within
+    `timeout` seconds, as its /metrics say."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        values = {
+            line.split("{", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("triode:") and "{" in line
+        }
+        if values["triode:num_requests_running"] == 0 and values["triode:kv_cache_usage_perc"] == 0:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def stream_and_kill(server: Server, pid: int) -> tuple[list[bytes], float]:
     """Start a long streamed completion, SIGKILL `pid` once its first chunk arrived, and read
     the stream to its end: (its SSE events, seconds from the kill to the end)."""

@@ -7,16 +7,14 @@ leave the engine untouched."""
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import httpx
 import jsonschema
 import openai
 import pytest
 from conftest import API_KEYS, SERVED_NAME
-from server import Server
+from server import Server, idle
 
 pytestmark = pytest.mark.slow
 
@@ -41,21 +39,6 @@ PROMPTS = [
 
 def _client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/api/v1", api_key=API_KEYS[0], max_retries=0)
-
-
-def _idle(server: Server, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = httpx.get(f"{server.url}/metrics", timeout=10).text
-        values = {
-            line.split("{", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("triode:") and "{" in line
-        }
-        if values["triode:num_requests_running"] == 0 and values["triode:kv_cache_usage_perc"] == 0:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def test_json_schema_answers_validate_across_prompts_and_seeds(server: Server) -> None:
@@ -137,7 +120,7 @@ def test_bad_constraints_are_400s_before_the_engine(server: Server) -> None:
                 extra_body=extra,
             )
         assert caught.value.body["param"] == param, caught.value.body  # type: ignore[index]
-    assert _idle(server)
+    assert idle(server)
 
 
 WEATHER = {
@@ -196,7 +179,7 @@ def test_a_required_choice_calls_valid_tools_and_stops_before_repeating(server: 
         # the small model repeats calls when let; a repeat ends the answer, not max_tokens
         assert len({json.dumps(c, sort_keys=True) for c in calls}) == len(calls)
         assert answer.usage is not None and answer.usage.completion_tokens < 400
-    assert _idle(server)
+    assert idle(server)
 
 
 def test_a_named_call_streams_deltas_that_reassemble_to_the_whole_answer(server: Server) -> None:
@@ -273,4 +256,4 @@ def test_bad_tools_and_tool_messages_are_400s(server: Server) -> None:
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(**body)
         assert caught.value.body["param"] == param, caught.value.body  # type: ignore[index]
-    assert _idle(server)
+    assert idle(server)

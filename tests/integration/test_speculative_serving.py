@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -19,7 +18,7 @@ import pytest
 from conftest import API_KEYS, SERVED_NAME
 from prometheus_client.parser import text_string_to_metric_families
 from reference import Reference
-from server import Server
+from server import Server, idle
 
 pytestmark = pytest.mark.slow
 
@@ -159,15 +158,4 @@ def test_constrained_seeded_and_several_answers_stay_exact(server: Server) -> No
 
 def test_the_engine_ends_idle_with_an_empty_kv_cache(server: Server) -> None:
     _chat(server, COPY)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        text = httpx.get(f"{server.url}/metrics", timeout=10).text
-        values = {
-            line.split("{", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("triode:") and "{" in line
-        }
-        if values["triode:num_requests_running"] == 0 and values["triode:kv_cache_usage_perc"] == 0:
-            return
-        time.sleep(0.1)
-    raise AssertionError("the engine did not end idle with its KV cache empty")
+    assert idle(server)

@@ -31,6 +31,20 @@ MAX_CANDIDATES = 1024
 _VECTOR_THRESHOLD = 24
 
 
+def append_tokens(tokens: list[int], array: np.ndarray, token_ids: Sequence[int]) -> np.ndarray:
+    """Append `token_ids` to `tokens` and to its int64 mirror `array`, which doubles when it
+    is full; returns the mirror (a new one when it grew)."""
+    start = len(tokens)
+    tokens.extend(int(t) for t in token_ids)
+    end = len(tokens)
+    if end > len(array):
+        grown = np.empty(max(end, 2 * len(array)), dtype=np.int64)
+        grown[:start] = array[:start]
+        array = grown
+    array[start:end] = tokens[start:end]
+    return array
+
+
 class _Sequence:
     """One request's tokens, as a list (for keys and slices) and an int64 array (for gathers),
     with the index from each min_n-gram to the positions where it ends."""
@@ -46,13 +60,8 @@ class _Sequence:
     def extend(self, token_ids: Sequence[int]) -> None:
         tokens = self.tokens
         start = len(tokens)
-        tokens.extend(int(t) for t in token_ids)
+        self.array = append_tokens(tokens, self.array, token_ids)
         end = len(tokens)
-        if end > len(self.array):
-            grown = np.empty(max(end, 2 * len(self.array)), dtype=np.int64)
-            grown[:start] = self.array[:start]
-            self.array = grown
-        self.array[start:end] = tokens[start:end]
         n = self.min_n
         ends = self.ends
         first = max(start, n - 1)

@@ -37,7 +37,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from triode.actors.core.speculation.config import SpeculativeConfig
+from .config import SpeculativeConfig
+from .ngram import append_tokens
 
 # a match draws on at most this many of the most recent occurrences of its seed
 MAX_OCCURRENCES = 256
@@ -70,13 +71,8 @@ class LocalSource:
     def extend(self, token_ids: Sequence[int]) -> None:
         tokens = self.tokens
         start = len(tokens)
-        tokens.extend(int(t) for t in token_ids)
+        self.array = append_tokens(tokens, self.array, token_ids)
         end = len(tokens)
-        if end > len(self.array):
-            grown = np.empty(max(end, 2 * len(self.array)), dtype=np.int64)
-            grown[:start] = self.array[:start]
-            self.array = grown
-        self.array[start:end] = tokens[start:end]
         for i in range(start, end):
             _add(self.last, tokens[i], i)
         first = max(start, SEED_N - 1)
