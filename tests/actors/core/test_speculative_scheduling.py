@@ -19,7 +19,7 @@ from test_scheduler import VOCAB, FakeRunner, Harness, prompt_of, reference
 from triode.actors.core.request import Request
 from triode.actors.core.speculation import drafter as drafter_module
 from triode.actors.core.speculation.config import SpeculativeConfig
-from triode.actors.core.speculation.drafter import Drafter, StepCost
+from triode.actors.core.speculation.drafter import PROBE, Drafter, StepCost
 from triode.wire import (
     FinishReason,
     ModelRunnerOutput,
@@ -262,18 +262,22 @@ class _Always:
 
 def test_the_cost_model_keeps_proposals_that_pay_and_fades_them_out_as_the_batch_grows() -> None:
     """With a step of r rows costing 1 + 0.07 (r - 1): one fresh request (worth 0.5, 0.25,
-    then below MIN_WORTH) verifies two proposals; 24 fresh ones none, a row costing them more
-    than half a token's worth; 24 whose proposals were all accepted lately verify some."""
+    then below MIN_WORTH) verifies two proposals. 24 fresh ones only probe (PROBE each: the
+    step would verify none of theirs, a row costing them more than half a token's worth);
+    once their probes failed, none; 12 whose proposals were all accepted lately verify some."""
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
     drafter = Drafter(spec, _Always(), slope=0.07)
     assert {k: len(v) for k, v in drafter.plan(_decoding(1), 1000).items()} == {"d0": 2}
     crowd = _decoding(24)
-    assert drafter.plan(crowd, 1000) == {}
+    assert {len(v) for v in drafter.plan(crowd, 1000).values()} == {PROBE}
     for req in crowd:
+        drafter.verified(req, PROBE, 0)
+    assert drafter.plan(crowd, 1000) == {}
+    for req in crowd[:12]:
         for _ in range(4):
             drafter.verified(req, 4, 4)
-    planned = drafter.plan(crowd, 1000)
-    assert planned and sum(map(len, planned.values())) < 24 * 4
+    planned = drafter.plan(crowd[:12], 1000)
+    assert planned and sum(map(len, planned.values())) < 12 * 4
     with_cap = Drafter(
         SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_verify_rows=3),
         _Always(),
