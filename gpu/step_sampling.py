@@ -76,16 +76,13 @@ def draw(
         drawn = _drawn(sampler(logits[rows], [states[i] for i, _ in plain]))
         for (i, _), one in zip(plain, drawn, strict=True):
             out[i] = one
-    rows = torch.tensor([row + j for i, row in spec for j in range(1 + len(_drafts(sampling[i])))])
-    drafts = [_drafts(sampling[i]) for i, _ in spec]
+    drafts = [sampling[i].draft_token_ids for i, _ in spec]
+    pairs = zip(spec, drafts, strict=True)
+    rows = torch.tensor([row + j for (_, row), d in pairs for j in range(1 + len(d))])
     verified = verify(logits[rows], [states[i] for i, _ in spec], drafts)
     for (i, _), one in zip(spec, verified, strict=True):
         out[i] = one
     return out
-
-
-def _drafts(r: ScheduledRequest) -> list[int]:
-    return r.token_ids[len(r.token_ids) - r.num_draft_tokens :]
 
 
 def _drawn(sampled: SamplerOutput) -> list[Drawn]:

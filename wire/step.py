@@ -61,6 +61,11 @@ class ScheduledRequest(msgspec.Struct, **_HOT):
     prompt_embeds: np.ndarray | None = None
     num_draft_tokens: int = 0
 
+    @property
+    def draft_token_ids(self) -> list[int]:
+        """The proposals this step verifies: the last `num_draft_tokens` of `token_ids`."""
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
+
 
 class SchedulerOutput(msgspec.Struct, **_HOT):
     step: int

@@ -405,7 +405,7 @@ class Scheduler:
         in_flight = self._in_flight[scheduler_output.step]
         constrained = dict.fromkeys(scheduler_output.grammar_request_ids)  # each request once
         grammars = [in_flight[rid][0].grammar for rid in constrained]
-        drafts = [_drafts(in_flight[rid][1]) for rid in constrained]
+        drafts = [in_flight[rid][1].draft_token_ids for rid in constrained]
         scheduler_output.grammar_bitmask = self.structured.bitmask(grammars, drafts)
 
     def update_from_output(
@@ -484,8 +484,3 @@ class Scheduler:
 
 def _sort_key(req: Request) -> tuple[int, int]:
     return req.sort_key
-
-
-def _drafts(entry: ScheduledRequest) -> list[int]:
-    """The proposals a step verifies for a request."""
-    return entry.token_ids[len(entry.token_ids) - entry.num_draft_tokens :]
