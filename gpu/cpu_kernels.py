@@ -2,7 +2,9 @@
 
 `paged_attention.c` holds decode attention that reads the paged KV cache in place;
 `fused_ops.c` the bfloat16 operations between a layer's projections, fused (`FusedOps`);
-`int4_amx.c` projections from 4-bit weights on Intel AMX (`int4_amx_matmul`). All are built
+`int4_amx.c` projections from 4-bit weights on Intel AMX (`int4_amx_matmul`);
+`quant_matmul.c` projections of a few rows from GGUF's 4- and 8-bit blocks on any CPU
+(`quant_matmul`). All are built
 into one library, once per source, compiler and CPU, in `$TRIODE_CACHE/kernels/`
 with -O3 -march=native -fopenmp; its OpenMP runtime is the one torch already loaded (the same
 soname), so its threads are torch's. Without a C compiler, or with TRIODE_CPU_KERNELS=0,
@@ -21,7 +23,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -30,7 +32,9 @@ from .cache_paths import kernels_dir
 log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
-SOURCES = tuple(KERNELS / name for name in ("paged_attention.c", "fused_ops.c", "int4_amx.c"))
+SOURCES = tuple(
+    KERNELS / name for name in ("paged_attention.c", "fused_ops.c", "int4_amx.c", "quant_matmul.c")
+)
 HEADERS = tuple(KERNELS / name for name in ("simd.h", "bf16.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
@@ -217,6 +221,29 @@ def int4_amx_matmul() -> Int4Matmul | None:
     return _function(
         "triode_int4_matmul_amx", _P, _I, _I, _I, *[_P] * 4, _I, _P, _I, restype=ctypes.c_int
     )
+
+
+class QuantMatmul(NamedTuple):
+    """`quant_matmul.c`'s kernel (see `quant_matmul.QuantRows` for its use): `run(x, x_stride,
+    x_bf16, rows, cols, packed, bits, bias, outputs, y, y_stride, y_bf16)` returns 0 or -1;
+    `lanes` float32 lanes a vector, blocks of 2 x lanes outputs; at most `max_rows` rows."""
+
+    run: Callable[..., int]
+    lanes: int
+    max_rows: int
+
+
+@functools.cache
+def quant_matmul() -> QuantMatmul | None:
+    """`quant_matmul.c`'s kernel, or None where the library is not built."""
+    if _library() is None:
+        return None
+    run = _function(
+        "triode_quant_matmul", _P, _I, ctypes.c_int, _I, _I, _P, ctypes.c_int, _P, _I, _P, _I,
+        ctypes.c_int, restype=ctypes.c_int,
+    )  # fmt: skip
+    lanes = _function("triode_quant_lanes", restype=ctypes.c_int)()
+    return QuantMatmul(run, lanes, _function("triode_quant_max_rows", restype=ctypes.c_int)())
 
 
 def _check(x: torch.Tensor, rows: int, width: int, last_contiguous: bool) -> None:

@@ -1,0 +1,363 @@
+/* y = x W^T for a few rows of x (1 to QUANT_MAX_ROWS) from W's GGUF blocks as the file stores
+ * them: Q4_0 / Q4_1 (a 4-bit code per weight; per 32 inputs a float16 scale and minimum,
+ * w = scale * code + minimum) or Q8_0 (an int8 code per weight; per 32 inputs a float16
+ * scale, w = scale * code). A step of a few rows is bound by how fast the weights stream from
+ * memory: these read 5 (Q4) or 8.5 (Q8_0) bits a weight where float32 weights take 32.
+ *
+ * Each weight is widened in registers to float32 with the arithmetic that dequantizes the
+ * checkpoint (scale * code is exact in float32, + minimum rounds once), so it is bit for bit
+ * the dense float32 weight; sums are float32 fused multiply-adds, each row's in the same order
+ * at any row count (a row's result does not depend on the rows beside it). x and y are float32
+ * or bfloat16 (widened before, rounded after: the products stay float32).
+ *
+ * W arrives packed for this kernel (`quant_matmul.py`), in blocks of NR = 2 x LANES outputs
+ * (LANES: float32 lanes of the widest vector this build targets) and groups of 32 inputs; per
+ * block and group: NR float16 scales, (Q4) NR float16 minimums, then per input the codes of
+ * the NR outputs: (Q4) LANES bytes, byte j holding output j in its low nibble and output
+ * LANES + j in its high one, (Q8_0) NR int8 codes. A block's groups follow each other, so a
+ * thread streams its block's bytes in order.
+ *
+ * Up to MR_DIRECT rows widen each weight in registers and keep every sum there (a decode step
+ * of a few requests: one pass over the weights). More rows widen a chunk of a block's weights
+ * into a float32 buffer in L1 once and run tiles of MR_TILE rows over it, their sums kept in a
+ * tile in L1 between chunks. Blocks of outputs are split over torch's OpenMP threads.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define QUANT_MAX_ROWS 64
+#define GROUP 32
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define LANES 16
+#define MR_DIRECT 8
+#define MR_TILE 12
+typedef __m512 vf;
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_set1(float v) { return _mm512_set1_ps(v); }
+static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_half(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline void vf_nibbles(const uint8_t *p, vf *low, vf *high) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *low = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    *high = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+static inline vf vf_int8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define LANES 8
+#define MR_DIRECT 4
+#define MR_TILE 6
+typedef __m256 vf;
+static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
+static inline vf vf_set1(float v) { return _mm256_set1_ps(v); }
+static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_half(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+static inline void vf_nibbles(const uint8_t *p, vf *low, vf *high) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *low = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    *high = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+static inline vf vf_int8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else
+/* any other CPU: the same loops over plain arrays, which the compiler vectorises as it can */
+#define LANES 8
+#define MR_DIRECT 4
+#define MR_TILE 4
+typedef struct {
+    float v[LANES];
+} vf;
+static inline vf vf_zero(void) { return (vf){{0}}; }
+static inline vf vf_set1(float x) {
+    vf r;
+    for (int i = 0; i < LANES; i++) r.v[i] = x;
+    return r;
+}
+static inline vf vf_load(const float *p) {
+    vf r;
+    memcpy(r.v, p, sizeof r.v);
+    return r;
+}
+static inline void vf_store(float *p, vf a) { memcpy(p, a.v, sizeof a.v); }
+static inline vf vf_fma(vf a, vf b, vf c) {
+    for (int i = 0; i < LANES; i++) c.v[i] = __builtin_fmaf(a.v[i], b.v[i], c.v[i]);
+    return c;
+}
+static inline vf vf_mul(vf a, vf b) {
+    for (int i = 0; i < LANES; i++) a.v[i] *= b.v[i];
+    return a;
+}
+/* a float16 as float32, exactly (normal, subnormal, zero, infinity, NaN) */
+static inline float half_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 31u, m = h & 0x3ffu;
+    if (exponent == 31) return ((word){.bits = sign | 0x7f800000u | m << 13}).value;
+    if (exponent == 0) {
+        const float f = (float)m * 5.9604644775390625e-8f; /* m x 2^-24, exact */
+        return sign ? -f : f;
+    }
+    return ((word){.bits = sign | (exponent + 112u) << 23 | m << 13}).value;
+}
+static inline vf vf_half(const uint16_t *p) {
+    vf r;
+    for (int i = 0; i < LANES; i++) r.v[i] = half_f32(p[i]);
+    return r;
+}
+static inline void vf_nibbles(const uint8_t *p, vf *low, vf *high) {
+    for (int i = 0; i < LANES; i++) {
+        low->v[i] = (float)(p[i] & 15);
+        high->v[i] = (float)(p[i] >> 4);
+    }
+}
+static inline vf vf_int8(const int8_t *p) {
+    vf r;
+    for (int i = 0; i < LANES; i++) r.v[i] = (float)p[i];
+    return r;
+}
+#endif
+
+#define NR (2 * LANES)
+/* inputs widened at a time into the L1 buffer of the tiled path */
+#define CHUNK (4 * GROUP)
+
+typedef struct {
+    vf scale[2], minimum[2];
+} constants;
+
+/* bytes of one block's group: constants, then codes */
+static inline int64_t group_bytes(int bits) {
+    return bits == 4 ? NR * 2 * 2 + GROUP * LANES : NR * 2 + GROUP * NR;
+}
+
+static inline constants load_constants(const uint8_t *group, int bits) {
+    const uint16_t *half = (const uint16_t *)group;
+    constants c;
+    c.scale[0] = vf_half(half);
+    c.scale[1] = vf_half(half + LANES);
+    c.minimum[0] = c.minimum[1] = vf_zero();
+    if (bits == 4) {
+        c.minimum[0] = vf_half(half + NR);
+        c.minimum[1] = vf_half(half + NR + LANES);
+    }
+    return c;
+}
+
+static inline const uint8_t *group_codes(const uint8_t *group, int bits) {
+    return group + (bits == 4 ? NR * 4 : NR * 2);
+}
+
+/* the NR weights of input k of a group: outputs 0..LANES-1 in w[0], the rest in w[1] */
+static inline __attribute__((always_inline)) void widen(const uint8_t *codes, int k, int bits,
+                                                        const constants *c, vf w[2]) {
+    if (bits == 4) {
+        vf low, high;
+        vf_nibbles(codes + (int64_t)k * LANES, &low, &high);
+        w[0] = vf_fma(c->scale[0], low, c->minimum[0]);
+        w[1] = vf_fma(c->scale[1], high, c->minimum[1]);
+    } else {
+        const int8_t *q = (const int8_t *)codes + (int64_t)k * NR;
+        w[0] = vf_mul(c->scale[0], vf_int8(q));
+        w[1] = vf_mul(c->scale[1], vf_int8(q + LANES));
+    }
+}
+
+/* rows 0..mr-1 of x (float32, `cols` apart) against `span` consecutive blocks, every sum in
+ * registers: a row's sums run one input after another as the tiled path's do (so a row's
+ * result does not depend on the rows beside it), and a span of several blocks gives a
+ * single row enough independent sums not to wait on one chain of additions */
+static inline __attribute__((always_inline)) void blocks_direct(
+    const float *x, int64_t cols, const uint8_t *block, int64_t block_bytes, int bits,
+    float *tile, const int mr, const int span) {
+    vf acc[4][MR_DIRECT][2];
+    for (int s = 0; s < span; s++)
+        for (int r = 0; r < mr; r++) acc[s][r][0] = acc[s][r][1] = vf_zero();
+    const int64_t stride = group_bytes(bits);
+    for (int64_t g = 0; g < cols / GROUP; g++) {
+        constants c[4];
+        const uint8_t *codes[4];
+        for (int s = 0; s < span; s++) {
+            const uint8_t *group = block + s * block_bytes + g * stride;
+            c[s] = load_constants(group, bits);
+            codes[s] = group_codes(group, bits);
+        }
+        const float *xg = x + g * GROUP;
+        for (int k = 0; k < GROUP; k++) {
+            for (int s = 0; s < span; s++) {
+                vf w[2];
+                widen(codes[s], k, bits, &c[s], w);
+                for (int r = 0; r < mr; r++) {
+                    const vf xb = vf_set1(xg[r * cols + k]);
+                    acc[s][r][0] = vf_fma(xb, w[0], acc[s][r][0]);
+                    acc[s][r][1] = vf_fma(xb, w[1], acc[s][r][1]);
+                }
+            }
+        }
+    }
+    for (int s = 0; s < span; s++)
+        for (int r = 0; r < mr; r++) {
+            vf_store(tile + (s * QUANT_MAX_ROWS + r) * NR, acc[s][r][0]);
+            vf_store(tile + (s * QUANT_MAX_ROWS + r) * NR + LANES, acc[s][r][1]);
+        }
+}
+
+/* tile rows 0..mr-1 (their x `cols` apart, from input k0) += the `n` widened inputs in `w` */
+static inline __attribute__((always_inline)) void tile_fma(const float *x, int64_t cols,
+                                                           const float *w, int n, float *tile,
+                                                           const int mr) {
+    vf acc[MR_TILE][2];
+    for (int r = 0; r < mr; r++) {
+        acc[r][0] = vf_load(tile + r * NR);
+        acc[r][1] = vf_load(tile + r * NR + LANES);
+    }
+    for (int k = 0; k < n; k++) {
+        const vf w0 = vf_load(w + k * NR), w1 = vf_load(w + k * NR + LANES);
+        for (int r = 0; r < mr; r++) {
+            const vf xb = vf_set1(x[r * cols + k]);
+            acc[r][0] = vf_fma(xb, w0, acc[r][0]);
+            acc[r][1] = vf_fma(xb, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        vf_store(tile + r * NR, acc[r][0]);
+        vf_store(tile + r * NR + LANES, acc[r][1]);
+    }
+}
+
+static void tile_rows(const float *x, int64_t cols, const float *w, int n, float *tile, int mr) {
+    switch (mr) {
+#define TILE_CASE(m) \
+    case m:          \
+        tile_fma(x, cols, w, n, tile, m); break;
+        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
+#if MR_TILE > 4
+        TILE_CASE(5) TILE_CASE(6)
+#endif
+#if MR_TILE > 6
+        TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11) TILE_CASE(12)
+#endif
+#undef TILE_CASE
+    }
+}
+
+static void block_tiled(const float *x, int64_t rows, int64_t cols, const uint8_t *block,
+                        int bits, float *tile) {
+    float w[CHUNK * NR] __attribute__((aligned(64)));
+    memset(tile, 0, sizeof(float) * rows * NR);
+    const int64_t stride = group_bytes(bits);
+    for (int64_t k0 = 0; k0 < cols; k0 += CHUNK) {
+        const int n = cols - k0 < CHUNK ? (int)(cols - k0) : CHUNK;
+        for (int g = 0; g < n / GROUP; g++) {
+            const uint8_t *group = block + (k0 / GROUP + g) * stride;
+            const constants c = load_constants(group, bits);
+            const uint8_t *codes = group_codes(group, bits);
+            for (int k = 0; k < GROUP; k++) {
+                vf pair[2];
+                widen(codes, k, bits, &c, pair);
+                vf_store(w + (g * GROUP + k) * NR, pair[0]);
+                vf_store(w + (g * GROUP + k) * NR + LANES, pair[1]);
+            }
+        }
+        for (int64_t r = 0; r < rows; r += MR_TILE) {
+            const int mr = rows - r < MR_TILE ? (int)(rows - r) : MR_TILE;
+            tile_rows(x + r * cols + k0, cols, w, n, tile + r * NR, mr);
+        }
+    }
+}
+
+/* the blocks one task computes: several for one or two rows (`blocks_direct`), else one */
+static inline int span_for(int64_t rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
+
+/* `span` blocks (fewer at the end: `n`) for `rows` rows; block s's sums land in tile rows
+ * s * QUANT_MAX_ROWS + r */
+static void blocks_rows(const float *x, int64_t rows, int64_t cols, const uint8_t *block,
+                        int64_t block_bytes, int bits, float *tile, int n) {
+    if (rows <= 2 && n == span_for(rows)) {
+        if (rows == 1)
+            blocks_direct(x, cols, block, block_bytes, bits, tile, 1, 4);
+        else
+            blocks_direct(x, cols, block, block_bytes, bits, tile, 2, 2);
+        return;
+    }
+    for (int s = 0; s < n; s++, block += block_bytes, tile += QUANT_MAX_ROWS * NR) {
+        switch (rows) {
+        case 1: blocks_direct(x, cols, block, block_bytes, bits, tile, 1, 1); break;
+        case 2: blocks_direct(x, cols, block, block_bytes, bits, tile, 2, 1); break;
+        case 3: blocks_direct(x, cols, block, block_bytes, bits, tile, 3, 1); break;
+        case 4: blocks_direct(x, cols, block, block_bytes, bits, tile, 4, 1); break;
+#if MR_DIRECT > 4
+        case 5: blocks_direct(x, cols, block, block_bytes, bits, tile, 5, 1); break;
+        case 6: blocks_direct(x, cols, block, block_bytes, bits, tile, 6, 1); break;
+        case 7: blocks_direct(x, cols, block, block_bytes, bits, tile, 7, 1); break;
+        case 8: blocks_direct(x, cols, block, block_bytes, bits, tile, 8, 1); break;
+#endif
+        default: block_tiled(x, rows, cols, block, bits, tile);
+        }
+    }
+}
+
+int triode_quant_lanes(void) { return LANES; }
+int triode_quant_max_rows(void) { return QUANT_MAX_ROWS; }
+
+/* y [rows, outputs] (row stride y_stride; bfloat16 if y_bf16 else float32) = x [rows, cols]
+ * (row stride x_stride; bfloat16 if x_bf16) times the packed W^T, + bias (float32, or NULL).
+ * Returns 0, or -1 for arguments it does not take (rows outside 1..QUANT_MAX_ROWS, cols not
+ * whole groups, bits other than 4 and 8). */
+int triode_quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t rows, int64_t cols,
+                        const uint8_t *w, int bits, const float *bias, int64_t outputs, void *y,
+                        int64_t y_stride, int y_bf16) {
+    if (rows < 1 || rows > QUANT_MAX_ROWS || cols < GROUP || cols % GROUP || outputs < 1 ||
+        (bits != 4 && bits != 8))
+        return -1;
+    const float *xf = (const float *)x;
+    float *widened = NULL;
+    if (x_bf16 || x_stride != cols) {
+        widened = malloc(sizeof(float) * rows * cols);
+        if (widened == NULL) return -1;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < cols; c++)
+                widened[r * cols + c] = x_bf16 ? bf16_f32(((const uint16_t *)x)[r * x_stride + c])
+                                               : ((const float *)x)[r * x_stride + c];
+        xf = widened;
+    }
+    const int64_t blocks = (outputs + NR - 1) / NR;
+    const int64_t block_bytes = cols / GROUP * group_bytes(bits);
+    const int span = span_for(rows);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t first_block = 0; first_block < blocks; first_block += span) {
+        float tile[4 * QUANT_MAX_ROWS * NR] __attribute__((aligned(64)));
+        const int n = blocks - first_block < span ? (int)(blocks - first_block) : span;
+        blocks_rows(xf, rows, cols, w + first_block * block_bytes, block_bytes, bits, tile, n);
+        for (int s = 0; s < n; s++) {
+            const int64_t first = (first_block + s) * NR;
+            const int width = outputs - first < NR ? (int)(outputs - first) : NR;
+            const float *sums = tile + s * QUANT_MAX_ROWS * NR;
+            for (int64_t r = 0; r < rows; r++)
+                for (int j = 0; j < width; j++) {
+                    const float v = bias ? sums[r * NR + j] + bias[first + j] : sums[r * NR + j];
+                    if (y_bf16)
+                        ((uint16_t *)y)[r * y_stride + first + j] = f32_bf16(v);
+                    else
+                        ((float *)y)[r * y_stride + first + j] = v;
+                }
+        }
+    }
+    free(widened);
+    return 0;
+}

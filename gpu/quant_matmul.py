@@ -1,0 +1,100 @@
+"""Projections of a few rows from a GGUF file's own 4- and 8-bit weights, on any CPU.
+
+`quant_matmul.c` reads Q4_0 / Q4_1 (`int4.Int4Weight`) and Q8_0 (`int8.Int8Weight`) blocks as
+stored and widens each weight in registers to the float32 value the checkpoint dequantizes
+to, exactly; products and sums are float32. A step of a few rows (decodes, a request's verify
+rows) is bound by how fast the weights stream from memory, and these stream 5 or 8.5 bits a
+weight where float32 takes 32 and bfloat16 16. Each row's result is the same at any row count.
+Built for the widest vectors the CPU has (AVX-512, AVX2 with FMA and F16C, else plain C).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cpu_kernels
+from .int4 import GROUP, Int4Weight
+
+
+class QuantRows:
+    """y = x W^T + bias for 1 to `max_rows` rows of x (float32 or bfloat16, y the same), W
+    packed from its GGUF blocks for `quant_matmul.c`: per block of 2 x lanes outputs and
+    group of 32 inputs, the float16 scales, (4-bit) the float16 minimums, then the codes."""
+
+    def __init__(self, packed: torch.Tensor, bits: int, shape: tuple[int, int]) -> None:
+        kernel = cpu_kernels.quant_matmul()
+        assert kernel is not None
+        self.kernel, self.max_rows = kernel, kernel.max_rows
+        self.packed, self.bits, self.shape = packed, bits, shape
+
+    @classmethod
+    def from_int4(cls, weight: Int4Weight) -> QuantRows | None:
+        """The kernel over `weight`, or None: no kernel built, or constants that are not
+        float16 values (GGUF's always are)."""
+        kernel = cpu_kernels.quant_matmul()
+        if kernel is None or not weight.constants_are_float16():
+            return None
+        rows, cols = weight.shape
+        lanes = kernel.lanes
+        codes = _padded(weight.unpacked_codes().to(torch.uint8), 2 * lanes)
+        blocks = codes.shape[0] // (2 * lanes)
+        # [block, half, lane, group, k] -> [block, group, k, half, lane]; byte = low | high << 4
+        codes = codes.view(blocks, 2, lanes, cols // GROUP, GROUP).permute(0, 3, 4, 1, 2)
+        codes = (codes[..., 0, :] | codes[..., 1, :] << 4).reshape(blocks, cols // GROUP, -1)
+        constants = [_half_bytes(t, blocks, lanes) for t in (weight.scale, weight.minimum)]
+        packed = torch.cat([*constants, codes], dim=-1).contiguous()
+        return cls(packed, 4, (rows, cols))
+
+    @classmethod
+    def from_int8(cls, codes: torch.Tensor, scale: torch.Tensor) -> QuantRows | None:
+        """The kernel over Q8_0 weights w = scale[r, c // 32] * codes[r, c] (codes int8), or
+        None: no kernel built, or scales that are not float16 values."""
+        kernel = cpu_kernels.quant_matmul()
+        if kernel is None or not torch.equal(scale.half().float(), scale):
+            return None
+        rows, cols = codes.shape
+        lanes = kernel.lanes
+        padded = _padded(codes.view(torch.uint8), 2 * lanes)
+        blocks = padded.shape[0] // (2 * lanes)
+        # [block, output, group, k] -> [block, group, k, output]
+        padded = padded.view(blocks, 2 * lanes, cols // GROUP, GROUP).permute(0, 2, 3, 1)
+        packed = torch.cat(
+            [_half_bytes(scale, blocks, lanes), padded.reshape(blocks, cols // GROUP, -1)], dim=-1
+        ).contiguous()
+        return cls(packed, 8, (rows, cols))
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows, cols = x.shape
+        if (
+            x.dtype not in (torch.float32, torch.bfloat16)
+            or cols != self.shape[1]
+            or x.stride(1) != 1
+            or not 1 <= rows <= self.max_rows
+        ):
+            raise ValueError(f"x of {x.dtype} {list(x.shape)} for a {list(self.shape)} weight")
+        y = x.new_empty(rows, self.shape[0])
+        if bias is not None:
+            bias = bias.float().contiguous()
+        wide = x.dtype == torch.bfloat16
+        done = self.kernel.run(
+            x.data_ptr(), x.stride(0), wide, rows, cols, self.packed.data_ptr(), self.bits,
+            None if bias is None else bias.data_ptr(), self.shape[0], y.data_ptr(), y.stride(0),
+            wide,
+        )  # fmt: skip
+        if done != 0:
+            raise ValueError(f"the kernel refused x {list(x.shape)} for {list(self.shape)}")
+        return y
+
+
+def _padded(codes: torch.Tensor, multiple: int) -> torch.Tensor:
+    """`codes` with zero rows added up to a multiple of `multiple` (outputs the kernel
+    computes as 0 and does not write)."""
+    extra = -codes.shape[0] % multiple
+    return torch.cat([codes, codes.new_zeros(extra, codes.shape[1])]) if extra else codes
+
+
+def _half_bytes(constants: torch.Tensor, blocks: int, lanes: int) -> torch.Tensor:
+    """A per-(output, group) float32 constant as float16 bytes [block, group, 2 x 2 x lanes]."""
+    halves = _padded(constants.half().view(torch.int16), 2 * lanes)
+    halves = halves.view(blocks, 2 * lanes, -1).transpose(1, 2).contiguous()
+    return halves.view(torch.uint8).view(blocks, halves.shape[1], -1)
