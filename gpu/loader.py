@@ -5,12 +5,12 @@ The model runner reads only Hugging Face directories (config.json, *.safetensors
 files). A GGUF file is dequantized through transformers into such a directory under
 `$TRIODE_CACHE/converted/` (`cache_paths`), keyed by the file's path, size and mtime (and the
 layout version of the directory), so a replaced file converts again and an unchanged one
-resolves in milliseconds. The directory also keeps the file's 4-bit projections as they were stored
-(`int4/`, see `int4.py`). The name `tiny-random` is a two-layer Llama
-with random weights under `$TRIODE_CACHE/tiny-random/`: the model costs next to nothing, so a
-benchmark of it measures everything around the model. Both are written into a temporary
-directory renamed into place at the end: concurrent starts never see half a model, and the loser
-of a race throws its copy away.
+resolves in milliseconds. The directory also keeps the file's 4-bit projections and its Q8_0
+tensors as they were stored (`int4/`, see `int4.py` and `int8.py`). The name `tiny-random` is
+a two-layer Llama with random weights under `$TRIODE_CACHE/tiny-random/`: the model costs next
+to nothing, so a benchmark of it measures everything around the model. Both are written into a
+temporary directory renamed into place at the end: concurrent starts never see half a model,
+and the loser of a race throws its copy away.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 from .cache_paths import (
     INT4_DIR,
     INT4_FILE,
+    Q8_FILE,
     TINY_RANDOM,
     converted_dir,
     default_gguf,
@@ -104,7 +105,7 @@ def build_once(out: Path, write: Callable[[Path], None]) -> Path:
 
 def _write_hf_dir(gguf: Path, out: Path) -> None:
     """Dequantize to float32 safetensors plus config and tokenizer, and keep the 4-bit
-    projections in `int4/`.
+    projections and the Q8_0 tensors as stored in `int4/`.
 
     transformers' own GGUF mapping does the names, the dequantization and each architecture's
     fix-ups (llama's rotary row order, Gemma's norms, stacked experts); it is driven with a
@@ -113,7 +114,7 @@ def _write_hf_dir(gguf: Path, out: Path) -> None:
     as the model's `save_pretrained` lays them out (experts one tensor each, by their checkpoint
     names), as a Hugging Face directory of the family holds them.
 
-    torch and transformers (and int4, which imports torch) are imported here, only for a
+    torch and transformers (and int4 and int8, which import torch) are imported here, only for a
     conversion: resolving a model converted before takes milliseconds, without them.
     """
     import torch
@@ -123,9 +124,10 @@ def _write_hf_dir(gguf: Path, out: Path) -> None:
     from transformers.core_model_loading import revert_weight_conversion
 
     from .int4 import extract_gguf_int4
+    from .int8 import extract_gguf_q8_0
 
     # gguf's reader parses every metadata array on opening (a large vocabulary takes seconds):
-    # one reader serves the config's fixes, the tensors and the 4-bit codes
+    # one reader serves the config's fixes, the tensors and the 4- and 8-bit codes
     reader = GGUFReader(gguf)
     config = _complete_config(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name), reader)
     with torch.device("meta"):
@@ -133,12 +135,16 @@ def _write_hf_dir(gguf: Path, out: Path) -> None:
     config.architectures = [type(skeleton).__name__]
     processor, names = _tensor_mapping(reader, skeleton)
     tensors = _dequantized(reader, processor, names, skeleton)
-    int4 = extract_gguf_int4(reader, processor, names, tensors)
+    stored = {
+        INT4_FILE: extract_gguf_int4(reader, processor, names, tensors),
+        Q8_FILE: extract_gguf_q8_0(reader, processor, names, tensors),
+    }
     tensors = {k: t.contiguous() for k, t in revert_weight_conversion(skeleton, tensors).items()}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    if int4:
-        (out / INT4_DIR).mkdir()
-        save_file(int4, out / INT4_DIR / INT4_FILE, metadata={"format": "pt"})
+    for file, codes in stored.items():
+        if codes:
+            (out / INT4_DIR).mkdir(exist_ok=True)
+            save_file(codes, out / INT4_DIR / file, metadata={"format": "pt"})
     config.save_pretrained(out)
     _tokenizer(gguf, reader).save_pretrained(out)
     defaults = _sampling_defaults(reader)
