@@ -30,7 +30,7 @@ def parse_size(value: int | str) -> int:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("auto", "none")
+QUANTIZATIONS = ("auto", "dense-head", "none")
 # vLLM's allowed --max-lora-rank values
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 EXECUTOR_BACKENDS = ("mp", "inproc")
@@ -62,12 +62,13 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: Annotated[str | None, NOT_A_FLAG] = None
     # auto | float32 | bfloat16 | float16
     dtype: Annotated[str, EngineFlag(choices=DTYPES)] = "auto"
-    # auto: a checkpoint's own 4-bit weights where supported | none
+    # auto: a GGUF checkpoint's own blocks where supported | dense-head | none
     quantization: Annotated[
         str,
         EngineFlag(
-            "auto (default): run a GGUF file's 4-bit projections as stored where a kernel "
-            "exists (CPU, bfloat16) for small steps; none: dequantized weights only",
+            "auto (default): run a GGUF file's 4- and 8-bit projections and LM head as stored "
+            "where a kernel exists (CPU) for the decode rows; dense-head: the LM head in the "
+            "model's dtype; none: dequantized weights only",
             choices=QUANTIZATIONS,
         ),
     ] = "auto"
@@ -282,7 +283,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}"
             )
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be auto or none, not {self.quantization!r}")
+            choices = ", ".join(QUANTIZATIONS)
+            raise ValueError(f"quantization must be one of {choices}, not {self.quantization!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -90,11 +90,14 @@ class Int4Weight(NamedTuple):
 
 
 def kernel_available(dtype: torch.dtype, device: torch.device) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-    )
+    """Whether a kernel here runs weights as a GGUF file stores them for rows of `dtype`:
+    `quant_matmul.c` for float32 and bfloat16 where the CPU kernels are built, torch's 4-bit
+    kernel for bfloat16."""
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if cpu_kernels.quant_matmul() is not None:
+        return True
+    return dtype == torch.bfloat16 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
 class Int4Linear:

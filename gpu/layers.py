@@ -20,9 +20,10 @@ from torch import nn
 
 from . import parallel_state
 from .cpu_paths import RowPaths, few_rows_product, pack_cpu_weight
-from .int4 import Int4Linear, Int4Weight
+from .int4 import Int4Linear
 from .lora.punica import LoraRuns
 from .models.architectures import CheckpointMismatch
+from .quant_matmul import Quantized, QuantRows, quantized_kernel
 
 if TYPE_CHECKING:
     from .cpu_kernels import FusedOps
@@ -70,7 +71,8 @@ class LinearBase(nn.Module):
     """y = x W^T + b with W of shape [out, in], sharded along `tp_dim` (0: out, 1: in)."""
 
     packed: torch.Tensor | None = None  # W in oneDNN's layout once `pack_for_cpu` ran
-    int4: Int4Linear | None = None  # W's 4-bit codes (`int4.py`, `RowPaths`)
+    int4: Int4Linear | None = None  # W's 4-bit codes for torch's and AMX's kernels (`int4.py`)
+    quant: QuantRows | None = None  # W's GGUF blocks for the decode rows (`quant_matmul.py`)
     rows: RowPaths = RowPaths()  # the model's, once the runner shares it (`share_row_paths`)
     lora: LoraRuns = LoraRuns()  # the step's adapter runs, once shared (`LoraStore.share`)
     lora_slot: int = -1  # this projection's index in each adapter's weights
@@ -126,8 +128,8 @@ class LinearBase(nn.Module):
         """(offset, size) of shard `shard_id`'s rows in this rank's output."""
         return 0, self.output_size
 
-    def int4_part(self, weight: Int4Weight, shard_id: str | int | None = None) -> Int4Weight:
-        """This rank's part of a checkpoint's whole 4-bit weight (one shard of a merged
+    def quantized_part(self, weight: Quantized, shard_id: str | int | None = None) -> Quantized:
+        """This rank's part of a checkpoint's whole quantized weight (one shard of a merged
         projection), cut where `weight_loader` cuts the dense one. ValueError where the cut
         falls inside a block of 32 inputs."""
         if self.tp_size == 1 or self.tp_dim is None:
@@ -143,6 +145,8 @@ class LinearBase(nn.Module):
         return self.tp_rank * size, size
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant is not None:
+            return self._decodes_quantized(self.quant, x, bias)
         four_bit = self.int4
         if four_bit is None:
             return self._dense(x, bias)
@@ -155,6 +159,17 @@ class LinearBase(nn.Module):
         else:
             rest = self._dense(rest, bias)
         return torch.cat([four_bit(x[:n], bias), rest]) if n else rest
+
+    def _decodes_quantized(
+        self, quant: QuantRows, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The step's decode rows (`rows.decodes`) from W's GGUF blocks, up to the kernel's
+        `max_rows` at a time (a row's result is the same at any count), the others dense."""
+        n, most = self.rows.decodes, quant.max_rows
+        parts = [quant(x[i : min(i + most, n)], bias) for i in range(0, n, most)]
+        if n < x.shape[0]:
+            parts.append(self._dense(x[n:], bias))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         n, least = x.shape[0], self.rows.dense_min
@@ -183,13 +198,24 @@ class LinearBase(nn.Module):
             self.weight.data = self.packed.to_dense()
             self.packed = None
 
-    def attach_int4(self, weight: Int4Weight) -> None:
-        """Run a step's decode rows (`rows.decodes`) on `weight`, W in 4 bits."""
+    def attach_quantized(self, weight: Quantized) -> bool:
+        """Run a step's decode rows (`rows.decodes`) on `weight`, W as the GGUF file stores it;
+        returns whether a kernel took it (see `quantized_kernel`)."""
         if weight.shape != (self.output_size, self.input_size):
-            raise ValueError(
-                f"int4 weight {weight.shape} for a [{self.output_size}, {self.input_size}] layer"
-            )
-        self.int4 = Int4Linear(weight)
+            size = [self.output_size, self.input_size]
+            raise ValueError(f"quantized weight {weight.shape} for a {size} layer")
+        kernel = quantized_kernel(weight, self.weight.dtype)
+        if isinstance(kernel, Int4Linear):
+            self.int4 = kernel
+        else:
+            self.quant = kernel
+        return kernel is not None
+
+    def detach_quantized(self) -> bool:
+        """Drop the quantized weight (the dense one takes new values); whether there was one."""
+        had = self.int4 is not None or self.quant is not None
+        self.int4 = self.quant = None
+        return had
 
 
 class ColumnParallelLinear(LinearBase):
@@ -359,6 +385,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output projection; with tied embeddings its weight is the embedding's parameter."""
 
     packed: torch.Tensor | None = None
+    quant: QuantRows | None = None  # the GGUF file's own blocks of the weight (`quant_matmul`)
 
     def pack_for_cpu(self) -> None:
         """A oneDNN-blocked copy for the projection; the plain weight stays for the embedding
@@ -369,9 +396,31 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Drop the oneDNN copy, so the plain weight (kept) can take new values."""
         self.packed = None
 
+    def attach_quantized(self, weight: Quantized) -> bool:
+        """Project from `weight`, the whole checkpoint tensor as the GGUF file stores it (this
+        rank's vocabulary rows of it; past the vocabulary, zero rows as the dense weight has);
+        returns whether a kernel took it. The embedding keeps reading the dense weight."""
+        rows = weight.rows(self.vocab_start, self.vocab_end - self.vocab_start)
+        missing = self.shard_size - rows.shape[0]
+        if missing:
+            rows = type(rows).cat(
+                [rows, type(rows)(*(t.new_zeros(missing, *t.shape[1:]) for t in rows))]
+            )
+        kernel = quantized_kernel(rows, self.weight.dtype)
+        self.quant = kernel if isinstance(kernel, QuantRows) else None
+        return self.quant is not None
+
+    def detach_quantized(self) -> bool:
+        had, self.quant = self.quant is not None, None
+        return had
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole vocabulary on TP rank 0; None on the other ranks."""
-        if self.packed is not None:
+        if (quant := self.quant) is not None:
+            n = hidden.shape[0]
+            parts = [quant(hidden[i : i + quant.max_rows]) for i in range(0, n, quant.max_rows)]
+            logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        elif self.packed is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed, None, "none", [], "")
         elif (few := few_rows_product(hidden, self.weight)) is not None:
             logits = few

@@ -85,15 +85,15 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 def model_tensors(model: nn.Module) -> list[torch.Tensor]:
     """Every tensor `model` keeps for its weights: parameters, buffers, oneDNN-packed copies
-    (`LinearBase.packed`) and 4-bit codes (`LinearBase.int4`)."""
+    (`LinearBase.packed`) and weights as GGUF stores them (`LinearBase.int4`, `.quant`)."""
     tensors = [*model.parameters(), *model.buffers()]
     for module in model.modules():
         packed = getattr(module, "packed", None)
         if isinstance(packed, torch.Tensor):
             tensors.append(packed)
-        four_bit = getattr(module, "int4", None)
-        if four_bit is not None:
-            tensors += [t for t in vars(four_bit).values() if isinstance(t, torch.Tensor)]
+        for kernel in (getattr(module, "int4", None), getattr(module, "quant", None)):
+            if kernel is not None:
+                tensors += [t for t in vars(kernel).values() if isinstance(t, torch.Tensor)]
     return tensors
 
 
@@ -108,5 +108,6 @@ def free_model(model: nn.Module) -> None:
                 setattr(module, name, buffer.new_empty(0))
             if getattr(module, "packed", None) is not None:
                 module.packed = None
-            if getattr(module, "int4", None) is not None:
-                module.int4 = None
+            detach = getattr(module, "detach_quantized", None)
+            if detach is not None:
+                detach()

@@ -27,7 +27,7 @@ from triode.wire import (
     SchedulerOutput,
 )
 
-from . import cpu_kernels, int4, parallel_state
+from . import cpu_kernels, int4, int8, parallel_state
 from .batch import Batch, flatten, prompt_embeds
 from .cpu_paths import (
     cpu_weight_packing_supported,
@@ -42,6 +42,7 @@ from .lora.store import LoraStore, start_lora_step
 from .model_files import context_limit, eos_token_ids, safetensors_weights
 from .models.llama import head_dim, parameter_defaults
 from .models.registry import model_class
+from .quant_matmul import Quantized
 from .sampler import Sampler, compute_logprobs
 from .sampling_state import SamplingState
 from .step_sampling import Drawn, draw, logit_rows
@@ -75,11 +76,12 @@ class ModelRunner:
     What the scheduler sizes itself by: `num_kv_blocks` blocks of `block_size` tokens (as many
     as `kv_cache_memory` bytes hold over all layers), `max_model_len`, `eos_token_id` (and
     `extra_eos_token_ids`, the model's other end-of-sequence ids), `vocab_size`; and `dtype`,
-    `device` as resolved. `quantization` "auto" runs the 4-bit projections a converted GGUF
-    file kept (`int4.py`) where this device has a kernel for them; "none" runs the dequantized
-    weights only. `device` None means CUDA when present; `num_threads` None means every CPU
-    this process may run on (CPU only). `lora_config` (None: LoRA off) sets the limits of the
-    LoRA adapters kept in `lora` (`LoraStore`). `enable_expert_parallel` splits a mixture of
+    `device` as resolved. `quantization` "auto" runs the projections and the LM head a
+    converted GGUF file kept as stored (`int4.py`, `int8.py`) where this device has a kernel
+    for them; "dense-head" the projections only; "none" runs the dequantized weights only.
+    `device` None means CUDA when present; `num_threads` None means every CPU this process may
+    run on (CPU only). `lora_config` (None: LoRA off) sets the limits of the LoRA adapters
+    kept in `lora` (`LoraStore`). `enable_expert_parallel` splits a mixture of
     experts' experts over the TP group instead of each expert (`parallel_state.expert_parallel`).
 
     In a parallel world (`parallel_state`) the runner holds this rank's shard of its pipeline
@@ -167,7 +169,7 @@ class ModelRunner:
             model.load_weights(safetensors_weights(weights_dir))  # raising, it keeps the old
             self.model = model
             self.pack_weights()
-            self.int4_projections = self.attach_int4(weights_dir)
+            self.quantized_projections = self.attach_quantized(weights_dir)
         self._row_paths = share_row_paths(self.model)
         if self.lora is not None:  # the resident adapters' pairs reach the new projections
             self.lora.share(self.model)
@@ -199,12 +201,17 @@ class ModelRunner:
                 return pack_cpu_weights(self.model)
         return 0
 
-    def attach_int4(self, weights_dir: Path) -> int:
-        """Attach the 4-bit codes `weights_dir` keeps (`int4.py`) where this device has a
-        kernel for them and the quantization allows; returns how many projections took them."""
-        if self.quantization != "auto" or not int4.kernel_available(self.dtype, self.device):
+    def attach_quantized(self, weights_dir: Path) -> int:
+        """Attach the weights `weights_dir` keeps as the GGUF file stored them (`int4.py`,
+        `int8.py`) where this device has a kernel for them and the quantization allows;
+        returns how many projections took them."""
+        if self.quantization == "none" or not int4.kernel_available(self.dtype, self.device):
             return 0
-        return self.model.load_int4_weights(int4.load_int4_weights(weights_dir))
+        weights: dict[str, Quantized] = {**int4.load_int4_weights(weights_dir)}
+        weights |= int8.load_int8_weights(weights_dir)
+        if self.quantization == "dense-head" and self.model.lm_head is not None:
+            weights.pop(self.model.lm_head_source(), None)
+        return self.model.load_quantized_weights(weights)
 
     @classmethod
     def from_engine_args(cls, engine_args: Mapping[str, Any], **placement: Any) -> ModelRunner:

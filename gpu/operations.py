@@ -166,8 +166,8 @@ class Operations:
 
         The config's other fields (context length, end-of-sequence ids) stay the running
         model's. Returns `model_path`, `loaded`, `tensors` (parameters written),
-        `int4_detached` and `int4_attached` (the new checkpoint's own 4-bit codes, as a start
-        on it attaches them)."""
+        `int4_detached` and `int4_attached` (projections that dropped the old checkpoint's
+        weights as GGUF stored them, and took the new one's, as a start on it does)."""
         if self._update is not None:
             raise OperationError("conflict", "a pushed weight update is open: finish it first")
         if not isinstance(model_path, str) or not model_path:
@@ -180,11 +180,11 @@ class Operations:
             self.source = path
             return self._report(**result, int4_detached=0, int4_attached=0)
         written, detached = write_weights(runner.model, safetensors_weights(path), names)
-        runner.int4_projections -= detached
+        runner.quantized_projections -= detached
         runner.pack_weights()
         with torch.no_grad():
-            attached = runner.attach_int4(path)
-        runner.int4_projections += attached
+            attached = runner.attach_quantized(path)
+        runner.quantized_projections += attached
         self.source = path
         release_memory(runner.device)
         result |= {"loaded": True, "tensors": written}
@@ -213,7 +213,7 @@ class Operations:
         model = self.runner.model
         self._checked_architecture().check_tensors(bucket, model)
         written, detached = write_weights(model, bucket, [name for name, _ in bucket])
-        self.runner.int4_projections -= detached
+        self.runner.quantized_projections -= detached
         update.tensors += written
         update.int4_detached += detached
         return self._report(tensors=written)

@@ -13,7 +13,10 @@ from __future__ import annotations
 import torch
 
 from . import cpu_kernels
-from .int4 import GROUP, Int4Weight
+from .int4 import GROUP, Int4Linear, Int4Weight
+from .int8 import Int8Weight
+
+Quantized = Int4Weight | Int8Weight  # a weight as a GGUF file stores it
 
 
 class QuantRows:
@@ -84,6 +87,30 @@ class QuantRows:
         if done != 0:
             raise ValueError(f"the kernel refused x {list(x.shape)} for {list(self.shape)}")
         return y
+
+
+def quantized_kernel(weight: Quantized, dtype: torch.dtype) -> Int4Linear | QuantRows | None:
+    """The kernel a CPU projection of `dtype` runs `weight` with, or None (dense only).
+
+    bfloat16 4-bit weights where the CPU has AMX: torch's 4-bit kernel and AMX's
+    (`int4.Int4Linear`, faster there past a few rows); else `quant_matmul.c` for float32 and
+    bfloat16 rows, 4- and 8-bit, or torch's 4-bit kernel for bfloat16 where that is not built.
+    """
+    four_bit = isinstance(weight, Int4Weight)
+    torch_kernel = dtype == torch.bfloat16 and hasattr(
+        torch.ops.aten, "_weight_int4pack_mm_for_cpu"
+    )
+    if four_bit and torch_kernel and cpu_kernels.int4_amx_matmul() is not None:
+        return Int4Linear(weight)
+    if dtype in (torch.float32, torch.bfloat16):
+        quant = (
+            QuantRows.from_int4(weight)
+            if four_bit
+            else QuantRows.from_int8(weight.codes, weight.scale)
+        )
+        if quant is not None:
+            return quant
+    return Int4Linear(weight) if four_bit and torch_kernel else None
 
 
 def _padded(codes: torch.Tensor, multiple: int) -> torch.Tensor:

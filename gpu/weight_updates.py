@@ -218,8 +218,8 @@ def write_weights(
         unpack = getattr(module, "unpack", None)
         if unpack is not None:
             unpack()
-        if isinstance(module, LinearBase) and module.int4 is not None:
-            module.int4 = None
+        detach = getattr(module, "detach_quantized", None)  # the file's blocks are stale now
+        if detach is not None and detach():
             detached += 1
     with torch.no_grad():
         written = model.load_weights(weights, partial=True)

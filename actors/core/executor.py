@@ -104,8 +104,8 @@ class InProcessExecutor:
             "model loaded in %.1fs: %s%s, %d KV blocks of %d tokens",
             time.perf_counter() - started,
             self.dtype,
-            f" ({self._runner.int4_projections} projections in 4 bits for small steps)"
-            if self._runner.int4_projections
+            f" ({self._runner.quantized_projections} projections as GGUF stores them)"
+            if self._runner.quantized_projections
             else "",
             self.num_kv_blocks,
             self.block_size,

@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     peak = matmul_peak(runner.dtype)
     flops = flops_per_token(runner, args.context)
     print(
-        f"{runner.model_dir.name}: {runner.dtype}, {runner.int4_projections} int4 projections, "
+        f"{runner.model_dir.name}: {runner.dtype}, "
+        f"{runner.quantized_projections} projections as GGUF stores them, "
         f"{torch.get_num_threads()} threads; {flops / 1e9:.3f} GFLOP per token at "
         f"{args.context} tokens of context; {runner.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s"
     )

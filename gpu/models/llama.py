@@ -9,7 +9,7 @@ rows the runner needs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,7 +17,6 @@ from torch import nn
 
 from .. import parallel_state
 from ..attention import Attention, AttentionMetadata
-from ..int4 import Int4Weight
 from ..layers import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -29,6 +28,7 @@ from ..layers import (
     VocabParallelEmbedding,
     default_weight_loader,
 )
+from ..quant_matmul import Quantized
 from ..rotary import Rope, RotaryEmbedding
 from .architectures import CheckpointMismatch
 
@@ -337,22 +337,26 @@ class LlamaForCausalLM(nn.Module):
             raise CheckpointMismatch(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
         return loaded
 
-    def load_int4_weights(self, weights: dict[str, Int4Weight]) -> int:
+    def load_quantized_weights(self, weights: Mapping[str, Quantized]) -> int:
         """Give each projection whose every shard `weights` holds (by Hugging Face name) its
-        4-bit codes, merged like the dense weights; returns how many projections got them.
+        weight as the GGUF file stores it, merged like the dense weights, and the LM head its
+        own (a tied one: the embedding's); returns how many projections took them.
 
         At tensor-parallel sizes above 1 each rank takes its part of every shard, cut as the
         dense weights are; a projection whose cut would split a block of 32 inputs stays dense.
         """
         modules = dict(self.named_modules())
-        merged: dict[str, dict[str | int, Int4Weight]] = {}
+        merged: dict[str, dict[str | int, Quantized]] = {}
+        attached = 0
         for name, weight in weights.items():
+            if self.lm_head is not None and name == self.lm_head_source():
+                attached += self.lm_head.attach_quantized(weight)
+                continue
             parts = name.removesuffix(".weight").split(".")
             shard: str | int = ""
             if parts[-1] in self.packed_modules:
                 parts[-1], shard = self.packed_modules[parts[-1]]
             merged.setdefault(".".join(parts), {})[shard] = weight
-        attached = 0
         for name, shards in merged.items():
             module = modules.get(name)
             if not isinstance(module, LinearBase):
@@ -361,12 +365,16 @@ class LlamaForCausalLM(nn.Module):
             if set(shards) != set(order):
                 continue  # a shard stayed dense: so does the whole projection
             try:
-                parts = [module.int4_part(shards[s], s) for s in order]
+                parts = [module.quantized_part(shards[s], s) for s in order]
             except ValueError:
                 continue
-            module.attach_int4(Int4Weight.cat(parts))
-            attached += 1
+            attached += module.attach_quantized(type(parts[0]).cat(parts))
         return attached
+
+    def lm_head_source(self) -> str:
+        """The checkpoint tensor the LM head projects with."""
+        tied = self.config.tie_word_embeddings
+        return "model.embed_tokens.weight" if tied else "lm_head.weight"
 
     @staticmethod
     def _shard_order(module: LinearBase) -> list[str | int]:

@@ -125,9 +125,8 @@ def test_a_linear_with_int4_takes_it_for_the_leading_decode_rows_and_dense_weigh
     layer.weight.data.copy_(torch.randn(96, 128) * 0.05)
     layer.bias.data.copy_(torch.randn(96))
     other = _random_weight(96, 128, seed=1)  # not the dense weight: shows which path ran
-    layer.attach_int4(other)
+    layer.int4 = Int4Linear(other)  # what bfloat16 layers take where the CPU has AMX
     rows = share_row_paths(layer)
-    assert layer.int4 is not None
     wide = layer.int4.amx is not None
     # torch's kernel takes a step's decodes up to 2 beside AMX (faster from 3 on), else up to 8
     limit = layer.int4.max_rows
@@ -161,7 +160,7 @@ def test_lora_deltas_add_to_the_4_bit_rows_and_the_dense_rows_alike() -> None:
     adapter's delta over whichever base product computed it, the base model's rows none."""
     layer = ColumnParallelLinear(128, 96).bfloat16()
     layer.weight.data.copy_(torch.randn(96, 128) * 0.05)
-    layer.attach_int4(_random_weight(96, 128, seed=2))
+    layer.int4 = Int4Linear(_random_weight(96, 128, seed=2))
     rows = share_row_paths(layer)
     rows.decodes, rows.wide = 2, False
     g = torch.Generator().manual_seed(3)
@@ -190,8 +189,8 @@ def test_lora_deltas_add_to_the_4_bit_rows_and_the_dense_rows_alike() -> None:
 
 def test_int4_weight_of_the_wrong_shape_is_refused() -> None:
     layer = RowParallelLinear(128, 64)
-    with pytest.raises(ValueError, match="int4 weight"):
-        layer.attach_int4(_random_weight(96, 128))
+    with pytest.raises(ValueError, match="quantized weight"):
+        layer.attach_quantized(_random_weight(96, 128))
 
 
 @pytest.mark.skipif(
@@ -279,7 +278,7 @@ def test_int4_bfloat16_model_predicts_like_float32(smollm2: Path, copies: int) -
     reference = ModelRunner(smollm2, dtype="float32", **options)
     ref_ids, ref_lp = _teacher_forced(reference, tokens)
     ours = ModelRunner(smollm2, dtype="bfloat16", quantization="auto", **options)
-    assert ours.int4_projections == 30 * 4  # qkv, o, gate_up, down
+    assert ours.quantized_projections == 30 * 4 + 1  # qkv, o, gate_up, down; the LM head
     ids, lp = _teacher_forced(ours, tokens, copies)
 
     same = ids[:, 0] == ref_ids[:, 0]
@@ -299,11 +298,11 @@ def test_quantization_none_and_models_without_4_bit_weights_run_dense(
 
     options = {"kv_cache_memory": 16 << 20, "max_model_len": 128, "num_threads": 1}
     assert (
-        ModelRunner(smollm2, dtype="bfloat16", quantization="none", **options).int4_projections == 0
+        ModelRunner(smollm2, dtype="bfloat16", quantization="none", **options).quantized_projections
+        == 0
     )
-    assert ModelRunner(smollm2, dtype="float32", **options).int4_projections == 0
     tiny = build_tiny_model(tmp_path / "tiny")
-    assert ModelRunner(tiny, dtype="bfloat16", **options).int4_projections == 0
+    assert ModelRunner(tiny, dtype="bfloat16", **options).quantized_projections == 0
 
 
 @needs_kernel
@@ -318,7 +317,7 @@ def test_a_decode_computes_the_same_whether_or_not_a_prompt_shares_its_step(
     outputs = []
     for company in ([], [other]):
         runner = ModelRunner(smollm2, dtype="bfloat16", **options)
-        assert runner.int4_projections
+        assert runner.quantized_projections
         new = NewRequestData(prompt, params)
         [first] = runner.execute(
             SchedulerOutput(0, [ScheduledRequest("a", prompt, 0, [0, 1], new=new)])
@@ -353,7 +352,7 @@ def _random_int4(rows: int, cols: int, seed: int) -> Int4Weight:
                                                               "v": (96, 64)}),
     ],
 )  # fmt: skip
-def test_a_ranks_int4_part_is_its_dense_shard(
+def test_a_ranks_quantized_part_is_its_dense_shard(
     monkeypatch: pytest.MonkeyPatch, build: object, shards: dict[object, tuple[int, int]]
 ) -> None:
     from triode.gpu import layers
@@ -367,7 +366,7 @@ def test_a_ranks_int4_part_is_its_dense_shard(
             whole = _random_int4(*shape, seed=i)
             args = () if shard_id is None else (shard_id,)
             layer.weight.weight_loader(layer.weight, whole.dequantize(), *args)
-            parts.append(layer.int4_part(whole, shard_id).dequantize())
+            parts.append(layer.quantized_part(whole, shard_id).dequantize())
         torch.testing.assert_close(torch.cat(parts), layer.weight.data, rtol=0, atol=0)
 
 
@@ -378,7 +377,7 @@ def test_an_int4_cut_inside_a_block_is_refused(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(layers, "tp_size", lambda: 2)
     layer = RowParallelLinear(96, 8)  # 48 inputs a rank: a block and a half
     with pytest.raises(ValueError, match="block"):
-        layer.int4_part(_random_int4(8, 96, seed=0))
+        layer.quantized_part(_random_int4(8, 96, seed=0))
 
 
 @needs_kernel

@@ -552,15 +552,15 @@ def test_new_weights_detach_the_4_bit_codes_they_replace(tiny: Path, tmp_path: P
     changed = _copy_checkpoint(tiny, tmp_path / "changed", change)  # no int4/: runs dense
     runner = _runner(quantized, dtype="bfloat16")
     projections = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
-    assert runner.int4_projections == len(projections) == 8
+    assert runner.quantized_projections == len(projections) == 8
     ops = Operations(runner)
     ops.start_weight_update()
     first = ops.apply_weights([(n, t) for n, t in change.items() if ".0." in n])
-    assert first["tensors"] > 0 and runner.int4_projections == 4
+    assert first["tensors"] > 0 and runner.quantized_projections == 4
     result = ops.apply_weights([(n, t) for n, t in change.items() if ".0." not in n])
     assert result["tensors"] > 0
     assert ops.finish_weight_update()["int4_detached"] == 8
-    assert runner.int4_projections == 0 and all(m.int4 is None for m in projections)
+    assert runner.quantized_projections == 0 and all(m.int4 is m.quant is None for m in projections)
     _assert_same(_greedy(runner), _greedy(_runner(changed, dtype="bfloat16")))
     # from disk: the old codes go, the new checkpoint's own come, as a start on it takes them
     result = ops.update_weights_from_disk(str(quantized))

@@ -137,4 +137,4 @@ def test_four_bit_codes_of_experts_and_routers_are_left_alone(models: dict[str, 
     names = [f"{prefix}.gate.weight"] + [
         f"{prefix}.experts.{e}.{p}.weight" for e in range(8) for p in ("gate_proj", "up_proj")
     ]
-    assert model.load_int4_weights(dict.fromkeys(names)) == 0  # type: ignore[arg-type]
+    assert model.load_quantized_weights(dict.fromkeys(names)) == 0  # type: ignore[arg-type]
