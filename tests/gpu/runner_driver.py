@@ -1,11 +1,13 @@
 """A minimal scheduler over a `ModelRunner` for the runner's tests: chunked prefill, decodes,
 block allocation, preemption, each request's tokens and logprobs as they come; requests may name
-a LoRA adapter the runner holds."""
+a LoRA adapter the runner holds. And `teacher_forced`: a model's top predictions along a text."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+
+import torch
 
 from triode.gpu.model_runner import ModelRunner
 from triode.wire import Logprobs, NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
@@ -142,3 +144,27 @@ def assert_greedy_as_transformers(seq: Seq, hf_model: object, steps: int) -> Non
         theirs = logits[0].float().log_softmax(-1)[ids]
         ours = torch.from_numpy(logprobs.logprobs[0])
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+def teacher_forced(
+    runner: ModelRunner, tokens: list[int], copies: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-5 ids, top-5 logprobs) predicting each next token: the first token as a one-token
+    prompt, then every later one fed as a decode step (the rows the quantized paths run), for
+    `copies` requests decoding together; the last copy's."""
+    params = SamplingParams(temperature=0.0, max_tokens=len(tokens), logprobs=5)
+    ids, logprobs = [], []
+    width = -(-len(tokens) // runner.block_size)
+    for step, token in enumerate(tokens[:-1]):
+        new = NewRequestData(tokens[:1], params) if step == 0 else None
+        requests = [
+            ScheduledRequest(
+                f"r{i}", [token], step, list(range(i * width, (i + 1) * width)), new=new
+            )
+            for i in range(copies)
+        ]
+        result = runner.execute(SchedulerOutput(step, requests)).results[-1]
+        assert result.logprobs is not None
+        ids.append(torch.from_numpy(result.logprobs.token_ids[:, 1:].copy()))
+        logprobs.append(torch.from_numpy(result.logprobs.logprobs[:, 1:].copy()))
+    return torch.cat(ids), torch.cat(logprobs)

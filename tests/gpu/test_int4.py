@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
+from runner_driver import teacher_forced
 from safetensors.torch import load_file
 
 from triode.gpu import cpu_kernels, int4
@@ -239,30 +240,6 @@ def test_converted_default_model_keeps_every_projection_in_exact_4_bit_codes(
         assert torch.equal(weights[name].dequantize(), dense[name])
 
 
-def _teacher_forced(
-    runner: ModelRunner, tokens: list[int], copies: int = 1
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(top-5 ids, top-5 logprobs) predicting each next token: the first token as a one-token
-    prompt, then every later one fed as a decode step (the rows the int4 path runs), for
-    `copies` requests decoding together; the last copy's."""
-    params = SamplingParams(temperature=0.0, max_tokens=len(tokens), logprobs=5)
-    ids, logprobs = [], []
-    width = -(-len(tokens) // runner.block_size)
-    for step, token in enumerate(tokens[:-1]):
-        new = NewRequestData(tokens[:1], params) if step == 0 else None
-        requests = [
-            ScheduledRequest(
-                f"r{i}", [token], step, list(range(i * width, (i + 1) * width)), new=new
-            )
-            for i in range(copies)
-        ]
-        result = runner.execute(SchedulerOutput(step, requests)).results[-1]
-        assert result.logprobs is not None
-        ids.append(torch.from_numpy(result.logprobs.token_ids[:, 1:].copy()))
-        logprobs.append(torch.from_numpy(result.logprobs.logprobs[:, 1:].copy()))
-    return torch.cat(ids), torch.cat(logprobs)
-
-
 @needs_kernel
 @pytest.mark.slow
 @pytest.mark.parametrize("copies", [1, 12])  # torch's int4 kernel; AMX's where the CPU has it
@@ -276,10 +253,10 @@ def test_int4_bfloat16_model_predicts_like_float32(smollm2: Path, copies: int) -
     tokens = AutoTokenizer.from_pretrained(smollm2)(text)["input_ids"]
     options = {"kv_cache_memory": 16 << 20, "max_model_len": 128, "num_threads": 1}
     reference = ModelRunner(smollm2, dtype="float32", **options)
-    ref_ids, ref_lp = _teacher_forced(reference, tokens)
+    ref_ids, ref_lp = teacher_forced(reference, tokens)
     ours = ModelRunner(smollm2, dtype="bfloat16", quantization="auto", **options)
     assert ours.quantized_projections == 30 * 4 + 1  # qkv, o, gate_up, down; the LM head
-    ids, lp = _teacher_forced(ours, tokens, copies)
+    ids, lp = teacher_forced(ours, tokens, copies)
 
     same = ids[:, 0] == ref_ids[:, 0]
     assert same.float().mean() >= 0.9
