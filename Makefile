@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 FUZZ_SECONDS ?= 120
 FUZZ_ARGS ?=
 
-.PHONY: setup test serve lint format bench-wire bench-vllm device-check fuzz model clean
+.PHONY: setup test serve lint format bench-wire bench-vllm bench-llamacpp device-check fuzz model clean
 
 setup: $(INSTALLED) $(MODEL)
 
@@ -78,6 +78,18 @@ $(VLLM_VENV)/bin/vllm:
 
 bench-vllm: setup $(VLLM_VENV)/bin/vllm
 	$(VENV)/bin/triode bench vllm --vllm $(VLLM_VENV)/bin/python
+
+# triode beside llama.cpp (llama-cpp-python's OpenAI server) on the default GGUF file, in one
+# run; llama.cpp lives in a venv of its own, built from source (cmake and a C++ compiler)
+LLAMACPP_VENV ?= $(TRIODE_CACHE)/llamacpp-venv
+LLAMACPP := llama-cpp-python[server]==0.3.36
+
+$(LLAMACPP_VENV)/bin/python:
+	$(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/pip install -q "$(LLAMACPP)" || (rm -rf $(LLAMACPP_VENV); exit 1)
+
+bench-llamacpp: setup model $(LLAMACPP_VENV)/bin/python
+	$(VENV)/bin/triode bench llamacpp --llamacpp $(LLAMACPP_VENV)/bin/python
 
 # NCCL collectives, gloo for comparison, and tensor-parallel greedy decoding on this machine's
 # GPUs; without a GPU it says so and succeeds.

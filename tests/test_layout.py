@@ -45,6 +45,7 @@ STRING_IMPORTS = {
     "triode.edge.bench.ab",
     "triode.edge.bench.frontend",
     "triode.edge.bench.lora",
+    "triode.edge.bench.llamacpp",
     "triode.edge.bench.spec",
     "triode.edge.bench.moe",
     "triode.edge.bench.serve",
