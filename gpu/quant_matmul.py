@@ -1,8 +1,9 @@
 """Projections of a few rows from a GGUF file's own 4- and 8-bit weights, on any CPU.
 
 `quant_matmul.c` reads Q4_0 / Q4_1 (`int4.Int4Weight`) and Q8_0 (`int8.Int8Weight`) blocks as
-stored and widens each weight in registers to the float32 value the checkpoint dequantizes
-to, exactly; products and sums are float32. A step of a few rows (decodes, a request's verify
+stored, widens the codes in registers and applies each group's scale and minimum once per
+row (scale x (x . codes) + minimum x sum(x)); the arithmetic is float32, and an input of one
+1 and zeros gives exactly the dense float32 weights the checkpoint dequantizes to. A step of a few rows (decodes, a request's verify
 rows) is bound by how fast the weights stream from memory, and these stream 5 or 8.5 bits a
 weight where float32 takes 32 and bfloat16 16. Each row's result is the same at any row count.
 Built for the widest vectors the CPU has (AVX-512, AVX2 with FMA and F16C, else plain C).

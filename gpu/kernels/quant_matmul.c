@@ -4,11 +4,13 @@
  * scale, w = scale * code). A step of a few rows is bound by how fast the weights stream from
  * memory: these read 5 (Q4) or 8.5 (Q8_0) bits a weight where float32 weights take 32.
  *
- * Each weight is widened in registers to float32 with the arithmetic that dequantizes the
- * checkpoint (scale * code is exact in float32, + minimum rounds once), so it is bit for bit
- * the dense float32 weight; sums are float32 fused multiply-adds, each row's in the same order
- * at any row count (a row's result does not depend on the rows beside it). x and y are float32
- * or bfloat16 (widened before, rounded after: the products stay float32).
+ * Per group of 32 inputs a row's outputs take scale x (x . codes) + minimum x sum(x): the
+ * codes widen in registers to floats (exact) for one fused multiply-add a weight and row, and
+ * the group's two constants apply once. The arithmetic is float32 throughout; an input of
+ * one 1 and zeros gives exactly the dense float32 weights (scale x code is exact in float32,
+ * + minimum rounds once, as the checkpoint's dequantization does). Each row's sums run in
+ * the same order at any row count, so a row's result does not depend on the rows beside it.
+ * x and y are float32 or bfloat16 (widened before, rounded once after).
  *
  * W arrives packed for this kernel (`quant_matmul.py`), in blocks of NR = 2 x LANES outputs
  * (LANES: float32 lanes of the widest vector this build targets) and groups of 32 inputs; per
@@ -17,10 +19,10 @@
  * LANES + j in its high one, (Q8_0) NR int8 codes. A block's groups follow each other, so a
  * thread streams its block's bytes in order.
  *
- * Up to MR_DIRECT rows widen each weight in registers and keep every sum there (a decode step
- * of a few requests: one pass over the weights). More rows widen a chunk of a block's weights
- * into a float32 buffer in L1 once and run tiles of MR_TILE rows over it, their sums kept in a
- * tile in L1 between chunks. Blocks of outputs are split over torch's OpenMP threads.
+ * Up to MR_DIRECT rows take each code from memory into registers once for all of them (a
+ * decode step of a few requests: one pass over the weights). More rows widen a chunk of a
+ * block's codes into a float buffer in L1 once and run tiles of MR_TILE rows over each group
+ * of it. Blocks of outputs are split over torch's OpenMP threads.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -163,88 +165,90 @@ static inline const uint8_t *group_codes(const uint8_t *group, int bits) {
     return group + (bits == 4 ? NR * 4 : NR * 2);
 }
 
-/* the NR weights of input k of a group: outputs 0..LANES-1 in w[0], the rest in w[1] */
-static inline __attribute__((always_inline)) void widen(const uint8_t *codes, int k, int bits,
-                                                        const constants *c, vf w[2]) {
+/* the NR codes of input k of a group as floats: outputs 0..LANES-1 in q[0], the rest in q[1] */
+static inline __attribute__((always_inline)) void codes_at(const uint8_t *codes, int k, int bits,
+                                                           vf q[2]) {
     if (bits == 4) {
-        vf low, high;
-        vf_nibbles(codes + (int64_t)k * LANES, &low, &high);
-        w[0] = vf_fma(c->scale[0], low, c->minimum[0]);
-        w[1] = vf_fma(c->scale[1], high, c->minimum[1]);
+        vf_nibbles(codes + (int64_t)k * LANES, &q[0], &q[1]);
     } else {
-        const int8_t *q = (const int8_t *)codes + (int64_t)k * NR;
-        w[0] = vf_mul(c->scale[0], vf_int8(q));
-        w[1] = vf_mul(c->scale[1], vf_int8(q + LANES));
+        const int8_t *c = (const int8_t *)codes + (int64_t)k * NR;
+        q[0] = vf_int8(c);
+        q[1] = vf_int8(c + LANES);
     }
 }
 
-/* rows 0..mr-1 of x (float32, `cols` apart) against `span` consecutive blocks, every sum in
- * registers: a row's sums run one input after another as the tiled path's do (so a row's
- * result does not depend on the rows beside it), and a span of several blocks gives a
- * single row enough independent sums not to wait on one chain of additions */
+/* sums[h] += scale[h] x dot + minimum[h] x xsum: a group's share of a row's outputs, from the
+ * group's dot products of x with the codes (`dot`) and its sum of x */
+static inline __attribute__((always_inline)) void add_group(float *sums, const constants *c,
+                                                            const vf dot[2], float xsum,
+                                                            int bits) {
+    for (int h = 0; h < 2; h++) {
+        vf sum = vf_fma(c->scale[h], dot[h], vf_load(sums + h * LANES));
+        if (bits == 4) sum = vf_fma(c->minimum[h], vf_set1(xsum), sum);
+        vf_store(sums + h * LANES, sum);
+    }
+}
+
+/* rows 0..mr-1 of x (float32, `cols` apart; `xsums`: their sums per group, `groups` apart)
+ * against `span` consecutive blocks, each group's dot products in registers: a span of
+ * several blocks gives a single row enough independent sums not to wait on one chain of
+ * additions. Block s's sums land in tile rows s * QUANT_MAX_ROWS + r. */
 static inline __attribute__((always_inline)) void blocks_direct(
-    const float *x, int64_t cols, const uint8_t *block, int64_t block_bytes, int bits,
-    float *tile, const int mr, const int span) {
-    vf acc[4][MR_DIRECT][2];
-    for (int s = 0; s < span; s++)
-        for (int r = 0; r < mr; r++) acc[s][r][0] = acc[s][r][1] = vf_zero();
-    const int64_t stride = group_bytes(bits);
-    for (int64_t g = 0; g < cols / GROUP; g++) {
-        constants c[4];
-        const uint8_t *codes[4];
-        for (int s = 0; s < span; s++) {
-            const uint8_t *group = block + s * block_bytes + g * stride;
-            c[s] = load_constants(group, bits);
-            codes[s] = group_codes(group, bits);
-        }
+    const float *x, const float *xsums, int64_t cols, const uint8_t *block, int64_t block_bytes,
+    int bits, float *tile, const int mr, const int span) {
+    const int64_t stride = group_bytes(bits), groups = cols / GROUP;
+    for (int s = 0; s < span; s++) memset(tile + s * QUANT_MAX_ROWS * NR, 0, sizeof(float) * mr * NR);
+    for (int64_t g = 0; g < groups; g++) {
+        vf dot[4][MR_DIRECT][2];
+        for (int s = 0; s < span; s++)
+            for (int r = 0; r < mr; r++) dot[s][r][0] = dot[s][r][1] = vf_zero();
         const float *xg = x + g * GROUP;
         for (int k = 0; k < GROUP; k++) {
             for (int s = 0; s < span; s++) {
-                vf w[2];
-                widen(codes[s], k, bits, &c[s], w);
+                vf q[2];
+                codes_at(group_codes(block + s * block_bytes + g * stride, bits), k, bits, q);
                 for (int r = 0; r < mr; r++) {
                     const vf xb = vf_set1(xg[r * cols + k]);
-                    acc[s][r][0] = vf_fma(xb, w[0], acc[s][r][0]);
-                    acc[s][r][1] = vf_fma(xb, w[1], acc[s][r][1]);
+                    dot[s][r][0] = vf_fma(xb, q[0], dot[s][r][0]);
+                    dot[s][r][1] = vf_fma(xb, q[1], dot[s][r][1]);
                 }
             }
         }
-    }
-    for (int s = 0; s < span; s++)
-        for (int r = 0; r < mr; r++) {
-            vf_store(tile + (s * QUANT_MAX_ROWS + r) * NR, acc[s][r][0]);
-            vf_store(tile + (s * QUANT_MAX_ROWS + r) * NR + LANES, acc[s][r][1]);
+        for (int s = 0; s < span; s++) {
+            const constants c = load_constants(block + s * block_bytes + g * stride, bits);
+            for (int r = 0; r < mr; r++)
+                add_group(tile + (s * QUANT_MAX_ROWS + r) * NR, &c, dot[s][r],
+                          xsums[r * groups + g], bits);
         }
+    }
 }
 
-/* tile rows 0..mr-1 (their x `cols` apart, from input k0) += the `n` widened inputs in `w` */
-static inline __attribute__((always_inline)) void tile_fma(const float *x, int64_t cols,
-                                                           const float *w, int n, float *tile,
-                                                           const int mr) {
-    vf acc[MR_TILE][2];
-    for (int r = 0; r < mr; r++) {
-        acc[r][0] = vf_load(tile + r * NR);
-        acc[r][1] = vf_load(tile + r * NR + LANES);
-    }
-    for (int k = 0; k < n; k++) {
-        const vf w0 = vf_load(w + k * NR), w1 = vf_load(w + k * NR + LANES);
+/* tile rows 0..mr-1 (x `cols` apart, from the group's first input; `xsums` `groups` apart)
+ * += one group, its codes as floats in `q` [GROUP][NR] */
+static inline __attribute__((always_inline)) void tile_group(const float *x, int64_t cols,
+                                                             const float *xsums, int64_t groups,
+                                                             const float *q, const constants *c,
+                                                             int bits, float *tile,
+                                                             const int mr) {
+    vf dot[MR_TILE][2];
+    for (int r = 0; r < mr; r++) dot[r][0] = dot[r][1] = vf_zero();
+    for (int k = 0; k < GROUP; k++) {
+        const vf q0 = vf_load(q + k * NR), q1 = vf_load(q + k * NR + LANES);
         for (int r = 0; r < mr; r++) {
             const vf xb = vf_set1(x[r * cols + k]);
-            acc[r][0] = vf_fma(xb, w0, acc[r][0]);
-            acc[r][1] = vf_fma(xb, w1, acc[r][1]);
+            dot[r][0] = vf_fma(xb, q0, dot[r][0]);
+            dot[r][1] = vf_fma(xb, q1, dot[r][1]);
         }
     }
-    for (int r = 0; r < mr; r++) {
-        vf_store(tile + r * NR, acc[r][0]);
-        vf_store(tile + r * NR + LANES, acc[r][1]);
-    }
+    for (int r = 0; r < mr; r++) add_group(tile + r * NR, c, dot[r], xsums[r * groups], bits);
 }
 
-static void tile_rows(const float *x, int64_t cols, const float *w, int n, float *tile, int mr) {
+static void tile_rows(const float *x, int64_t cols, const float *xsums, int64_t groups,
+                      const float *q, const constants *c, int bits, float *tile, int mr) {
     switch (mr) {
 #define TILE_CASE(m) \
     case m:          \
-        tile_fma(x, cols, w, n, tile, m); break;
+        tile_group(x, cols, xsums, groups, q, c, bits, tile, m); break;
         TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
 #if MR_TILE > 4
         TILE_CASE(5) TILE_CASE(6)
@@ -256,28 +260,32 @@ static void tile_rows(const float *x, int64_t cols, const float *w, int n, float
     }
 }
 
-static void block_tiled(const float *x, int64_t rows, int64_t cols, const uint8_t *block,
-                        int bits, float *tile) {
-    float w[CHUNK * NR] __attribute__((aligned(64)));
+/* more rows than the registers hold: a chunk of a block's codes widened to floats in L1 once,
+ * then tiles of MR_TILE rows over each group of it */
+static void block_tiled(const float *x, const float *xsums, int64_t rows, int64_t cols,
+                        const uint8_t *block, int bits, float *tile) {
+    float q[CHUNK * NR] __attribute__((aligned(64)));
+    constants c[CHUNK / GROUP];
     memset(tile, 0, sizeof(float) * rows * NR);
-    const int64_t stride = group_bytes(bits);
-    for (int64_t k0 = 0; k0 < cols; k0 += CHUNK) {
-        const int n = cols - k0 < CHUNK ? (int)(cols - k0) : CHUNK;
-        for (int g = 0; g < n / GROUP; g++) {
-            const uint8_t *group = block + (k0 / GROUP + g) * stride;
-            const constants c = load_constants(group, bits);
-            const uint8_t *codes = group_codes(group, bits);
+    const int64_t stride = group_bytes(bits), groups = cols / GROUP;
+    for (int64_t g0 = 0; g0 < groups; g0 += CHUNK / GROUP) {
+        const int n = groups - g0 < CHUNK / GROUP ? (int)(groups - g0) : CHUNK / GROUP;
+        for (int g = 0; g < n; g++) {
+            const uint8_t *group = block + (g0 + g) * stride;
+            c[g] = load_constants(group, bits);
             for (int k = 0; k < GROUP; k++) {
                 vf pair[2];
-                widen(codes, k, bits, &c, pair);
-                vf_store(w + (g * GROUP + k) * NR, pair[0]);
-                vf_store(w + (g * GROUP + k) * NR + LANES, pair[1]);
+                codes_at(group_codes(group, bits), k, bits, pair);
+                vf_store(q + (g * GROUP + k) * NR, pair[0]);
+                vf_store(q + (g * GROUP + k) * NR + LANES, pair[1]);
             }
         }
-        for (int64_t r = 0; r < rows; r += MR_TILE) {
-            const int mr = rows - r < MR_TILE ? (int)(rows - r) : MR_TILE;
-            tile_rows(x + r * cols + k0, cols, w, n, tile + r * NR, mr);
-        }
+        for (int g = 0; g < n; g++)
+            for (int64_t r = 0; r < rows; r += MR_TILE) {
+                const int mr = rows - r < MR_TILE ? (int)(rows - r) : MR_TILE;
+                tile_rows(x + r * cols + (g0 + g) * GROUP, cols, xsums + r * groups + g0 + g,
+                          groups, q + g * GROUP * NR, &c[g], bits, tile + r * NR, mr);
+            }
     }
 }
 
@@ -286,28 +294,26 @@ static inline int span_for(int64_t rows) { return rows == 1 ? 4 : rows == 2 ? 2 
 
 /* `span` blocks (fewer at the end: `n`) for `rows` rows; block s's sums land in tile rows
  * s * QUANT_MAX_ROWS + r */
-static void blocks_rows(const float *x, int64_t rows, int64_t cols, const uint8_t *block,
-                        int64_t block_bytes, int bits, float *tile, int n) {
+static void blocks_rows(const float *x, const float *xsums, int64_t rows, int64_t cols,
+                        const uint8_t *block, int64_t block_bytes, int bits, float *tile, int n) {
     if (rows <= 2 && n == span_for(rows)) {
         if (rows == 1)
-            blocks_direct(x, cols, block, block_bytes, bits, tile, 1, 4);
+            blocks_direct(x, xsums, cols, block, block_bytes, bits, tile, 1, 4);
         else
-            blocks_direct(x, cols, block, block_bytes, bits, tile, 2, 2);
+            blocks_direct(x, xsums, cols, block, block_bytes, bits, tile, 2, 2);
         return;
     }
     for (int s = 0; s < n; s++, block += block_bytes, tile += QUANT_MAX_ROWS * NR) {
         switch (rows) {
-        case 1: blocks_direct(x, cols, block, block_bytes, bits, tile, 1, 1); break;
-        case 2: blocks_direct(x, cols, block, block_bytes, bits, tile, 2, 1); break;
-        case 3: blocks_direct(x, cols, block, block_bytes, bits, tile, 3, 1); break;
-        case 4: blocks_direct(x, cols, block, block_bytes, bits, tile, 4, 1); break;
+#define DIRECT_CASE(m) \
+    case m:            \
+        blocks_direct(x, xsums, cols, block, block_bytes, bits, tile, m, 1); break;
+            DIRECT_CASE(1) DIRECT_CASE(2) DIRECT_CASE(3) DIRECT_CASE(4)
 #if MR_DIRECT > 4
-        case 5: blocks_direct(x, cols, block, block_bytes, bits, tile, 5, 1); break;
-        case 6: blocks_direct(x, cols, block, block_bytes, bits, tile, 6, 1); break;
-        case 7: blocks_direct(x, cols, block, block_bytes, bits, tile, 7, 1); break;
-        case 8: blocks_direct(x, cols, block, block_bytes, bits, tile, 8, 1); break;
+            DIRECT_CASE(5) DIRECT_CASE(6) DIRECT_CASE(7) DIRECT_CASE(8)
 #endif
-        default: block_tiled(x, rows, cols, block, bits, tile);
+#undef DIRECT_CASE
+        default: block_tiled(x, xsums, rows, cols, block, bits, tile);
         }
     }
 }
@@ -336,6 +342,18 @@ int triode_quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t row
                                                : ((const float *)x)[r * x_stride + c];
         xf = widened;
     }
+    const int64_t groups = cols / GROUP;
+    float *xsums = malloc(sizeof(float) * rows * groups);
+    if (xsums == NULL) {
+        free(widened);
+        return -1;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float sum = 0.0f;
+            for (int k = 0; k < GROUP; k++) sum += xf[r * cols + g * GROUP + k];
+            xsums[r * groups + g] = sum;
+        }
     const int64_t blocks = (outputs + NR - 1) / NR;
     const int64_t block_bytes = cols / GROUP * group_bytes(bits);
     const int span = span_for(rows);
@@ -343,7 +361,8 @@ int triode_quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t row
     for (int64_t first_block = 0; first_block < blocks; first_block += span) {
         float tile[4 * QUANT_MAX_ROWS * NR] __attribute__((aligned(64)));
         const int n = blocks - first_block < span ? (int)(blocks - first_block) : span;
-        blocks_rows(xf, rows, cols, w + first_block * block_bytes, block_bytes, bits, tile, n);
+        blocks_rows(xf, xsums, rows, cols, w + first_block * block_bytes, block_bytes, bits, tile,
+                    n);
         for (int s = 0; s < n; s++) {
             const int64_t first = (first_block + s) * NR;
             const int width = outputs - first < NR ? (int)(outputs - first) : NR;
@@ -358,6 +377,7 @@ int triode_quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t row
                 }
         }
     }
+    free(xsums);
     free(widened);
     return 0;
 }
