@@ -1,7 +1,8 @@
 """CPU kernels written in C, built at first use with the machine's compiler, called by ctypes.
 
 `paged_attention.c` holds decode attention that reads the paged KV cache in place;
-`fused_ops.c` the bfloat16 operations between a layer's projections, fused (`FusedOps`);
+`fused_ops.c` the operations between a layer's projections, fused (`FusedOps`); both for
+bfloat16 and float32 tensors;
 `int4_amx.c` projections from 4-bit weights on Intel AMX (`int4_amx_matmul`);
 `quant_matmul.c` projections of a few rows from GGUF's 4- and 8-bit blocks on any CPU
 (`quant_matmul`). All are built
@@ -35,10 +36,14 @@ KERNELS = Path(__file__).with_name("kernels")
 SOURCES = tuple(
     KERNELS / name for name in ("paged_attention.c", "fused_ops.c", "int4_amx.c", "quant_matmul.c")
 )
-HEADERS = tuple(KERNELS / name for name in ("simd.h", "bf16.h"))
+HEADERS = tuple(KERNELS / name for name in ("simd.h", "bf16.h", "elements.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 Kernel = Callable[..., torch.Tensor]
+
+# the element types the attention kernel and the fused ops take, and their C names' suffixes
+SUFFIXES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+FUSED_DTYPES = tuple(SUFFIXES)
 
 
 def paged_decode_attention_for(num_heads: int, num_kv_heads: int, head_dim: int) -> Kernel | None:
@@ -82,7 +87,12 @@ def paged_decode_attention() -> Kernel | None:
     library = _library()
     if library is None:
         return None
-    function = _function("triode_paged_decode_attention_bf16", _P, _I, *[_P] * 5, *[_I] * 6, _F, _I)
+    functions = {
+        dtype: _function(
+            f"triode_paged_decode_attention_{suffix}", _P, _I, *[_P] * 5, *[_I] * 6, _F, _I
+        )
+        for dtype, suffix in SUFFIXES.items()
+    }
     max_head_dim, max_heads = library.triode_max_head_dim(), library.triode_max_heads()
 
     def run(
@@ -94,7 +104,8 @@ def paged_decode_attention() -> Kernel | None:
         scale: float,
         window: int = 0,
     ) -> torch.Tensor:
-        """q [seqs, heads, head_dim] bfloat16, each sequence's heads contiguous (its rows may be
+        """q [seqs, heads, head_dim] bfloat16 or float32 (the caches' dtype), each sequence's
+        heads contiguous (its rows may be
         apart: a view into the QKV projection's output); caches [blocks, block_size, kv_heads,
         head_dim]; block_tables [seqs, max_blocks] and context_lens [seqs] int64; `window`: a
         sliding window in tokens, each row reading its context's last `window` (0: all).
@@ -105,10 +116,13 @@ def paged_decode_attention() -> Kernel | None:
             raise ValueError(f"{heads} heads over {kv_heads} KV heads of {head_dim} not built for")
         if window < 0:
             raise ValueError(f"a sliding window of {window} tokens")
+        function = functions.get(k_cache.dtype)
         for t in (k_cache, v_cache):
-            if t.dtype != torch.bfloat16 or not t.is_contiguous():
-                raise ValueError("the KV cache must be contiguous bfloat16")
-        if q.dtype != torch.bfloat16 or q.stride(2) != 1 or q.stride(1) != head_dim:
+            if function is None or t.dtype != k_cache.dtype or not t.is_contiguous():
+                raise ValueError("the KV cache must be contiguous bfloat16 or float32")
+        if q.dtype != k_cache.dtype:
+            raise ValueError(f"{q.dtype} queries against a {k_cache.dtype} cache")
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
             q = q.contiguous()
         tables = block_tables.to(torch.int64).contiguous()
         lens = context_lens.to(torch.int64).contiguous()
@@ -125,30 +139,37 @@ def paged_decode_attention() -> Kernel | None:
 
 
 class FusedOps:
-    """`fused_ops.c`'s kernels on bfloat16 CPU tensors (see each C function)."""
+    """`fused_ops.c`'s kernels on bfloat16 or float32 CPU tensors (see each C function), the
+    one for the tensors' dtype."""
 
     def __init__(self) -> None:
-        self._norm = _function(
-            "triode_add_rms_norm_bf16", _P, _I, *[_P] * 3, _I, _I, _F, ctypes.c_int
-        )
-        self._rope = _function("triode_rope_cache_bf16", _P, *[_I] * 5, *[_P] * 6)
-        self._silu_mul = _function("triode_silu_mul_bf16", _P, _P, _I, _I)
-        self._argmax = _function("triode_argmax_bf16", _P, _I, _I, _I, _P)
+        def each(name: str, *argtypes: Any) -> dict[torch.dtype, Any]:
+            return {
+                dtype: _function(f"triode_{name}_{suffix}", *argtypes)
+                for dtype, suffix in SUFFIXES.items()
+            }
+
+        self._norm = each("add_rms_norm", _P, _I, *[_P] * 3, _I, _I, _F, ctypes.c_int)
+        self._rope = each("rope_cache", _P, *[_I] * 5, *[_P] * 6)
+        self._silu_mul = each("silu_mul", _P, _P, _I, _I)
+        self._argmax = each("argmax", _P, _I, _I, _I, _P)
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual) * weight in bfloat16, x + residual in float32); the sum is made
+        """(norm(x + residual) * weight in x's dtype, x + residual in float32); the sum is made
         in place in `residual` (a fresh float32 copy of x when it is None)."""
         rows, hidden = x.shape
         _check(x, rows, hidden, last_contiguous=True)
+        if weight.dtype != x.dtype or weight.shape != (hidden,) or not weight.is_contiguous():
+            raise ValueError(f"a norm weight of {hidden} contiguous {x.dtype} values")
         add = residual is not None
         if residual is None:
             residual = torch.empty(rows, hidden, dtype=torch.float32)
         elif residual.dtype != torch.float32 or not residual.is_contiguous():
             raise ValueError("the residual stream must be contiguous float32")
         out = x.new_empty(rows, hidden)
-        self._norm(
+        self._norm[x.dtype](
             x.data_ptr(), x.stride(0), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
             rows, hidden, eps, int(add),
         )  # fmt: skip
@@ -174,8 +195,8 @@ class FusedOps:
             raise ValueError(f"qkv of width {width} for {num_heads} + 2 x {num_kv_heads} heads")
         _check(qkv, rows, width, last_contiguous=True)
         for t in (k_cache, v_cache):
-            if t.dtype != torch.bfloat16 or not t.is_contiguous():
-                raise ValueError("the KV cache must be contiguous bfloat16")
+            if t.dtype != qkv.dtype or not t.is_contiguous():
+                raise ValueError(f"the KV cache must be contiguous {qkv.dtype}")
         for t in (cos, sin):
             if t.dtype != torch.float32 or not t.is_contiguous():
                 raise ValueError("the rotary tables must be contiguous float32")
@@ -185,7 +206,7 @@ class FusedOps:
         )
         if len(positions) != rows or len(slots) != rows:
             raise ValueError("one position and one slot per row")
-        self._rope(
+        self._rope[qkv.dtype](
             qkv.data_ptr(), qkv.stride(0), rows, num_heads, num_kv_heads, head_dim,
             positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
             v_cache.data_ptr(), slots.data_ptr(),
@@ -196,16 +217,16 @@ class FusedOps:
         rows, width = x.shape
         _check(x, rows, width, last_contiguous=False)
         out = x.new_empty(rows, width // 2)
-        self._silu_mul(x.data_ptr(), out.data_ptr(), rows, width // 2)
+        self._silu_mul[x.dtype](x.data_ptr(), out.data_ptr(), rows, width // 2)
         return out
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Each row's argmax, the first of equals (a NaN counts as the largest), as int64:
-        `torch.max(x, -1).indices` in one pass over the bfloat16 values."""
+        `torch.max(x, -1).indices` in one pass over the values in their own dtype."""
         rows, width = x.shape
         _check(x, rows, width, last_contiguous=True)
         out = torch.empty(rows, dtype=torch.int64)
-        self._argmax(x.data_ptr(), rows, width, x.stride(0), out.data_ptr())
+        self._argmax[x.dtype](x.data_ptr(), rows, width, x.stride(0), out.data_ptr())
         return out
 
 
@@ -247,10 +268,10 @@ def quant_matmul() -> QuantMatmul | None:
 
 
 def _check(x: torch.Tensor, rows: int, width: int, last_contiguous: bool) -> None:
-    """bfloat16 rows of `width` contiguous elements, rows apart by their stride (or, without
-    `last_contiguous`, whole and contiguous)."""
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        raise ValueError("the fused CPU ops take bfloat16 CPU tensors")
+    """bfloat16 or float32 rows of `width` contiguous elements, rows apart by their stride (or,
+    without `last_contiguous`, whole and contiguous)."""
+    if x.dtype not in SUFFIXES or x.device.type != "cpu":
+        raise ValueError("the fused CPU ops take bfloat16 or float32 CPU tensors")
     if last_contiguous and x.stride(1) == 1 and (rows < 2 or x.stride(0) >= width):
         return
     if not x.is_contiguous():

@@ -1,10 +1,13 @@
-/* The small bfloat16 operations between a decoder layer's projections, each fused into one
- * pass over its rows: residual add with RMS norm, rotary embedding with the KV-cache write,
- * SiLU-and-multiply; and the greedy pick from bfloat16 logits.
+/* The small operations between a decoder layer's projections, each fused into one pass over
+ * its rows: residual add with RMS norm, rotary embedding with the KV-cache write,
+ * SiLU-and-multiply; and the greedy pick from the logits. Each comes for bfloat16 and for
+ * float32 rows (`_bf16`, `_f32`), both built from one body (`elements.h`).
  *
- * Each computes in float32 from its bfloat16 inputs and rounds to bfloat16 once, at the end,
- * where the torch code it replaces (`layers.py`, `rotary.py`) rounds after every operation: the results are
- * nearer to a float32 model's, and differ from the torch path's in the last bit here and there.
+ * Each computes in float32. From bfloat16 inputs it rounds to bfloat16 once, at the end, where
+ * the torch code it replaces (`layers.py`, `rotary.py`) rounds after every operation: the
+ * results are nearer to a float32 model's, and differ from the torch path's in the last bit
+ * here and there. In float32 it does the torch code's operations (expf for e^x), only summing
+ * in another order.
  *
  * Built with `paged_attention.c` into one library by `cpu_kernels.py`.
  */
@@ -12,38 +15,39 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "bf16.h"
+#include "elements.h"
 
-#if defined(__AVX512F__)
-#include "simd.h"
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* GCC tunes for AMD's first EPYC here and vectorises in halves of AVX2's 256 bits: whole
+ * registers halve the norm's and the attention's loops */
+#pragma GCC target("prefer-vector-width=256")
 #endif
 
 /* rows worth one thread each: below this the fork costs more than the work */
 #define PARALLEL_ELEMENTS 16384
 
 /* residual += x (float32; `add` 0: residual = x, the stream's start), then
- * out = weight * residual / rms(residual), rounded to bfloat16.
- * x: [rows, x_stride] bfloat16; residual: [rows, hidden] float32; weight: [hidden]. */
-void triode_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, float *residual,
-                              const uint16_t *weight, uint16_t *out, int64_t rows,
-                              int64_t hidden, float eps, int add) {
+ * out = weight * residual / rms(residual), in x's type.
+ * x: [rows, x_stride]; residual: [rows, hidden] float32; weight: [hidden], x's type. */
+INLINE void add_rms_norm(const void *x, int64_t x_stride, float *residual, const void *weight,
+                         void *out, int64_t rows, int64_t hidden, float eps, int add, int f32) {
 #pragma omp parallel for if (rows * hidden >= PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *xr = x + r * x_stride;
-        float *res = residual + r * hidden;
-        uint16_t *o = out + r * hidden;
+        const void *xr = elem_at(x, r * x_stride, f32);
+        float *restrict res = residual + r * hidden;
+        void *o = (char *)out + r * hidden * elem_size(f32);
         float squares = 0.0f;
         if (add) {
 #pragma omp simd reduction(+ : squares)
             for (int64_t i = 0; i < hidden; i++) {
-                const float v = res[i] + bf16_f32(xr[i]);
+                const float v = res[i] + load_elem(xr, i, f32);
                 res[i] = v;
                 squares += v * v;
             }
         } else {
 #pragma omp simd reduction(+ : squares)
             for (int64_t i = 0; i < hidden; i++) {
-                const float v = bf16_f32(xr[i]);
+                const float v = load_elem(xr, i, f32);
                 res[i] = v;
                 squares += v * v;
             }
@@ -51,24 +55,37 @@ void triode_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, float *residu
         const float inv = 1.0f / sqrtf(squares / (float)hidden + eps);
 #pragma omp simd
         for (int64_t i = 0; i < hidden; i++)
-            o[i] = f32_bf16(bf16_f32(weight[i]) * (res[i] * inv));
+            store_elem(o, i, load_elem(weight, i, f32) * (res[i] * inv), f32);
     }
+}
+
+void triode_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, float *residual,
+                              const uint16_t *weight, uint16_t *out, int64_t rows,
+                              int64_t hidden, float eps, int add) {
+    add_rms_norm(x, x_stride, residual, weight, out, rows, hidden, eps, add, 0);
+}
+
+void triode_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual,
+                             const float *weight, float *out, int64_t rows, int64_t hidden,
+                             float eps, int add) {
+    add_rms_norm(x, x_stride, residual, weight, out, rows, hidden, eps, add, 1);
 }
 
 /* Rotate the queries and keys of each row of qkv in place (rotate-half layout: x * cos +
  * roll(x, half) * sin, with sin's first half negated in the table), then copy its keys and
  * values to cache slot slots[r]. qkv: [rows, row_stride], each row [num_heads queries, num_kv_heads keys,
  * num_kv_heads values] of head_dim; cos, sin: float32 [positions, head_dim]; caches:
- * [slots, num_kv_heads, head_dim]. */
-void triode_rope_cache_bf16(uint16_t *qkv, int64_t row_stride, int64_t rows, int64_t num_heads,
-                            int64_t num_kv_heads, int64_t head_dim, const int64_t *positions,
-                            const float *cos, const float *sin, uint16_t *k_cache,
-                            uint16_t *v_cache, const int64_t *slots) {
+ * [slots, num_kv_heads, head_dim], qkv's type. */
+INLINE void rope_cache(void *qkv, int64_t row_stride, int64_t rows, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, const int64_t *positions,
+                       const float *cos, const float *sin, void *k_cache, void *v_cache,
+                       const int64_t *slots, int f32) {
     const int64_t half = head_dim / 2, kv_size = num_kv_heads * head_dim;
+    const int64_t size = elem_size(f32);
 #pragma omp parallel for if (rows * row_stride >= PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
         const float *c = cos + positions[r] * head_dim, *s = sin + positions[r] * head_dim;
-        uint16_t *row = qkv + r * row_stride;
+        char *row = (char *)qkv + r * row_stride * size;
 #if defined(__AVX512F__)
         if (half % 16 == 0 && half <= 64) {
             __m512 cs[2][8]; /* cos and sin of this row's position, in registers for every head */
@@ -77,56 +94,84 @@ void triode_rope_cache_bf16(uint16_t *qkv, int64_t row_stride, int64_t rows, int
                 cs[1][d / 16] = _mm512_loadu_ps(s + d);
             }
             for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {
-                uint16_t *x = row + h * head_dim;
+                char *x = row + h * head_dim * size;
                 for (int64_t d = 0; d < half; d += 16) {
                     const int64_t l = d / 16, u = (half + d) / 16;
-                    const __m512 lo = bf16x16_load(x + d), hi = bf16x16_load(x + half + d);
-                    bf16x16_store(x + d, _mm512_fmadd_ps(lo, cs[0][l], _mm512_mul_ps(hi, cs[1][l])));
-                    bf16x16_store(x + half + d,
-                                  _mm512_fmadd_ps(hi, cs[0][u], _mm512_mul_ps(lo, cs[1][u])));
+                    char *lo_at = x + d * size, *hi_at = x + (half + d) * size;
+                    const __m512 lo = vec16_load(lo_at, f32), hi = vec16_load(hi_at, f32);
+                    vec16_store(lo_at, _mm512_fmadd_ps(lo, cs[0][l], _mm512_mul_ps(hi, cs[1][l])),
+                                f32);
+                    vec16_store(hi_at, _mm512_fmadd_ps(hi, cs[0][u], _mm512_mul_ps(lo, cs[1][u])),
+                                f32);
                 }
             }
         } else
 #endif
         for (int64_t h = 0; h < num_heads + num_kv_heads; h++) {
-            uint16_t *x = row + h * head_dim;
+            void *x = row + h * head_dim * size;
             float in[512];
-            for (int64_t d = 0; d < head_dim; d++) in[d] = bf16_f32(x[d]);
+            for (int64_t d = 0; d < head_dim; d++) in[d] = load_elem(x, d, f32);
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; d++) {
                 const float rolled = in[d < half ? d + half : d - half];
-                x[d] = f32_bf16(in[d] * c[d] + rolled * s[d]);
+                store_elem(x, d, in[d] * c[d] + rolled * s[d], f32);
             }
         }
         const int64_t slot = slots[r];
-        memcpy(k_cache + slot * kv_size, row + num_heads * head_dim, kv_size * sizeof *row);
-        memcpy(v_cache + slot * kv_size, row + num_heads * head_dim + kv_size,
-               kv_size * sizeof *row);
+        memcpy((char *)k_cache + slot * kv_size * size, row + num_heads * head_dim * size,
+               kv_size * size);
+        memcpy((char *)v_cache + slot * kv_size * size, row + (num_heads * head_dim + kv_size) * size,
+               kv_size * size);
     }
 }
 
-/* out = silu(gate) * up, rounded to bfloat16; x: [rows, 2 * size] (gate, then up),
- * out: [rows, size]. */
-void triode_silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t size) {
+void triode_rope_cache_bf16(uint16_t *qkv, int64_t row_stride, int64_t rows, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, const int64_t *positions,
+                            const float *cos, const float *sin, uint16_t *k_cache,
+                            uint16_t *v_cache, const int64_t *slots) {
+    rope_cache(qkv, row_stride, rows, num_heads, num_kv_heads, head_dim, positions, cos, sin,
+               k_cache, v_cache, slots, 0);
+}
+
+void triode_rope_cache_f32(float *qkv, int64_t row_stride, int64_t rows, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, const int64_t *positions,
+                           const float *cos, const float *sin, float *k_cache, float *v_cache,
+                           const int64_t *slots) {
+    rope_cache(qkv, row_stride, rows, num_heads, num_kv_heads, head_dim, positions, cos, sin,
+               k_cache, v_cache, slots, 1);
+}
+
+/* out = silu(gate) * up in x's type; x: [rows, 2 * size] (gate, then up), out: [rows, size] */
+INLINE void silu_mul(const void *x, void *out, int64_t rows, int64_t size, int f32) {
 #pragma omp parallel for if (rows * size >= PARALLEL_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *gate = x + r * 2 * size, *up = gate + size;
-        uint16_t *o = out + r * size;
+        const void *gate = elem_at(x, r * 2 * size, f32), *up = elem_at(gate, size, f32);
+        void *o = (char *)out + r * size * elem_size(f32);
         int64_t i = 0;
 #if defined(__AVX512F__)
-        for (; i + 16 <= size; i += 16) {
-            const __m512 g = bf16x16_load(gate + i);
+        /* the polynomial e^x, close enough for bfloat16; float32 takes expf below */
+        for (; !f32 && i + 16 <= size; i += 16) {
+            const __m512 g = vec16_load(elem_at(gate, i, f32), f32);
             const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
             const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-            bf16x16_store(o + i, _mm512_mul_ps(silu, bf16x16_load(up + i)));
+            vec16_store((char *)o + i * elem_size(f32),
+                        _mm512_mul_ps(silu, vec16_load(elem_at(up, i, f32), f32)), f32);
         }
 #endif
         for (; i < size; i++) {
-            const float g = bf16_f32(gate[i]);
-            const float silu = g / (1.0f + exp_clamped(-g));
-            o[i] = f32_bf16(silu * bf16_f32(up[i]));
+            const float g = load_elem(gate, i, f32);
+            const float silu = g / (1.0f + exp_for(-g, f32));
+            store_elem(o, i, silu * load_elem(up, i, f32), f32);
         }
     }
+}
+
+void triode_silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t size) {
+    silu_mul(x, out, rows, size, 0);
+}
+
+void triode_silu_mul_f32(const float *x, float *out, int64_t rows, int64_t size) {
+    silu_mul(x, out, rows, size, 1);
 }
 
 /* x's first NaN, if any, counts as its largest value: what torch.max picks */
@@ -134,24 +179,24 @@ static inline int beats(float v, float best) {
     return v > best || (isnan(v) && !isnan(best));
 }
 
-/* out[r] = the index of row r's largest value, the first of equals: x [rows, cols] bfloat16,
- * rows `stride` apart; the greedy pick straight from the logits' own dtype. */
-void triode_argmax_bf16(const uint16_t *x, int64_t rows, int64_t cols, int64_t stride,
-                        int64_t *out) {
+/* out[r] = the index of row r's largest value, the first of equals: x [rows, cols], rows
+ * `stride` apart; the greedy pick straight from the logits' own type. */
+INLINE void argmax(const void *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out,
+                   int f32) {
 #pragma omp parallel for if (rows * cols >= PARALLEL_ELEMENTS * 4)
     for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *row = x + r * stride;
+        const void *row = elem_at(x, r * stride, f32);
         float best = -INFINITY;
         int64_t at = 0, i = 0;
 #if defined(__AVX512F__)
         if (cols >= 16) {
-            __m512 top = bf16x16_load(row);
+            __m512 top = vec16_load(row, f32);
             __m512i where = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
             __m512i index = where;
             const __m512i step = _mm512_set1_epi32(16);
             for (i = 16; i + 16 <= cols; i += 16) {
                 index = _mm512_add_epi32(index, step);
-                const __m512 v = bf16x16_load(row + i);
+                const __m512 v = vec16_load(elem_at(row, i, f32), f32);
                 const __mmask16 nan_v = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
                 const __mmask16 nan_top = _mm512_cmp_ps_mask(top, top, _CMP_UNORD_Q);
                 const __mmask16 pick = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ) | (nan_v & ~nan_top);
@@ -170,9 +215,19 @@ void triode_argmax_bf16(const uint16_t *x, int64_t rows, int64_t cols, int64_t s
         }
 #endif
         for (; i < cols; i++) {
-            const float v = bf16_f32(row[i]);
+            const float v = load_elem(row, i, f32);
             if (beats(v, best)) best = v, at = i;
         }
         out[r] = at;
     }
+}
+
+void triode_argmax_bf16(const uint16_t *x, int64_t rows, int64_t cols, int64_t stride,
+                        int64_t *out) {
+    argmax(x, rows, cols, stride, out, 0);
+}
+
+void triode_argmax_f32(const float *x, int64_t rows, int64_t cols, int64_t stride,
+                       int64_t *out) {
+    argmax(x, rows, cols, stride, out, 1);
 }

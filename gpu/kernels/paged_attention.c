@@ -1,14 +1,15 @@
-/* Decode attention straight from the paged KV cache, bfloat16, for the CPU.
+/* Decode attention straight from the paged KV cache, bfloat16 or float32, for the CPU.
  *
  * One query token per row (a decode, or one token of a short prompt chunk, whose context ends
  * at its own position): each (row, KV head) walks its block table once, reading every cached
  * key and value exactly once for all the query heads that share them, with an online softmax
  * in float32. Nothing is gathered or padded.
  *
- * Two paths: with AVX-512, for head sizes 64 and 128 and up to 8 query heads per KV head, the
- * scores of 16 tokens are one vector (bfloat16 dot products where the CPU has them), the
- * softmax rescales once per 16 tokens and the next 16 rows are prefetched; elsewhere a
- * portable loop that rescales once per 32 tokens.
+ * Two paths: with AVX-512, for bfloat16 head sizes 64 and 128 and up to 8 query heads per KV
+ * head, the scores of 16 tokens are one vector (bfloat16 dot products where the CPU has them),
+ * the softmax rescales once per 16 tokens and the next 16 rows are prefetched; elsewhere, and
+ * for float32, a portable loop that the compiler vectorises over the head dimension and that
+ * rescales once per 32 tokens. Float32 takes libm's expf, as torch's softmax is near exact.
  *
  * A sliding window of w tokens (0: none) limits a row whose context is n tokens to the keys at
  * positions n - w .. n - 1: both paths start their walk at position n - w, so the blocks before
@@ -21,7 +22,13 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "bf16.h"
+#include "elements.h"
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* GCC tunes for AMD's first EPYC here and vectorises in halves of AVX2's 256 bits: whole
+ * registers halve the dot products and the weighted sums of the values */
+#pragma GCC target("prefer-vector-width=256")
+#endif
 
 #define MAX_HEAD_DIM 256
 #define MAX_HEADS 64
@@ -44,11 +51,11 @@ static inline int64_t window_start(int64_t context, int64_t window) {
  * A work item is a sequence and a range of its KV heads: all of them when there are sequences
  * enough to share out, so each cached token row (every KV head side by side) streams from
  * memory once and in order; one head each for a few sequences, so both cores have work. */
-static void paged_decode_generic(
-    const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
-    const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
+INLINE void paged_decode_generic(
+    const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+    const int64_t *block_tables, const int64_t *context_lens, void *out,
     int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
+    int64_t block_size, int64_t max_blocks, float scale, int64_t window, int f32) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
     const int64_t splits = num_seqs >= 8 ? 1 : num_kv_heads;
@@ -66,9 +73,9 @@ static void paged_decode_generic(
         float running_max[MAX_HEADS], denom[MAX_HEADS];
         float scores[MAX_HEADS][CHUNK];
         for (int64_t h = 0; h < n_heads; h++) {
-            const uint16_t *qh = q + s * q_stride + (first_head + h) * head_dim;
+            const void *qh = elem_at(q, s * q_stride + (first_head + h) * head_dim, f32);
             for (int64_t d = 0; d < head_dim; d++) {
-                query[h][d] = bf16_f32(qh[d]) * scale;
+                query[h][d] = load_elem(qh, d, f32) * scale;
                 acc[h][d] = 0.0f;
             }
             running_max[h] = -INFINITY;
@@ -87,10 +94,10 @@ static void paged_decode_generic(
             }
             for (int64_t j = 0; j < n; j++) {
                 for (int64_t kv = 0; kv < heads_per_item; kv++) {
-                    const uint16_t *kp = k_cache + rows[j] + (first_kv + kv) * head_dim;
+                    const void *kp = elem_at(k_cache, rows[j] + (first_kv + kv) * head_dim, f32);
                     float key[MAX_HEAD_DIM];
 #pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) key[d] = bf16_f32(kp[d]);
+                    for (int64_t d = 0; d < head_dim; d++) key[d] = load_elem(kp, d, f32);
                     for (int64_t g = 0; g < group; g++) {
                         const int64_t h = kv * group + g;
                         float score = 0.0f;
@@ -105,7 +112,7 @@ static void paged_decode_generic(
                 for (int64_t j = 0; j < n; j++)
                     chunk_max = scores[h][j] > chunk_max ? scores[h][j] : chunk_max;
                 /* the first chunk rescales empty sums: the factor does not matter */
-                const float rescale = exp_clamped(running_max[h] - chunk_max);
+                const float rescale = exp_for(running_max[h] - chunk_max, f32);
                 running_max[h] = chunk_max;
                 denom[h] *= rescale;
 #pragma omp simd
@@ -113,16 +120,16 @@ static void paged_decode_generic(
                 float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
                 for (int64_t j = 0; j < n; j++) {
-                    scores[h][j] = exp_clamped(scores[h][j] - chunk_max);
+                    scores[h][j] = exp_for(scores[h][j] - chunk_max, f32);
                     sum += scores[h][j];
                 }
                 denom[h] += sum;
             }
             for (int64_t j = 0; j < n; j++) {
                 for (int64_t kv = 0; kv < heads_per_item; kv++) {
-                    const uint16_t *vp = v_cache + rows[j] + (first_kv + kv) * head_dim;
+                    const void *vp = elem_at(v_cache, rows[j] + (first_kv + kv) * head_dim, f32);
 #pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) value[d] = bf16_f32(vp[d]);
+                    for (int64_t d = 0; d < head_dim; d++) value[d] = load_elem(vp, d, f32);
                     for (int64_t g = 0; g < group; g++) {
                         const int64_t h = kv * group + g;
                         const float p = scores[h][j];
@@ -133,16 +140,14 @@ static void paged_decode_generic(
             }
         }
         for (int64_t h = 0; h < n_heads; h++) {
-            uint16_t *oh = out + (s * num_heads + first_head + h) * head_dim;
+            void *oh = (char *)out + (s * num_heads + first_head + h) * head_dim * elem_size(f32);
             const float inv = denom[h] > 0.0f ? 1.0f / denom[h] : 0.0f;
-            for (int64_t d = 0; d < head_dim; d++) oh[d] = f32_bf16(acc[h][d] * inv);
+            for (int64_t d = 0; d < head_dim; d++) store_elem(oh, d, acc[h][d] * inv, f32);
         }
     }
 }
 
 #if defined(__AVX512F__)
-#include "simd.h"
-
 /* 32 bfloat16 values as two float32 vectors, the even elements and the odd ones: the bits
  * moved up to the high half, or kept there; no shuffle. */
 static inline void load32(const uint16_t *p, __m512 *even, __m512 *odd) {
@@ -363,5 +368,16 @@ void triode_paged_decode_attention_bf16(
     }
 #endif
     paged_decode_generic(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, num_seqs,
-                         num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window);
+                         num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window,
+                         0);
+}
+
+void triode_paged_decode_attention_f32(
+    const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+    const int64_t *block_tables, const int64_t *context_lens, float *out,
+    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, int64_t max_blocks, float scale, int64_t window) {
+    paged_decode_generic(q, q_stride, k_cache, v_cache, block_tables, context_lens, out, num_seqs,
+                         num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale, window,
+                         1);
 }
