@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import parallel_state
+from .cpu_kernels import FUSED_DTYPES
 from .cpu_paths import RowPaths, few_rows_product, pack_cpu_weight
 from .int4 import Int4Linear
 from .lora.punica import LoraRuns
@@ -457,7 +458,7 @@ class RMSNorm(nn.Module):
     output is in the weight's dtype, what the next projection reads.
     """
 
-    fused: FusedOps | None = None  # `use_fused_ops`: one C pass for bfloat16 on the CPU
+    fused: FusedOps | None = None  # `use_fused_ops`: one C pass on the CPU
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -491,10 +492,10 @@ class RMSNorm(nn.Module):
 class SiluAndMul(nn.Module):
     """silu(gate) * up over the two halves of the last dimension (the merged gate_up output)."""
 
-    fused: FusedOps | None = None  # `use_fused_ops`: one C pass for bfloat16 on the CPU
+    fused: FusedOps | None = None  # `use_fused_ops`: one C pass on the CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and x.dtype == torch.bfloat16:
+        if self.fused is not None and x.dtype in FUSED_DTYPES:
             return self.fused.silu_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

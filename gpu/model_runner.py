@@ -175,9 +175,9 @@ class ModelRunner:
             self.lora.share(self.model)
         self.model.eval()
         # decode attention from the paged cache in place, where the C kernel is built (CPU,
-        # bfloat16); float32 stays on torch's attention, which the reference comparisons pin
+        # bfloat16 or float32)
         kernel = None
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+        if self.device.type == "cpu" and self.dtype in cpu_kernels.FUSED_DTYPES:
             attn = self.model.model.stage_layers[0].self_attn.attn
             kernel = cpu_kernels.paged_decode_attention_for(
                 attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -187,7 +187,7 @@ class ModelRunner:
             layer.self_attn.attn.paged_kernel = kernel
         # and the operations between the projections, fused, on the same terms
         ops = None
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+        if self.device.type == "cpu" and self.dtype in cpu_kernels.FUSED_DTYPES:
             ops = cpu_kernels.fused_ops()
         use_fused_ops(self.model, ops)
         self._fused = ops

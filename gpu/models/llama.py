@@ -17,6 +17,7 @@ from torch import nn
 
 from .. import parallel_state
 from ..attention import Attention, AttentionMetadata
+from ..cpu_kernels import FUSED_DTYPES
 from ..layers import (
     LinearBase,
     MergedColumnParallelLinear,
@@ -75,7 +76,7 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: Rope, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.project(hidden)
         qk_size = self.q_size + self.kv_size
-        if self.fused is not None and qkv.dtype == torch.bfloat16:
+        if self.fused is not None and qkv.dtype in FUSED_DTYPES:
             attn = self.attn
             self.fused.rope_cache(
                 qkv, self.num_heads, self.num_kv_heads, rope.positions, rope.cos_table,
