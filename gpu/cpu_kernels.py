@@ -244,10 +244,20 @@ def int4_amx_matmul() -> Int4Matmul | None:
     )
 
 
+class QuantCall(ctypes.Structure):
+    """One call's arguments to `quant_matmul.c` (its `quant_call`)."""
+
+    _fields_ = [
+        ("x", _P), ("x_stride", _I), ("rows", _I), ("cols", _I), ("w", _P), ("bias", _P),
+        ("outputs", _I), ("y", _P), ("y_stride", _I), ("bits", ctypes.c_int32),
+        ("bf16", ctypes.c_int32),
+    ]  # fmt: skip
+
+
 class QuantMatmul(NamedTuple):
-    """`quant_matmul.c`'s kernel (see `quant_matmul.QuantRows` for its use): `run(x, x_stride,
-    x_bf16, rows, cols, packed, bits, bias, outputs, y, y_stride, y_bf16)` returns 0 or -1;
-    `lanes` float32 lanes a vector, blocks of 2 x lanes outputs; at most `max_rows` rows."""
+    """`quant_matmul.c`'s kernel (see `quant_matmul.QuantRows` for its use): `run(byref(call))`
+    with a `QuantCall` returns 0 or -1; `lanes` float32 lanes a vector, blocks of 2 x lanes
+    outputs; at most `max_rows` rows."""
 
     run: Callable[..., int]
     lanes: int
@@ -259,10 +269,7 @@ def quant_matmul() -> QuantMatmul | None:
     """`quant_matmul.c`'s kernel, or None where the library is not built."""
     if _library() is None:
         return None
-    run = _function(
-        "triode_quant_matmul", _P, _I, ctypes.c_int, _I, _I, _P, ctypes.c_int, _P, _I, _P, _I,
-        ctypes.c_int, restype=ctypes.c_int,
-    )  # fmt: skip
+    run = _function("triode_quant_matmul_call", ctypes.POINTER(QuantCall), restype=ctypes.c_int)
     lanes = _function("triode_quant_lanes", restype=ctypes.c_int)()
     return QuantMatmul(run, lanes, _function("triode_quant_max_rows", restype=ctypes.c_int)())
 

@@ -3,13 +3,16 @@
 `quant_matmul.c` reads Q4_0 / Q4_1 (`int4.Int4Weight`) and Q8_0 (`int8.Int8Weight`) blocks as
 stored, widens the codes in registers and applies each group's scale and minimum once per
 row (scale x (x . codes) + minimum x sum(x)); the arithmetic is float32, and an input of one
-1 and zeros gives exactly the dense float32 weights the checkpoint dequantizes to. A step of a few rows (decodes, a request's verify
-rows) is bound by how fast the weights stream from memory, and these stream 5 or 8.5 bits a
-weight where float32 takes 32 and bfloat16 16. Each row's result is the same at any row count.
-Built for the widest vectors the CPU has (AVX-512, AVX2 with FMA and F16C, else plain C).
+1 and zeros gives exactly the dense float32 weights the checkpoint dequantizes to. A step of a
+few rows (decodes, a request's verify rows) is bound by how fast the weights stream from
+memory, and these stream 5 or 8.5 bits a weight where float32 takes 32 and bfloat16 16. Each
+row's result is the same at any row count. Built for the widest vectors the CPU has (AVX-512,
+AVX2 with FMA and F16C, else plain C).
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -30,6 +33,11 @@ class QuantRows:
         assert kernel is not None
         self.kernel, self.max_rows = kernel, kernel.max_rows
         self.packed, self.bits, self.shape = packed, bits, shape
+        # the arguments that never change set once: a call sets x's, y's and the bias's
+        self._call = cpu_kernels.QuantCall(
+            cols=shape[1], w=packed.data_ptr(), outputs=shape[0], bits=bits
+        )
+        self._call_ref = ctypes.byref(self._call)
 
     @classmethod
     def from_int4(cls, weight: Int4Weight) -> QuantRows | None:
@@ -69,23 +77,24 @@ class QuantRows:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows, cols = x.shape
+        wide = x.dtype == torch.bfloat16
         if (
-            x.dtype not in (torch.float32, torch.bfloat16)
+            not (wide or x.dtype == torch.float32)
             or cols != self.shape[1]
             or x.stride(1) != 1
             or not 1 <= rows <= self.max_rows
         ):
             raise ValueError(f"x of {x.dtype} {list(x.shape)} for a {list(self.shape)} weight")
         y = x.new_empty(rows, self.shape[0])
+        call = self._call
+        call.x, call.x_stride, call.rows = x.data_ptr(), x.stride(0), rows
+        call.y, call.y_stride, call.bf16 = y.data_ptr(), self.shape[0], wide
         if bias is not None:
-            bias = bias.float().contiguous()
-        wide = x.dtype == torch.bfloat16
-        done = self.kernel.run(
-            x.data_ptr(), x.stride(0), wide, rows, cols, self.packed.data_ptr(), self.bits,
-            None if bias is None else bias.data_ptr(), self.shape[0], y.data_ptr(), y.stride(0),
-            wide,
-        )  # fmt: skip
-        if done != 0:
+            bias = bias.float().contiguous()  # kept alive to the end of the call
+            call.bias = bias.data_ptr()
+        else:
+            call.bias = None
+        if self.kernel.run(self._call_ref) != 0:
             raise ValueError(f"the kernel refused x {list(x.shape)} for {list(self.shape)}")
         return y
 

@@ -318,6 +318,18 @@ static void blocks_rows(const float *x, const float *xsums, int64_t rows, int64_
     }
 }
 
+/* one call's arguments, as `quant_matmul.py` keeps them (a call passes one pointer) */
+typedef struct {
+    const void *x;
+    int64_t x_stride, rows, cols;
+    const uint8_t *w;
+    const float *bias;
+    int64_t outputs;
+    void *y;
+    int64_t y_stride;
+    int32_t bits, bf16; /* bf16: x and y are bfloat16, else float32 */
+} quant_call;
+
 int triode_quant_lanes(void) { return LANES; }
 int triode_quant_max_rows(void) { return QUANT_MAX_ROWS; }
 
@@ -380,4 +392,9 @@ int triode_quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t row
     free(xsums);
     free(widened);
     return 0;
+}
+
+int triode_quant_matmul_call(const quant_call *c) {
+    return triode_quant_matmul(c->x, c->x_stride, c->bf16, c->rows, c->cols, c->w, c->bits,
+                               c->bias, c->outputs, c->y, c->y_stride, c->bf16);
 }
