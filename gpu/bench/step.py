@@ -7,7 +7,9 @@ preparing the batch, the forward, the logits and sampling). It prints millisecon
 output tokens per second, and the arithmetic rate those tokens mean (2 FLOPs per weight of each
 projection and of the LM head per token, plus attention's 4 per cached token and head dimension)
 against the rate of one large bfloat16 (or float32) matmul on the same threads: how far the step
-is from what the matmul units give.
+is from what the matmul units give. And the other bound, memory: the bytes a step must read (every
+weight as the step reads it, dense or as GGUF stores it, and each request's KV cache) at the rate
+one pass over 512 MB reads memory on the same threads: the fastest the step could be.
 
 `--profile` adds torch.profiler's table of where one batch size's steps went, operator by
 operator (self CPU time).
@@ -34,6 +36,7 @@ from transformers import AutoConfig
 
 from triode.wire import NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
 
+from ..layers import VocabParallelEmbedding
 from ..loader import resolve_model
 from ..lora.random_adapter import write_random_adapter
 from ..model_runner import ModelRunner
@@ -126,6 +129,41 @@ def matmul_peak(dtype: torch.dtype, size: int = 2048, repeat: int = 5) -> float:
         torch.mm(a, b)
         best = min(best, time.perf_counter() - start)
     return 2.0 * size**3 / best
+
+
+def step_bytes(runner: ModelRunner, n: int, context: int) -> float:
+    """Bytes a decode step of `n` requests at `context` tokens reads: every projection's and
+    the LM head's weights as the step reads them for decode rows (a GGUF file's blocks where
+    the kernels take them, else the dense or oneDNN-packed weights), norms, and each request's
+    K and V for every layer. An embedding reads a row a request: not counted."""
+    total = 0
+    for module in runner.model.modules():
+        if (quant := getattr(module, "quant", None)) is not None:
+            total += quant.packed.nbytes
+        elif (four_bit := getattr(module, "int4", None)) is not None:  # torch's kernel's
+            total += four_bit.packed.nbytes + four_bit.scales_and_zeros.nbytes
+        elif type(module) is VocabParallelEmbedding:
+            continue  # a row a request
+        elif getattr(module, "packed", None) is not None:
+            total += module.packed.nbytes
+        elif isinstance(weight := getattr(module, "weight", None), torch.Tensor):
+            total += weight.nbytes
+    layers = runner.model.model.stage_layers
+    attn = layers[0].self_attn.attn
+    kv = 2 * attn.num_kv_heads * attn.head_dim * runner.kv_cache.element_size()
+    return total + n * context * len(layers) * kv
+
+
+def read_bandwidth(size: int = 512 << 20, repeat: int = 3) -> float:
+    """Bytes per second one sum over `size` bytes of float32 reads, best of `repeat`."""
+    x = torch.ones(size // 4)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return size / best
 
 
 def time_steps(runner: ModelRunner, n: int, args: argparse.Namespace) -> float:
@@ -251,27 +289,31 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=max(256, largest),
         lora_config=lora_config,
     )
-    peak = matmul_peak(runner.dtype)
+    peak, bandwidth = matmul_peak(runner.dtype), read_bandwidth()
     flops = flops_per_token(runner, args.context)
     print(
         f"{runner.model_dir.name}: {runner.dtype}, "
         f"{runner.quantized_projections} projections as GGUF stores them, "
         f"{torch.get_num_threads()} threads; {flops / 1e9:.3f} GFLOP per token at "
-        f"{args.context} tokens of context; {runner.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s"
+        f"{args.context} tokens of context; {runner.dtype} matmul peak {peak / 1e9:.0f} GFLOP/s; "
+        f"memory reads {bandwidth / 1e9:.1f} GB/s"
     )
     with tempfile.TemporaryDirectory(prefix="triode-step-lora-") as scratch:
         if args.lora:
             add_random_adapters(runner, args, Path(scratch))
             print_lora_table(runner, args)
         else:
-            print("| batch | ms per step | tok/s | GFLOP/s | of peak |")
-            print("|---|---|---|---|---|")
+            print(
+                "| batch | ms per step | tok/s | GFLOP/s | of peak | MB read | bound ms | of it |"
+            )
+            print("|---|---|---|---|---|---|---|---|")
             for n in args.sizes:
                 seconds = time_steps(runner, n, args)
-                rate = n / seconds
+                rate, read = n / seconds, step_bytes(runner, n, args.context)
                 print(
                     f"| {n} | {seconds * 1e3:.1f} | {rate:,.0f} | {rate * flops / 1e9:.0f} | "
-                    f"{rate * flops / peak:.0%} |"
+                    f"{rate * flops / peak:.0%} | {read / 1e6:.0f} | "
+                    f"{read / bandwidth * 1e3:.1f} | {read / bandwidth / seconds:.0%} |"
                 )
         if args.profile:
             print(profile_steps(runner, args.profile, args))

@@ -1,4 +1,5 @@
-"""`triode bench step` on the tiny model: its table, and the arithmetic it counts per token."""
+"""`triode bench step` on the tiny model: its table, and the arithmetic and the bytes it counts per
+step."""
 
 from __future__ import annotations
 
@@ -55,3 +56,23 @@ def test_with_adapters_each_batch_size_times_base_one_adapter_and_mixed(tmp_path
     assert [r[1].strip() for r in rows] == ["1", "4"]
     assert all(r[4].strip().endswith("x") and r[6].strip().endswith("x") for r in rows)
     assert "aten::addmm" in done.stdout  # the deltas in the mixed batch's profile
+
+
+def test_a_step_reads_the_weights_as_the_kernels_hold_them_and_each_requests_kv(
+    smollm2: Path,
+) -> None:
+    from triode.gpu.bench.step import step_bytes
+    from triode.gpu.model_runner import ModelRunner
+
+    options = {"kv_cache_memory": 16 << 20, "max_model_len": 128, "num_threads": 1}
+    dense = ModelRunner(smollm2, dtype="float32", quantization="none", **options)
+    stored = ModelRunner(smollm2, dtype="float32", **options)
+    # 135 M float32 weights but the embedding (tied: read once, as the LM head)
+    assert 500e6 < step_bytes(dense, 0, 0) < 545e6
+    # 106 M weights in Q4_1 (20 bytes a block of 32), the head's 28 M in Q8_0 (34 bytes)
+    projections, head = 30 * (576 * 960 + 576 * 576 + 576 * 3072 + 1536 * 576), 49152 * 576
+    expected = projections * 20 / 32 + head * 34 / 32
+    assert abs(step_bytes(stored, 0, 0) - expected) < 0.01 * expected
+    # K and V of every layer for each cached token of each request: 3 heads of 64, float32
+    kv = step_bytes(stored, 2, 10) - step_bytes(stored, 0, 0)
+    assert kv == 2 * 10 * 30 * 2 * 3 * 64 * 4
