@@ -116,26 +116,30 @@ def test_inputs_the_kernel_does_not_take_are_refused() -> None:
     assert QuantRows.from_int8(codes.codes, codes.scale * (1 + 1e-6)) is None
 
 
-def test_a_projection_runs_the_decode_rows_from_its_blocks_and_the_others_dense() -> None:
-    layer = ColumnParallelLinear(128, 96, bias=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_projection_runs_its_rows_from_its_blocks_float32_all_bfloat16_the_decodes(
+    dtype: torch.dtype,
+) -> None:
+    layer = ColumnParallelLinear(128, 96, bias=True).to(dtype)
     layer.weight.data.copy_(torch.randn(96, 128) * 0.05)
     layer.bias.data.copy_(torch.randn(96))
     other = _int4(96, 128, seed=6)  # not the dense weight: shows which path ran
     assert layer.attach_quantized(other) and layer.quant is not None and layer.int4 is None
     rows = share_row_paths(layer)
     kernel = _kernel(other)
-    x = torch.randn(2 * MAX_ROWS + 3, 128)
+    x = torch.randn(2 * MAX_ROWS + 3, 128).to(dtype)
     with torch.no_grad():
         dense = torch.nn.functional.linear(x, layer.weight, layer.bias)
         for decodes in (0, 1, 5, MAX_ROWS, 2 * MAX_ROWS + 1):
             rows.decodes = decodes
             y = layer(x)
-            # more decodes than the kernel takes at once go in turns: the same rows
-            quantized = [kernel(x[i : min(i + MAX_ROWS, decodes)], layer.bias)
-                         for i in range(0, decodes, MAX_ROWS)]  # fmt: skip
+            # the kernel takes rows in turns of MAX_ROWS: the same rows as one at a time
+            n = len(x) if dtype == torch.float32 else decodes
+            quantized = [kernel(x[i : min(i + MAX_ROWS, n)], layer.bias)
+                         for i in range(0, n, MAX_ROWS)]  # fmt: skip
             if quantized:
-                assert torch.equal(y[:decodes], torch.cat(quantized))
-            torch.testing.assert_close(y[decodes:], dense[decodes:])
+                assert torch.equal(y[:n], torch.cat(quantized))
+            torch.testing.assert_close(y[n:], dense[n:])
         assert layer.detach_quantized() and layer.quant is None
         rows.decodes = 4
         torch.testing.assert_close(layer(x), dense)
