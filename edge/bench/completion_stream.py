@@ -37,6 +37,7 @@ class _Usage(msgspec.Struct):
 
 class _Choice(msgspec.Struct):
     text: str = ""
+    finish_reason: str | None = None
 
 
 class _Chunk(msgspec.Struct):
@@ -48,13 +49,16 @@ class _Chunk(msgspec.Struct):
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 
 
-async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
+async def stream_completion(
+    client: httpx.AsyncClient, body: dict[str, Any], *, counted: bool = False
+) -> RequestResult:
     """`POST /v1/completions` with `body` (which asks for a stream with usage), timed.
 
     TTFT is up to the first chunk with a choice; each later one adds one ITL per token
     it carries (one unless the server sends usage with every chunk); the token counts are the
-    final usage chunk's. Any failure, including a stream without usage or `[DONE]`, is returned
-    as an error, never raised.
+    final usage chunk's, or with `counted` (a server whose stream carries no usage) the chunks
+    before the one that finishes. Any failure, including a stream without tokens or `[DONE]`,
+    is returned as an error, never raised.
     """
     timer = _StreamTimer()
     parser = SSEParser()
@@ -71,6 +75,8 @@ async def stream_completion(client: httpx.AsyncClient, body: dict[str, Any]) -> 
                         return timer.result
     except (httpx.HTTPError, msgspec.DecodeError) as e:
         return timer.fail(f"{type(e).__name__}: {e}")
+    if counted:
+        timer.result.output_tokens = timer.chunk_tokens
     return timer.finish()
 
 
@@ -81,6 +87,7 @@ class _StreamTimer:
         self.result = RequestResult()
         self.start = self.last = time.perf_counter()
         self.tokens_at_last: int | None = None  # completion tokens as of the last text, if known
+        self.chunk_tokens = 0  # choices that did not finish: a token each
         self.done = False
 
     def take(self, payload: bytes) -> None:
@@ -94,6 +101,7 @@ class _StreamTimer:
             self.fail(f"error event: {json.dumps(chunk.error)[:500]}")
             return
         result, usage = self.result, chunk.usage
+        self.chunk_tokens += sum(c.finish_reason is None for c in chunk.choices)
         if chunk.choices:  # a chunk carries new tokens (their text may be empty) or the end
             if math.isnan(result.ttft):
                 result.ttft = now - self.start
@@ -117,6 +125,6 @@ class _StreamTimer:
         if not self.done:
             return self.fail("the stream ended without [DONE]")
         if self.result.output_tokens == 0:
-            return self.fail("the stream carried no usage with completion tokens")
+            return self.fail("the stream carried no completion tokens")
         self.result.ok = True
         return self.result

@@ -42,18 +42,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable
-from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 import trio
 
 from triode.wire.ports import free_port
 
-from ..sse import SSEParser
-from .completion_stream import RequestResult, _StreamTimer
+from .completion_stream import RequestResult, stream_completion
 from .frontend import cpu_model
 from .serve import (
     KEEPALIVE_EXPIRY,
@@ -112,47 +109,6 @@ def llamacpp_body(model: str, prompt: str, output_len: int) -> dict[str, Any]:
             "temperature": 0, "repeat_penalty": 1.0, "stream": True}  # fmt: skip
 
 
-class _Choice(msgspec.Struct):
-    finish_reason: str | None = None
-
-
-class _Chunk(msgspec.Struct):
-    choices: list[_Choice] = msgspec.field(default_factory=list)
-
-
-_decode_chunk = msgspec.json.Decoder(_Chunk).decode
-
-
-async def stream_counted(client: httpx.AsyncClient, body: dict[str, Any]) -> RequestResult:
-    """`POST /v1/completions` with `body` from a server whose stream carries no usage, timed as
-    `stream_completion` times one; the output tokens are the chunks before the one that
-    finishes. Failures are returned in the result, never raised; cancelling it closes the
-    stream."""
-    timer = _StreamTimer()
-    parser = SSEParser()
-    tokens = 0
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                return timer.fail(f"HTTP {response.status_code}: {text[:500]}")
-            async with aclosing(response.aiter_bytes()) as data:
-                async for received in data:
-                    for payload in parser.feed(received):
-                        timer.take(payload)
-                        if payload != b"[DONE]":
-                            chunk = _decode_chunk(payload)
-                            tokens += sum(c.finish_reason is None for c in chunk.choices)
-                    if timer.result.error:
-                        return timer.result
-    except (httpx.HTTPError, msgspec.DecodeError) as e:
-        return timer.fail(f"{type(e).__name__}: {e}")
-    if tokens == 0:
-        return timer.fail("the stream carried no tokens")
-    timer.result.output_tokens = tokens
-    return timer.finish()
-
-
 async def run_llamacpp(
     base_url: str, *, prompts: list[str], output_len: int, max_concurrency: int
 ) -> dict[str, Any]:
@@ -170,7 +126,7 @@ async def run_llamacpp(
         model = await first_model_id(client)
 
         def one(prompt: str, max_tokens: int = output_len) -> Awaitable[RequestResult]:
-            return stream_counted(client, llamacpp_body(model, prompt, max_tokens))
+            return stream_completion(client, llamacpp_body(model, prompt, max_tokens), counted=True)
 
         warmup = await one(WARMUP_PROMPT, min(output_len, 4))
         if not warmup.ok:

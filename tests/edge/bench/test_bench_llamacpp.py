@@ -13,13 +13,12 @@ from typing import Any
 import httpx
 import pytest
 
-from triode.edge.bench.completion_stream import RequestResult
+from triode.edge.bench.completion_stream import RequestResult, stream_completion
 from triode.edge.bench.llamacpp import (
     command_for,
     format_table,
     llamacpp_body,
     parse_args,
-    stream_counted,
     triode_paths,
 )
 
@@ -134,7 +133,7 @@ def _chunk(text: str, finish: str | None = None) -> dict[str, Any]:
 async def _stream(content: bytes) -> RequestResult:
     transport = httpx.MockTransport(lambda request: httpx.Response(200, content=content))
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        return await stream_counted(client, {"prompt": "p"})
+        return await stream_completion(client, {"prompt": "p"}, counted=True)
 
 
 async def test_a_stream_without_usage_counts_one_token_per_chunk_before_the_end() -> None:
@@ -150,7 +149,7 @@ async def test_a_stream_without_usage_counts_one_token_per_chunk_before_the_end(
 @pytest.mark.parametrize(
     ("content", "error"),
     [
-        (_sse(_chunk("", "stop")) + b"data: [DONE]\n\n", "the stream carried no tokens"),
+        (_sse(_chunk("", "stop")) + b"data: [DONE]\n\n", "the stream carried no completion tokens"),
         (_sse(_chunk(" a"), _chunk("", "length")), "the stream ended without [DONE]"),
     ],
 )

@@ -184,7 +184,7 @@ async def test_chunks_with_usage_spread_their_gap_over_their_tokens() -> None:
     [
         (httpx.Response(400, content=b'{"error": "too long"}'), 'HTTP 400: {"error": "too long"}'),
         (httpx.Response(200, content=_sse(_text(" a"), done=False)), "without [DONE]"),
-        (httpx.Response(200, content=_sse(_text(" a"))), "no usage"),
+        (httpx.Response(200, content=_sse(_text(" a"))), "no completion tokens"),
         (httpx.Response(200, content=_sse({"error": {"message": "boom"}})), "boom"),
         (httpx.Response(200, content=b"data: {not json\n\n"), "DecodeError"),
     ],
