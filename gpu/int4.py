@@ -22,9 +22,11 @@ Without either, or for steps with many prompt rows, the dense weights.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -34,6 +36,8 @@ from . import cpu_kernels
 from .cache_paths import INT4_DIR, INT4_FILE
 
 log = logging.getLogger(__name__)
+
+Stored = TypeVar("Stored", bound=tuple)  # a weight as stored: a NamedTuple of tensors
 
 GROUP = 32  # inputs per block: GGUF's Q4 block and the kernel's group size
 # the most decode rows torch's kernel takes: up to 8 without AMX; beside AMX, which is faster
@@ -89,15 +93,18 @@ class Int4Weight(NamedTuple):
         return Int4Weight(*(torch.cat(tensors) for tensors in zip(*parts, strict=True)))
 
 
+def torch_kernel_available(dtype: torch.dtype) -> bool:
+    """Whether torch's 4-bit CPU kernel takes rows of `dtype` (bfloat16 only)."""
+    return dtype == torch.bfloat16 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
 def kernel_available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether a kernel here runs weights as a GGUF file stores them for rows of `dtype`:
     `quant_matmul.c` for float32 and bfloat16 where the CPU kernels are built, torch's 4-bit
     kernel for bfloat16."""
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return False
-    if cpu_kernels.quant_matmul() is not None:
-        return True
-    return dtype == torch.bfloat16 and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    return cpu_kernels.quant_matmul() is not None or torch_kernel_available(dtype)
 
 
 class Int4Linear:
@@ -163,17 +170,18 @@ class Int4Linear:
 def load_int4_weights(model_dir: Path) -> dict[str, Int4Weight]:
     """The int4 weights written beside a converted checkpoint, by Hugging Face weight name;
     empty when there are none (a checkpoint that was not a GGUF file, or had no Q4 tensors)."""
-    path = model_dir / INT4_DIR / INT4_FILE
+    return load_stored(model_dir / INT4_DIR / INT4_FILE, Int4Weight)
+
+
+def load_stored(path: Path, kind: type[Stored]) -> dict[str, Stored]:
+    """The weights of kind `kind` (a NamedTuple of tensors, `Int4Weight` or `int8.Int8Weight`)
+    in the safetensors file `path`, by Hugging Face weight name: entry `<name>.<field>` holds
+    each field; empty when there is no such file."""
     if not path.is_file():
         return {}
     tensors = load_file(path)
     names = {key.rsplit(".", 1)[0] for key in tensors}
-    return {
-        name: Int4Weight(
-            tensors[f"{name}.codes"], tensors[f"{name}.scale"], tensors[f"{name}.minimum"]
-        )
-        for name in names
-    }
+    return {name: kind(*(tensors[f"{name}.{f}"] for f in kind._fields)) for name in names}
 
 
 # --- conversion -------------------------------------------------------------------------------
@@ -196,24 +204,39 @@ def extract_gguf_int4(
     # pay about 0.3 s more for gguf
     from gguf import GGMLQuantizationType
 
-    formats = {GGMLQuantizationType.Q4_0: False, GGMLQuantizationType.Q4_1: True}
+    parsers = {
+        GGMLQuantizationType.Q4_0: functools.partial(_from_blocks, with_minimum=False),
+        GGMLQuantizationType.Q4_1: functools.partial(_from_blocks, with_minimum=True),
+    }
+    return extract_stored(reader, processor, names, dense, parsers)
+
+
+def extract_stored(
+    reader: Any,
+    processor: Any,
+    names: dict[str, str],
+    dense: dict[str, torch.Tensor],
+    parsers: Mapping[Any, Callable[[np.ndarray], Any]],
+) -> dict[str, torch.Tensor]:
+    """The 2-D tensors of the GGUF file `reader` reads whose format `parsers` names, each
+    parsed from its blocks (into a NamedTuple of tensors with a `dequantize()`) as safetensors
+    entries `<hf name>.<field>`, kept only if it dequantizes to exactly `dense[hf name]`; rows
+    in the order `_row_order` finds."""
     out: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        if tensor.tensor_type not in formats or tensor.data.ndim != 2:
+        parse = parsers.get(tensor.tensor_type)
+        if parse is None or tensor.data.ndim != 2:
             continue
         found = _row_order(processor, names, tensor.name, tensor.data.shape[0])
         if found is None:
             continue
         name, order = found
-        weight = _from_blocks(
-            np.asarray(tensor.data)[order], with_minimum=formats[tensor.tensor_type]
-        )
+        weight = parse(np.asarray(tensor.data)[order])
         reference = dense.get(name)
         if reference is None or not torch.equal(weight.dequantize(), reference.float()):
-            log.warning("%s: 4-bit codes do not reproduce %s; it stays dense", tensor.name, name)
+            log.warning("%s: its codes do not reproduce %s; it stays dense", tensor.name, name)
             continue
-        out[f"{name}.codes"], out[f"{name}.scale"] = weight.codes, weight.scale
-        out[f"{name}.minimum"] = weight.minimum
+        out |= {f"{name}.{field}": t for field, t in zip(weight._fields, weight, strict=True)}
     return out
 
 

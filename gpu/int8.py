@@ -10,18 +10,14 @@ half of what bfloat16 weights take.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from .cache_paths import INT4_DIR, Q8_FILE
-from .int4 import _row_order
-
-log = logging.getLogger(__name__)
+from .int4 import extract_stored, load_stored
 
 GROUP = 32  # inputs per block: GGUF's Q8_0 block
 _BLOCK_BYTES = 2 + GROUP  # a float16 scale, then the block's int8 codes
@@ -69,12 +65,7 @@ class Int8Weight(NamedTuple):
 def load_int8_weights(model_dir: Path) -> dict[str, Int8Weight]:
     """The Q8_0 weights written beside a converted checkpoint, by Hugging Face weight name;
     empty when there are none (a checkpoint that was not a GGUF file, or had no Q8_0 tensors)."""
-    path = model_dir / INT4_DIR / Q8_FILE
-    if not path.is_file():
-        return {}
-    tensors = load_file(path)
-    names = {key.rsplit(".", 1)[0] for key in tensors}
-    return {name: Int8Weight(tensors[f"{name}.codes"], tensors[f"{name}.scale"]) for name in names}
+    return load_stored(model_dir / INT4_DIR / Q8_FILE, Int8Weight)
 
 
 # --- conversion -------------------------------------------------------------------------------
@@ -94,21 +85,9 @@ def extract_gguf_q8_0(
     # for gguf
     from gguf import GGMLQuantizationType
 
-    out: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        if tensor.tensor_type != GGMLQuantizationType.Q8_0 or tensor.data.ndim != 2:
-            continue
-        found = _row_order(processor, names, tensor.name, tensor.data.shape[0])
-        if found is None:
-            continue
-        name, order = found
-        weight = _from_blocks(np.asarray(tensor.data)[order])
-        reference = dense.get(name)
-        if reference is None or not torch.equal(weight.dequantize(), reference.float()):
-            log.warning("%s: 8-bit codes do not reproduce %s; it stays dense", tensor.name, name)
-            continue
-        out[f"{name}.codes"], out[f"{name}.scale"] = weight.codes, weight.scale
-    return out
+    return extract_stored(
+        reader, processor, names, dense, {GGMLQuantizationType.Q8_0: _from_blocks}
+    )
 
 
 def _from_blocks(data: np.ndarray) -> Int8Weight:
