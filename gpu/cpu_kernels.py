@@ -105,10 +105,10 @@ def paged_decode_attention() -> Kernel | None:
         window: int = 0,
     ) -> torch.Tensor:
         """q [seqs, heads, head_dim] bfloat16 or float32 (the caches' dtype), each sequence's
-        heads contiguous (its rows may be
-        apart: a view into the QKV projection's output); caches [blocks, block_size, kv_heads,
-        head_dim]; block_tables [seqs, max_blocks] and context_lens [seqs] int64; `window`: a
-        sliding window in tokens, each row reading its context's last `window` (0: all).
+        heads contiguous (its rows may be apart: a view into the QKV projection's output);
+        caches [blocks, block_size, kv_heads, head_dim]; block_tables [seqs, max_blocks] and
+        context_lens [seqs] int64; `window`: a sliding window in tokens, each row reading its
+        context's last `window` (0: all).
         Returns [seqs, heads, head_dim]."""
         seqs, heads, head_dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape

@@ -167,11 +167,11 @@ class LinearBase(nn.Module):
         """Rows from W's GGUF blocks, `max_rows` at a time (a row's result is the same at any
         count): all of a float32 step's (faster than MKL's float32 product at any row count
         measured), a bfloat16 step's decodes (`rows.decodes`; the rest oneDNN's bfloat16)."""
-        n, most = x.shape[0] if x.dtype == torch.float32 else self.rows.decodes, quant.max_rows
-        parts = [quant(x[i : min(i + most, n)], bias) for i in range(0, n, most)]
-        if n < x.shape[0]:
-            parts.append(self._dense(x[n:], bias))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        n = x.shape[0] if x.dtype == torch.float32 else self.rows.decodes
+        if n == x.shape[0]:
+            return quant.in_turns(x, bias)
+        rest = self._dense(x[n:], bias)
+        return torch.cat([quant.in_turns(x[:n], bias), rest]) if n else rest
 
     def _dense(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         n, least = x.shape[0], self.rows.dense_min
@@ -416,10 +416,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits over the whole vocabulary on TP rank 0; None on the other ranks."""
-        if (quant := self.quant) is not None:
-            n = hidden.shape[0]
-            parts = [quant(hidden[i : i + quant.max_rows]) for i in range(0, n, quant.max_rows)]
-            logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if self.quant is not None:
+            logits = self.quant.in_turns(hidden)
         elif self.packed is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed, None, "none", [], "")
         elif (few := few_rows_product(hidden, self.weight)) is not None:

@@ -17,7 +17,7 @@ import ctypes
 import torch
 
 from . import cpu_kernels
-from .int4 import GROUP, Int4Linear, Int4Weight
+from .int4 import GROUP, Int4Linear, Int4Weight, torch_kernel_available
 from .int8 import Int8Weight
 
 Quantized = Int4Weight | Int8Weight  # a weight as a GGUF file stores it
@@ -58,12 +58,13 @@ class QuantRows:
         return cls(packed, 4, (rows, cols))
 
     @classmethod
-    def from_int8(cls, codes: torch.Tensor, scale: torch.Tensor) -> QuantRows | None:
-        """The kernel over Q8_0 weights w = scale[r, c // 32] * codes[r, c] (codes int8), or
-        None: no kernel built, or scales that are not float16 values."""
+    def from_int8(cls, weight: Int8Weight) -> QuantRows | None:
+        """The kernel over Q8_0 `weight`, or None: no kernel built, or scales that are not
+        float16 values (GGUF's always are)."""
         kernel = cpu_kernels.quant_matmul()
-        if kernel is None or not torch.equal(scale.half().float(), scale):
+        if kernel is None or not weight.scale_is_float16():
             return None
+        codes, scale = weight
         rows, cols = codes.shape
         lanes = kernel.lanes
         padded = _padded(codes.view(torch.uint8), 2 * lanes)
@@ -98,6 +99,13 @@ class QuantRows:
             raise ValueError(f"the kernel refused x {list(x.shape)} for {list(self.shape)}")
         return y
 
+    def in_turns(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y for any number (at least 1) of rows, `max_rows` at a time: the same rows as one
+        call each, since a row's result does not depend on the rows beside it."""
+        most = self.max_rows
+        parts = [self(x[i : i + most], bias) for i in range(0, x.shape[0], most)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
 
 def quantized_kernel(weight: Quantized, dtype: torch.dtype) -> Int4Linear | QuantRows | None:
     """The kernel a CPU projection of `dtype` runs `weight` with, or None (dense only).
@@ -107,17 +115,11 @@ def quantized_kernel(weight: Quantized, dtype: torch.dtype) -> Int4Linear | Quan
     bfloat16 rows, 4- and 8-bit, or torch's 4-bit kernel for bfloat16 where that is not built.
     """
     four_bit = isinstance(weight, Int4Weight)
-    torch_kernel = dtype == torch.bfloat16 and hasattr(
-        torch.ops.aten, "_weight_int4pack_mm_for_cpu"
-    )
+    torch_kernel = torch_kernel_available(dtype)
     if four_bit and torch_kernel and cpu_kernels.int4_amx_matmul() is not None:
         return Int4Linear(weight)
     if dtype in (torch.float32, torch.bfloat16):
-        quant = (
-            QuantRows.from_int4(weight)
-            if four_bit
-            else QuantRows.from_int8(weight.codes, weight.scale)
-        )
+        quant = QuantRows.from_int4(weight) if four_bit else QuantRows.from_int8(weight)
         if quant is not None:
             return quant
     return Int4Linear(weight) if four_bit and torch_kernel else None

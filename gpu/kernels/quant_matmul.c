@@ -337,9 +337,9 @@ int triode_quant_max_rows(void) { return QUANT_MAX_ROWS; }
  * (row stride x_stride; bfloat16 if x_bf16) times the packed W^T, + bias (float32, or NULL).
  * Returns 0, or -1 for arguments it does not take (rows outside 1..QUANT_MAX_ROWS, cols not
  * whole groups, bits other than 4 and 8). */
-int triode_quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t rows, int64_t cols,
-                        const uint8_t *w, int bits, const float *bias, int64_t outputs, void *y,
-                        int64_t y_stride, int y_bf16) {
+static int quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t rows, int64_t cols,
+                        const uint8_t *w, int bits, const float *bias, int64_t outputs,
+                        void *y, int64_t y_stride, int y_bf16) {
     if (rows < 1 || rows > QUANT_MAX_ROWS || cols < GROUP || cols % GROUP || outputs < 1 ||
         (bits != 4 && bits != 8))
         return -1;
@@ -395,6 +395,6 @@ int triode_quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t row
 }
 
 int triode_quant_matmul_call(const quant_call *c) {
-    return triode_quant_matmul(c->x, c->x_stride, c->bf16, c->rows, c->cols, c->w, c->bits,
-                               c->bias, c->outputs, c->y, c->y_stride, c->bf16);
+    return quant_matmul(c->x, c->x_stride, c->bf16, c->rows, c->cols, c->w, c->bits, c->bias,
+                        c->outputs, c->y, c->y_stride, c->bf16);
 }

@@ -43,7 +43,7 @@ def _kernel(weight: Int4Weight | Int8Weight) -> QuantRows:
     if isinstance(weight, Int4Weight):
         kernel = QuantRows.from_int4(weight)
     else:
-        kernel = QuantRows.from_int8(weight.codes, weight.scale)
+        kernel = QuantRows.from_int8(weight)
     assert kernel is not None
     return kernel
 
@@ -113,7 +113,7 @@ def test_inputs_the_kernel_does_not_take_are_refused() -> None:
     odd = _int4(32, 64, seed=4)
     assert QuantRows.from_int4(odd._replace(scale=odd.scale * (1 + 1e-6))) is None
     codes = _int8(32, 64, seed=5)
-    assert QuantRows.from_int8(codes.codes, codes.scale * (1 + 1e-6)) is None
+    assert QuantRows.from_int8(codes._replace(scale=codes.scale * (1 + 1e-6))) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
