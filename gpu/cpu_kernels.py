@@ -5,7 +5,8 @@
 bfloat16 and float32 tensors;
 `int4_amx.c` projections from 4-bit weights on Intel AMX (`int4_amx_matmul`);
 `quant_matmul.c` projections of a few rows from GGUF's 4- and 8-bit blocks on any CPU
-(`quant_matmul`). All are built
+(`quant_matmul`); `decode_stack.c` a decode step's layers, calling the others in turn
+(`decode_stack`). All are built
 into one library, once per source, compiler and CPU, in `$TRIODE_CACHE/kernels/`
 with -O3 -march=native -fopenmp; its OpenMP runtime is the one torch already loaded (the same
 soname), so its threads are torch's. Without a C compiler, or with TRIODE_CPU_KERNELS=0,
@@ -34,9 +35,12 @@ log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCES = tuple(
-    KERNELS / name for name in ("paged_attention.c", "fused_ops.c", "int4_amx.c", "quant_matmul.c")
-)
-HEADERS = tuple(KERNELS / name for name in ("simd.h", "bf16.h", "elements.h"))
+    KERNELS / name
+    for name in (
+        "paged_attention.c", "fused_ops.c", "int4_amx.c", "quant_matmul.c", "decode_stack.c"
+    )
+)  # fmt: skip
+HEADERS = tuple(KERNELS / name for name in ("simd.h", "bf16.h", "elements.h", "kernels.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 Kernel = Callable[..., torch.Tensor]
@@ -272,6 +276,15 @@ def quant_matmul() -> QuantMatmul | None:
     run = _function("triode_quant_matmul_call", ctypes.POINTER(QuantCall), restype=ctypes.c_int)
     lanes = _function("triode_quant_lanes", restype=ctypes.c_int)()
     return QuantMatmul(run, lanes, _function("triode_quant_max_rows", restype=ctypes.c_int)())
+
+
+@functools.cache
+def decode_stack() -> Callable[..., int] | None:
+    """`decode_stack.c`'s entry, `run(byref(step))` with a `decode_stack.DecodeStep`,
+    returning 0 or -1; None where the library is not built."""
+    if _library() is None:
+        return None
+    return _function("triode_decode_stack", _P, restype=ctypes.c_int)  # type: ignore[no-any-return]
 
 
 def _check(x: torch.Tensor, rows: int, width: int, last_contiguous: bool) -> None:

@@ -35,6 +35,7 @@ from .cpu_paths import (
     share_row_paths,
     use_fused_ops,
 )
+from .decode_stack import DecodeStack
 from .kv.connector import FinishedTransfers, KVConnectorWorker
 from .loader import resolve_model
 from .lora.config import lora_config_of
@@ -191,6 +192,10 @@ class ModelRunner:
             ops = cpu_kernels.fused_ops()
         use_fused_ops(self.model, ops)
         self._fused = ops
+        # decode-only steps' layers in one C call where the model and kernels allow
+        self.model.model.decode_stack = (
+            DecodeStack.for_model(self.model.model) if ops is not None else None
+        )
         self.bind_kv_cache()
 
     def pack_weights(self) -> int:

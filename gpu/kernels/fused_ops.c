@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "elements.h"
+#include "kernels.h"
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
 /* GCC tunes for AMD's first EPYC here and vectorises in halves of AVX2's 256 bits: whole

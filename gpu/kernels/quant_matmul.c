@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "kernels.h"
 
 #define QUANT_MAX_ROWS 64
 #define GROUP 32
@@ -318,17 +319,6 @@ static void blocks_rows(const float *x, const float *xsums, int64_t rows, int64_
     }
 }
 
-/* one call's arguments, as `quant_matmul.py` keeps them (a call passes one pointer) */
-typedef struct {
-    const void *x;
-    int64_t x_stride, rows, cols;
-    const uint8_t *w;
-    const float *bias;
-    int64_t outputs;
-    void *y;
-    int64_t y_stride;
-    int32_t bits, bf16; /* bf16: x and y are bfloat16, else float32 */
-} quant_call;
 
 int triode_quant_lanes(void) { return LANES; }
 int triode_quant_max_rows(void) { return QUANT_MAX_ROWS; }

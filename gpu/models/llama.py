@@ -35,6 +35,7 @@ from .architectures import CheckpointMismatch
 
 if TYPE_CHECKING:
     from ..cpu_kernels import FusedOps
+    from ..decode_stack import DecodeStack
 
 
 class LlamaAttention(nn.Module):
@@ -156,6 +157,7 @@ class LlamaModel(nn.Module):
     """
 
     fused: FusedOps | None = None  # `use_fused_ops`: the layers read the rotary tables
+    decode_stack: DecodeStack | None = None  # decode-only steps' layers in one C call
 
     def __init__(
         self, config: Any, max_position: int, make_layer: Callable[[int], nn.Module]
@@ -213,8 +215,14 @@ class LlamaModel(nn.Module):
                 raise ValueError("a later pipeline stage starts from the previous stage's output")
             hidden, residual = intermediate
         rope = self.step_rope(positions, hidden.dtype)  # once per step, for all layers
-        for layer in self.stage_layers:
-            hidden, residual = layer(rope, hidden, residual, meta)
+        stacked = None
+        if self.decode_stack is not None and residual is None:
+            stacked = self.decode_stack.run(hidden, rope, meta)
+        if stacked is not None:
+            hidden, residual = stacked
+        else:
+            for layer in self.stage_layers:
+                hidden, residual = layer(rope, hidden, residual, meta)
         if not self.last_stage:
             assert residual is not None
             return hidden, residual

@@ -1,0 +1,50 @@
+/* The entry points one kernel of this library calls in another (`decode_stack.c` runs the
+ * others in turn), and `quant_matmul.c`'s call structure, which both build. */
+#ifndef TRIODE_KERNELS_H
+#define TRIODE_KERNELS_H
+
+#include <stdint.h>
+
+/* one call's arguments to `quant_matmul.c`, as `quant_matmul.py` keeps them (a call passes one
+ * pointer) */
+typedef struct {
+    const void *x;
+    int64_t x_stride, rows, cols;
+    const uint8_t *w;
+    const float *bias;
+    int64_t outputs;
+    void *y;
+    int64_t y_stride;
+    int32_t bits, bf16; /* bf16: x and y are bfloat16, else float32 */
+} quant_call;
+
+int triode_quant_matmul_call(const quant_call *c);
+
+void triode_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, float *residual,
+                              const uint16_t *weight, uint16_t *out, int64_t rows,
+                              int64_t hidden, float eps, int add);
+void triode_add_rms_norm_f32(const float *x, int64_t x_stride, float *residual,
+                             const float *weight, float *out, int64_t rows, int64_t hidden,
+                             float eps, int add);
+void triode_rope_cache_bf16(uint16_t *qkv, int64_t row_stride, int64_t rows, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, const int64_t *positions,
+                            const float *cos, const float *sin, uint16_t *k_cache,
+                            uint16_t *v_cache, const int64_t *slots);
+void triode_rope_cache_f32(float *qkv, int64_t row_stride, int64_t rows, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, const int64_t *positions,
+                           const float *cos, const float *sin, float *k_cache, float *v_cache,
+                           const int64_t *slots);
+void triode_silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t size);
+void triode_silu_mul_f32(const float *x, float *out, int64_t rows, int64_t size);
+void triode_paged_decode_attention_bf16(
+    const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
+    const int64_t *block_tables, const int64_t *context_lens, uint16_t *out, int64_t num_seqs,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    int64_t max_blocks, float scale, int64_t window);
+void triode_paged_decode_attention_f32(
+    const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+    const int64_t *block_tables, const int64_t *context_lens, float *out, int64_t num_seqs,
+    int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+    int64_t max_blocks, float scale, int64_t window);
+
+#endif
