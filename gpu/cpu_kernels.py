@@ -37,7 +37,8 @@ KERNELS = Path(__file__).with_name("kernels")
 SOURCES = tuple(
     KERNELS / name
     for name in (
-        "paged_attention.c", "fused_ops.c", "int4_amx.c", "quant_matmul.c", "decode_stack.c"
+        "paged_attention.c", "fused_ops.c", "int4_amx.c", "quant_matmul.c", "quant_paired.c",
+        "decode_stack.c",
     )
 )  # fmt: skip
 HEADERS = tuple(KERNELS / name for name in ("simd.h", "bf16.h", "elements.h", "kernels.h"))
@@ -254,18 +255,20 @@ class QuantCall(ctypes.Structure):
     _fields_ = [
         ("x", _P), ("x_stride", _I), ("rows", _I), ("cols", _I), ("w", _P), ("bias", _P),
         ("outputs", _I), ("y", _P), ("y_stride", _I), ("bits", ctypes.c_int32),
-        ("bf16", ctypes.c_int32),
+        ("bf16", ctypes.c_int32), ("paired", ctypes.c_int32),
     ]  # fmt: skip
 
 
 class QuantMatmul(NamedTuple):
     """`quant_matmul.c`'s kernel (see `quant_matmul.QuantRows` for its use): `run(byref(call))`
     with a `QuantCall` returns 0 or -1; `lanes` float32 lanes a vector, blocks of 2 x lanes
-    outputs; at most `max_rows` rows."""
+    outputs; at most `max_rows` rows; `paired`: this build's bfloat16 product over paired
+    4-bit codes (`quant_paired.c`, AVX512-BF16)."""
 
     run: Callable[..., int]
     lanes: int
     max_rows: int
+    paired: bool
 
 
 @functools.cache
@@ -275,7 +278,9 @@ def quant_matmul() -> QuantMatmul | None:
         return None
     run = _function("triode_quant_matmul_call", ctypes.POINTER(QuantCall), restype=ctypes.c_int)
     lanes = _function("triode_quant_lanes", restype=ctypes.c_int)()
-    return QuantMatmul(run, lanes, _function("triode_quant_max_rows", restype=ctypes.c_int)())
+    most = _function("triode_quant_max_rows", restype=ctypes.c_int)()
+    paired = _function("triode_quant_paired_available", restype=ctypes.c_int)()
+    return QuantMatmul(run, lanes, most, bool(paired))
 
 
 @functools.cache

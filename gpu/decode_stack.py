@@ -189,6 +189,7 @@ class DecodeStack:
                 call = QuantCall(
                     cols=quant.shape[1], w=quant.packed.data_ptr(), outputs=quant.shape[0],
                     bits=quant.bits, bf16=norms[0].weight.dtype == torch.bfloat16,
+                    paired=quant.paired,
                 )  # fmt: skip
                 if module.bias is not None:
                     bias = module.bias.float().contiguous()

@@ -28,34 +28,43 @@ class QuantRows:
     packed from its GGUF blocks for `quant_matmul.c`: per block of 2 x lanes outputs and
     group of 32 inputs, the float16 scales, (4-bit) the float16 minimums, then the codes."""
 
-    def __init__(self, packed: torch.Tensor, bits: int, shape: tuple[int, int]) -> None:
+    def __init__(
+        self, packed: torch.Tensor, bits: int, shape: tuple[int, int], paired: bool = False
+    ) -> None:
+        """`paired`: 4-bit codes paired for bfloat16 rows (`from_int4`)."""
         kernel = cpu_kernels.quant_matmul()
         assert kernel is not None
         self.kernel, self.max_rows = kernel, kernel.max_rows
-        self.packed, self.bits, self.shape = packed, bits, shape
+        self.packed, self.bits, self.shape, self.paired = packed, bits, shape, paired
         # the arguments that never change set once: a call sets x's, y's and the bias's
         self._call = cpu_kernels.QuantCall(
-            cols=shape[1], w=packed.data_ptr(), outputs=shape[0], bits=bits
+            cols=shape[1], w=packed.data_ptr(), outputs=shape[0], bits=bits, paired=paired
         )
         self._call_ref = ctypes.byref(self._call)
 
     @classmethod
-    def from_int4(cls, weight: Int4Weight) -> QuantRows | None:
+    def from_int4(cls, weight: Int4Weight, paired: bool = False) -> QuantRows | None:
         """The kernel over `weight`, or None: no kernel built, or constants that are not
-        float16 values (GGUF's always are)."""
+        float16 values (GGUF's always are). `paired`: for bfloat16 rows only, each pair of
+        inputs' codes side by side for `quant_paired.c` (where `kernel.paired`)."""
         kernel = cpu_kernels.quant_matmul()
         if kernel is None or not weight.constants_are_float16():
             return None
+        if paired and not kernel.paired:
+            raise ValueError("this build has no bfloat16 product over paired codes")
         rows, cols = weight.shape
         lanes = kernel.lanes
         codes = _padded(weight.unpacked_codes().to(torch.uint8), 2 * lanes)
         blocks = codes.shape[0] // (2 * lanes)
         # [block, half, lane, group, k] -> [block, group, k, half, lane]; byte = low | high << 4
         codes = codes.view(blocks, 2, lanes, cols // GROUP, GROUP).permute(0, 3, 4, 1, 2)
-        codes = (codes[..., 0, :] | codes[..., 1, :] << 4).reshape(blocks, cols // GROUP, -1)
+        codes = codes[..., 0, :] | codes[..., 1, :] << 4  # [block, group, k, lane]
+        if paired:  # [block, group, pair, lane, input of the pair]
+            codes = codes.view(blocks, cols // GROUP, GROUP // 2, 2, lanes).transpose(-1, -2)
+        codes = codes.reshape(blocks, cols // GROUP, -1)
         constants = [_half_bytes(t, blocks, lanes) for t in (weight.scale, weight.minimum)]
         packed = torch.cat([*constants, codes], dim=-1).contiguous()
-        return cls(packed, 4, (rows, cols))
+        return cls(packed, 4, (rows, cols), paired)
 
     @classmethod
     def from_int8(cls, weight: Int8Weight) -> QuantRows | None:
@@ -84,6 +93,7 @@ class QuantRows:
             or cols != self.shape[1]
             or x.stride(1) != 1
             or not 1 <= rows <= self.max_rows
+            or (self.paired and not wide)
         ):
             raise ValueError(f"x of {x.dtype} {list(x.shape)} for a {list(self.shape)} weight")
         y = x.new_empty(rows, self.shape[0])
@@ -112,14 +122,17 @@ def quantized_kernel(weight: Quantized, dtype: torch.dtype) -> Int4Linear | Quan
 
     bfloat16 4-bit weights where the CPU has AMX: torch's 4-bit kernel and AMX's
     (`int4.Int4Linear`, faster there past a few rows); else `quant_matmul.c` for float32 and
-    bfloat16 rows, 4- and 8-bit, or torch's 4-bit kernel for bfloat16 where that is not built.
+    bfloat16 rows, 4- and 8-bit (bfloat16 rows of 4-bit weights on paired codes where the build
+    has `quant_paired.c`), or torch's 4-bit kernel for bfloat16 where that is not built.
     """
     four_bit = isinstance(weight, Int4Weight)
     torch_kernel = torch_kernel_available(dtype)
     if four_bit and torch_kernel and cpu_kernels.int4_amx_matmul() is not None:
         return Int4Linear(weight)
     if dtype in (torch.float32, torch.bfloat16):
-        quant = QuantRows.from_int4(weight) if four_bit else QuantRows.from_int8(weight)
+        kernel = cpu_kernels.quant_matmul()
+        paired = dtype == torch.bfloat16 and kernel is not None and kernel.paired
+        quant = QuantRows.from_int4(weight, paired) if four_bit else QuantRows.from_int8(weight)
         if quant is not None:
             return quant
     return Int4Linear(weight) if four_bit and torch_kernel else None

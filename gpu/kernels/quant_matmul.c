@@ -22,7 +22,8 @@
  * Up to MR_DIRECT rows take each code from memory into registers once for all of them (a
  * decode step of a few requests: one pass over the weights). More rows widen a chunk of a
  * block's codes into a float buffer in L1 once and run tiles of MR_TILE rows over each group
- * of it. Blocks of outputs are split over torch's OpenMP threads.
+ * of it. Blocks of outputs are split over torch's OpenMP threads. bfloat16 rows of paired
+ * 4-bit weights take `quant_paired.c`'s product instead (AVX512-BF16).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -329,9 +330,9 @@ int triode_quant_max_rows(void) { return QUANT_MAX_ROWS; }
  * whole groups, bits other than 4 and 8). */
 static int quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t rows, int64_t cols,
                         const uint8_t *w, int bits, const float *bias, int64_t outputs,
-                        void *y, int64_t y_stride, int y_bf16) {
+                        void *y, int64_t y_stride, int y_bf16, int paired) {
     if (rows < 1 || rows > QUANT_MAX_ROWS || cols < GROUP || cols % GROUP || outputs < 1 ||
-        (bits != 4 && bits != 8))
+        (bits != 4 && bits != 8) || (paired && (bits != 4 || !x_bf16 || !y_bf16)))
         return -1;
     const float *xf = (const float *)x;
     float *widened = NULL;
@@ -356,6 +357,13 @@ static int quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t row
             for (int k = 0; k < GROUP; k++) sum += xf[r * cols + g * GROUP + k];
             xsums[r * groups + g] = sum;
         }
+    if (paired) {
+        const int status = triode_quant_paired_rows(x, x_stride, xsums, rows, cols, w, bias,
+                                                    outputs, y, y_stride);
+        free(xsums);
+        free(widened);
+        return status;
+    }
     const int64_t blocks = (outputs + NR - 1) / NR;
     const int64_t block_bytes = cols / GROUP * group_bytes(bits);
     const int span = span_for(rows);
@@ -386,5 +394,5 @@ static int quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t row
 
 int triode_quant_matmul_call(const quant_call *c) {
     return quant_matmul(c->x, c->x_stride, c->bf16, c->rows, c->cols, c->w, c->bits, c->bias,
-                        c->outputs, c->y, c->y_stride, c->bf16);
+                        c->outputs, c->y, c->y_stride, c->bf16, c->paired);
 }

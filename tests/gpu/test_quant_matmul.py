@@ -15,7 +15,7 @@ from triode.gpu.int4 import Int4Weight
 from triode.gpu.int8 import Int8Weight
 from triode.gpu.layers import ColumnParallelLinear, ParallelLMHead
 from triode.gpu.model_runner import ModelRunner
-from triode.gpu.quant_matmul import QuantRows
+from triode.gpu.quant_matmul import QuantRows, quantized_kernel
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.quant_matmul() is None, reason="no C compiler: the CPU kernels are not built"
@@ -96,6 +96,33 @@ def test_bfloat16_rows_are_widened_and_the_products_rounded_once() -> None:
     bias = torch.randn(96)
     expected = (kernel(x.float(), bias)).bfloat16()  # the float32 product, rounded
     assert torch.equal(kernel(x, bias), expected)
+
+
+@pytest.mark.skipif(
+    not getattr(cpu_kernels.quant_matmul(), "paired", False), reason="this CPU has no AVX512-BF16"
+)
+@pytest.mark.parametrize("q4_0", [False, True])
+def test_paired_codes_give_bfloat16_rows_the_float32_products_rounded_once(q4_0: bool) -> None:
+    weight = _int4(176, 576, seed=7, q4_0=q4_0)  # 176 outputs: the last block a part one
+    paired = QuantRows.from_int4(weight, paired=True)
+    assert paired is not None and paired.paired
+    assert quantized_kernel(weight, torch.bfloat16).paired  # type: ignore[union-attr]
+    assert not quantized_kernel(weight, torch.float32).paired  # type: ignore[union-attr]
+    dense = weight.dequantize()
+    for lo in range(0, 576, MAX_ROWS):  # x = I: the dense weights, rounded once
+        eye = torch.eye(576)[lo : lo + MAX_ROWS].bfloat16()
+        assert torch.equal(paired(eye), dense[:, lo : lo + MAX_ROWS].t().bfloat16())
+    x, bias = torch.randn(MAX_ROWS, 576).bfloat16(), torch.randn(176)
+    full = paired(x, bias)
+    # the float32 path's exact products summed in another order, then rounded: at most a
+    # bfloat16 unit in the last place apart
+    expected = _kernel(weight)(x.float(), bias)
+    terms = (x.float().abs() @ dense.abs().t()).max()
+    assert ((full.float() - expected).abs() <= expected.abs() * 2**-7 + terms * 1e-6).all()
+    for rows in range(1, MAX_ROWS):  # the register path (few rows) and the tiled one agree
+        assert torch.equal(paired(x[:rows], bias), full[:rows]), rows
+    with pytest.raises(ValueError, match="for a"):
+        paired(x.float())  # paired codes take bfloat16 rows only
 
 
 def test_inputs_the_kernel_does_not_take_are_refused() -> None:
