@@ -67,12 +67,14 @@ class QuantRows:
         return cls(packed, 4, (rows, cols), paired)
 
     @classmethod
-    def from_int8(cls, weight: Int8Weight) -> QuantRows | None:
+    def from_int8(cls, weight: Int8Weight, paired: bool = False) -> QuantRows | None:
         """The kernel over Q8_0 `weight`, or None: no kernel built, or scales that are not
-        float16 values (GGUF's always are)."""
+        float16 values (GGUF's always are). `paired` as `from_int4`'s."""
         kernel = cpu_kernels.quant_matmul()
         if kernel is None or not weight.scale_is_float16():
             return None
+        if paired and not kernel.paired:
+            raise ValueError("this build has no bfloat16 product over paired codes")
         codes, scale = weight
         rows, cols = codes.shape
         lanes = kernel.lanes
@@ -80,10 +82,12 @@ class QuantRows:
         blocks = padded.shape[0] // (2 * lanes)
         # [block, output, group, k] -> [block, group, k, output]
         padded = padded.view(blocks, 2 * lanes, cols // GROUP, GROUP).permute(0, 2, 3, 1)
+        if paired:  # [block, group, pair, output, input of the pair]
+            padded = padded.reshape(blocks, cols // GROUP, GROUP // 2, 2, -1).transpose(-1, -2)
         packed = torch.cat(
             [_half_bytes(scale, blocks, lanes), padded.reshape(blocks, cols // GROUP, -1)], dim=-1
         ).contiguous()
-        return cls(packed, 8, (rows, cols))
+        return cls(packed, 8, (rows, cols), paired)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows, cols = x.shape
@@ -122,8 +126,8 @@ def quantized_kernel(weight: Quantized, dtype: torch.dtype) -> Int4Linear | Quan
 
     bfloat16 4-bit weights where the CPU has AMX: torch's 4-bit kernel and AMX's
     (`int4.Int4Linear`, faster there past a few rows); else `quant_matmul.c` for float32 and
-    bfloat16 rows, 4- and 8-bit (bfloat16 rows of 4-bit weights on paired codes where the build
-    has `quant_paired.c`), or torch's 4-bit kernel for bfloat16 where that is not built.
+    bfloat16 rows, 4- and 8-bit (bfloat16 rows on paired codes where the build has
+    `quant_paired.c`), or torch's 4-bit kernel for bfloat16 where that is not built.
     """
     four_bit = isinstance(weight, Int4Weight)
     torch_kernel = torch_kernel_available(dtype)
@@ -132,7 +136,10 @@ def quantized_kernel(weight: Quantized, dtype: torch.dtype) -> Int4Linear | Quan
     if dtype in (torch.float32, torch.bfloat16):
         kernel = cpu_kernels.quant_matmul()
         paired = dtype == torch.bfloat16 and kernel is not None and kernel.paired
-        quant = QuantRows.from_int4(weight, paired) if four_bit else QuantRows.from_int8(weight)
+        if four_bit:
+            quant = QuantRows.from_int4(weight, paired)
+        else:
+            quant = QuantRows.from_int8(weight, paired)
         if quant is not None:
             return quant
     return Int4Linear(weight) if four_bit and torch_kernel else None

@@ -16,13 +16,13 @@ typedef struct {
     void *y;
     int64_t y_stride;
     int32_t bits, bf16; /* bf16: x and y are bfloat16, else float32 */
-    int32_t paired;     /* 4-bit codes paired for `quant_paired.c` (bfloat16 x and y) */
+    int32_t paired;     /* codes paired for `quant_paired.c` (bfloat16 x and y) */
 } quant_call;
 
 int triode_quant_matmul_call(const quant_call *c);
 int triode_quant_paired_rows(const uint16_t *x, int64_t x_stride, const float *xsums,
-                             int64_t rows, int64_t cols, const uint8_t *w, const float *bias,
-                             int64_t outputs, uint16_t *y, int64_t y_stride);
+                             int64_t rows, int64_t cols, const uint8_t *w, int bits,
+                             const float *bias, int64_t outputs, uint16_t *y, int64_t y_stride);
 
 void triode_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, float *residual,
                               const uint16_t *weight, uint16_t *out, int64_t rows,

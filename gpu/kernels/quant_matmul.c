@@ -23,7 +23,7 @@
  * decode step of a few requests: one pass over the weights). More rows widen a chunk of a
  * block's codes into a float buffer in L1 once and run tiles of MR_TILE rows over each group
  * of it. Blocks of outputs are split over torch's OpenMP threads. bfloat16 rows of paired
- * 4-bit weights take `quant_paired.c`'s product instead (AVX512-BF16).
+ * weights take `quant_paired.c`'s product instead (AVX512-BF16).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -332,7 +332,7 @@ static int quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t row
                         const uint8_t *w, int bits, const float *bias, int64_t outputs,
                         void *y, int64_t y_stride, int y_bf16, int paired) {
     if (rows < 1 || rows > QUANT_MAX_ROWS || cols < GROUP || cols % GROUP || outputs < 1 ||
-        (bits != 4 && bits != 8) || (paired && (bits != 4 || !x_bf16 || !y_bf16)))
+        (bits != 4 && bits != 8) || (paired && (!x_bf16 || !y_bf16)))
         return -1;
     const float *xf = (const float *)x;
     float *widened = NULL;
@@ -358,8 +358,8 @@ static int quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t row
             xsums[r * groups + g] = sum;
         }
     if (paired) {
-        const int status = triode_quant_paired_rows(x, x_stride, xsums, rows, cols, w, bias,
-                                                    outputs, y, y_stride);
+        const int status = triode_quant_paired_rows(x, x_stride, xsums, rows, cols, w, bits,
+                                                    bias, outputs, y, y_stride);
         free(xsums);
         free(widened);
         return status;

@@ -1,15 +1,16 @@
-/* `quant_matmul.c`'s product for bfloat16 rows on CPUs with AVX512-BF16: 4-bit codes widen to
- * bfloat16 (exact: 0..15) and `vdpbf16ps` takes two inputs a lane per instruction, where the
- * float32 path widens each code to a float and takes one. A bfloat16 x times a bfloat16 code
+/* `quant_matmul.c`'s product for bfloat16 rows on CPUs with AVX512-BF16: 4-bit and 8-bit codes
+ * widen to bfloat16 (exact: 0..15, -128..127) and `vdpbf16ps` takes two inputs a lane per
+ * instruction, where the float32 path widens each code to a float and takes one. A bfloat16 x times a bfloat16 code
  * is exact in float32, so per group of 32 inputs the dot products are float32 sums of the same
  * exact terms as the float32 path's, added in pairs (odd input, then even) in one fixed order;
  * the group's constants then apply as there. Every row count takes the same instructions in
  * the same order, so a row's result does not depend on the rows beside it.
  *
- * The codes arrive paired (`quant_matmul.QuantRows.from_int4`): per block of NR = 32 outputs
- * and group, the 32 float16 scales and 32 minimums, then per pair of inputs (2p, 2p + 1) 32
- * bytes, byte 2j holding input 2p's codes of outputs j (low nibble) and 16 + j (high nibble),
- * byte 2j + 1 input 2p + 1's: one load gives 16 lanes of (input 2p, input 2p + 1) pairs. */
+ * The codes arrive paired (`quant_matmul.QuantRows`): per block of NR = 32 outputs and group,
+ * the 32 float16 scales, (4-bit) the 32 minimums, then per pair of inputs (2p, 2p + 1): (4-bit)
+ * 32 bytes, byte 2j holding input 2p's codes of outputs j (low nibble) and 16 + j (high
+ * nibble), byte 2j + 1 input 2p + 1's; (8-bit) 64 int8 codes, 2j and 2j + 1 output j's. Either
+ * way one load widens to 16 lanes of (input 2p, input 2p + 1) pairs. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,8 +28,12 @@
 #define MAX_ROWS 64
 #define MR_DIRECT 8
 #define MR_TILE 12
-#define CHUNK_GROUPS 4                     /* groups widened at a time by the tiled path */
-#define GROUP_BYTES (NR * 2 * 2 + GROUP * LANES) /* scales, minimums, codes */
+#define CHUNK_GROUPS 4 /* groups widened at a time by the tiled path */
+
+/* bytes of one block's group: constants, then codes */
+static inline int64_t group_bytes(int bits) {
+    return bits == 4 ? NR * 2 * 2 + GROUP * LANES : NR * 2 + GROUP * NR;
+}
 
 int triode_quant_paired_available(void) { return 1; }
 
@@ -42,24 +47,39 @@ typedef struct {
     __m512 scale[2], minimum[2];
 } constants;
 
-static inline constants load_constants(const uint8_t *group) {
+static inline constants load_constants(const uint8_t *group, int bits) {
     const uint16_t *half = (const uint16_t *)group;
     constants c;
     for (int h = 0; h < 2; h++) {
         c.scale[h] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(half + h * LANES)));
-        c.minimum[h] =
-            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(half + NR + h * LANES)));
+        c.minimum[h] = bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                                       (const __m256i *)(half + NR + h * LANES)))
+                                 : _mm512_setzero_ps();
     }
     return c;
 }
 
+/* 16 int8 codes as float32 */
+static inline __m512 int8_floats(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
 /* pair p's codes as bfloat16 pairs: outputs 0..15 in q[0], 16..31 in q[1] */
 static inline __attribute__((always_inline)) void pair_codes(const uint8_t *group, int p,
-                                                             __m512i table, __m512i q[2]) {
-    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(group + NR * 4 + p * 2 * LANES));
-    const __m512i words = _mm512_cvtepu8_epi16(bytes);
-    q[0] = _mm512_permutexvar_epi16(_mm512_and_si512(words, _mm512_set1_epi16(15)), table);
-    q[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+                                                             int bits, __m512i table,
+                                                             __m512i q[2]) {
+    if (bits == 4) {
+        const __m256i bytes =
+            _mm256_loadu_si256((const __m256i *)(group + NR * 4 + p * 2 * LANES));
+        const __m512i words = _mm512_cvtepu8_epi16(bytes);
+        q[0] = _mm512_permutexvar_epi16(_mm512_and_si512(words, _mm512_set1_epi16(15)), table);
+        q[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+    } else {
+        const uint8_t *codes = group + NR * 2 + p * 2 * NR;
+        for (int h = 0; h < 2; h++) /* words 0..15 from the first 16 codes, 16..31 the next */
+            q[h] = (__m512i)_mm512_cvtne2ps_pbh(int8_floats(codes + h * NR + LANES),
+                                                 int8_floats(codes + h * NR));
+    }
 }
 
 /* inputs 2p and 2p + 1 of a bfloat16 row, in every lane */
@@ -75,10 +95,11 @@ static inline __m512 dot_pair(__m512 sum, __m512i codes, __m512bh x) {
 
 /* sums[h] += scale[h] x dot + minimum[h] x xsum, as `quant_matmul.c`'s add_group */
 static inline __attribute__((always_inline)) void add_group(float *sums, const constants *c,
-                                                            const __m512 dot[2], float xsum) {
+                                                            const __m512 dot[2], float xsum,
+                                                            int bits) {
     for (int h = 0; h < 2; h++) {
         __m512 sum = _mm512_fmadd_ps(c->scale[h], dot[h], _mm512_loadu_ps(sums + h * LANES));
-        sum = _mm512_fmadd_ps(c->minimum[h], _mm512_set1_ps(xsum), sum);
+        if (bits == 4) sum = _mm512_fmadd_ps(c->minimum[h], _mm512_set1_ps(xsum), sum);
         _mm512_storeu_ps(sums + h * LANES, sum);
     }
 }
@@ -87,8 +108,10 @@ static inline __attribute__((always_inline)) void add_group(float *sums, const c
  * block s's sums land in tile rows s * MAX_ROWS + r */
 static inline __attribute__((always_inline)) void blocks_direct(
     const uint16_t *x, int64_t x_stride, const float *xsums, int64_t groups,
-    const uint8_t *block, int64_t block_bytes, float *tile, const int mr, const int span) {
+    const uint8_t *block, int64_t block_bytes, int bits, float *tile, const int mr,
+    const int span) {
     const __m512i table = _mm512_loadu_si512(CODE_VALUES);
+    const int64_t stride = group_bytes(bits);
     for (int s = 0; s < span; s++) memset(tile + s * MAX_ROWS * NR, 0, sizeof(float) * mr * NR);
     for (int64_t g = 0; g < groups; g++) {
         __m512 dot[4][MR_DIRECT][2];
@@ -97,7 +120,7 @@ static inline __attribute__((always_inline)) void blocks_direct(
         for (int p = 0; p < PAIRS; p++)
             for (int s = 0; s < span; s++) {
                 __m512i q[2];
-                pair_codes(block + s * block_bytes + g * GROUP_BYTES, p, table, q);
+                pair_codes(block + s * block_bytes + g * stride, p, bits, table, q);
                 for (int r = 0; r < mr; r++) {
                     const __m512bh xb = x_pair(x + r * x_stride + g * GROUP, p);
                     dot[s][r][0] = dot_pair(dot[s][r][0], q[0], xb);
@@ -105,9 +128,10 @@ static inline __attribute__((always_inline)) void blocks_direct(
                 }
             }
         for (int s = 0; s < span; s++) {
-            const constants c = load_constants(block + s * block_bytes + g * GROUP_BYTES);
+            const constants c = load_constants(block + s * block_bytes + g * stride, bits);
             for (int r = 0; r < mr; r++)
-                add_group(tile + (s * MAX_ROWS + r) * NR, &c, dot[s][r], xsums[r * groups + g]);
+                add_group(tile + (s * MAX_ROWS + r) * NR, &c, dot[s][r], xsums[r * groups + g],
+                          bits);
         }
     }
 }
@@ -116,8 +140,8 @@ static inline __attribute__((always_inline)) void blocks_direct(
 static inline __attribute__((always_inline)) void tile_group(const uint16_t *x, int64_t x_stride,
                                                              const float *xsums, int64_t groups,
                                                              const uint16_t *q,
-                                                             const constants *c, float *tile,
-                                                             const int mr) {
+                                                             const constants *c, int bits,
+                                                             float *tile, const int mr) {
     __m512 dot[MR_TILE][2];
     for (int r = 0; r < mr; r++) dot[r][0] = dot[r][1] = _mm512_setzero_ps();
     for (int p = 0; p < PAIRS; p++) {
@@ -129,15 +153,15 @@ static inline __attribute__((always_inline)) void tile_group(const uint16_t *x, 
             dot[r][1] = dot_pair(dot[r][1], q1, xb);
         }
     }
-    for (int r = 0; r < mr; r++) add_group(tile + r * NR, c, dot[r], xsums[r * groups]);
+    for (int r = 0; r < mr; r++) add_group(tile + r * NR, c, dot[r], xsums[r * groups], bits);
 }
 
 static void tile_rows(const uint16_t *x, int64_t x_stride, const float *xsums, int64_t groups,
-                      const uint16_t *q, const constants *c, float *tile, int mr) {
+                      const uint16_t *q, const constants *c, int bits, float *tile, int mr) {
     switch (mr) {
 #define TILE_CASE(m) \
     case m:          \
-        tile_group(x, x_stride, xsums, groups, q, c, tile, m); break;
+        tile_group(x, x_stride, xsums, groups, q, c, bits, tile, m); break;
         TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6)
         TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11) TILE_CASE(12)
 #undef TILE_CASE
@@ -147,7 +171,7 @@ static void tile_rows(const uint16_t *x, int64_t x_stride, const float *xsums, i
 /* more rows than the registers hold: a few groups' codes widened to bfloat16 in L1 once, then
  * tiles of MR_TILE rows over each group */
 static void block_tiled(const uint16_t *x, int64_t x_stride, const float *xsums, int64_t rows,
-                        int64_t groups, const uint8_t *block, float *tile) {
+                        int64_t groups, const uint8_t *block, int bits, float *tile) {
     uint16_t q[CHUNK_GROUPS * PAIRS * 2 * NR] __attribute__((aligned(64)));
     constants c[CHUNK_GROUPS];
     const __m512i table = _mm512_loadu_si512(CODE_VALUES);
@@ -155,11 +179,11 @@ static void block_tiled(const uint16_t *x, int64_t x_stride, const float *xsums,
     for (int64_t g0 = 0; g0 < groups; g0 += CHUNK_GROUPS) {
         const int n = groups - g0 < CHUNK_GROUPS ? (int)(groups - g0) : CHUNK_GROUPS;
         for (int g = 0; g < n; g++) {
-            const uint8_t *group = block + (g0 + g) * GROUP_BYTES;
-            c[g] = load_constants(group);
+            const uint8_t *group = block + (g0 + g) * group_bytes(bits);
+            c[g] = load_constants(group, bits);
             for (int p = 0; p < PAIRS; p++) {
                 __m512i pair[2];
-                pair_codes(group, p, table, pair);
+                pair_codes(group, p, bits, table, pair);
                 _mm512_store_si512(q + ((g * PAIRS + p) * 2) * NR, pair[0]);
                 _mm512_store_si512(q + ((g * PAIRS + p) * 2 + 1) * NR, pair[1]);
             }
@@ -169,7 +193,7 @@ static void block_tiled(const uint16_t *x, int64_t x_stride, const float *xsums,
                 const int mr = rows - r < MR_TILE ? (int)(rows - r) : MR_TILE;
                 tile_rows(x + r * x_stride + (g0 + g) * GROUP, x_stride,
                           xsums + r * groups + g0 + g, groups, q + g * PAIRS * 2 * NR, &c[g],
-                          tile + r * NR, mr);
+                          bits, tile + r * NR, mr);
             }
     }
 }
@@ -177,44 +201,46 @@ static void block_tiled(const uint16_t *x, int64_t x_stride, const float *xsums,
 static inline int span_for(int64_t rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
 
 static void blocks_rows(const uint16_t *x, int64_t x_stride, const float *xsums, int64_t rows,
-                        int64_t groups, const uint8_t *block, int64_t block_bytes, float *tile,
-                        int n) {
+                        int64_t groups, const uint8_t *block, int64_t block_bytes, int bits,
+                        float *tile, int n) {
     if (rows <= 2 && n == span_for(rows)) {
         if (rows == 1)
-            blocks_direct(x, x_stride, xsums, groups, block, block_bytes, tile, 1, 4);
+            blocks_direct(x, x_stride, xsums, groups, block, block_bytes, bits, tile, 1, 4);
         else
-            blocks_direct(x, x_stride, xsums, groups, block, block_bytes, tile, 2, 2);
+            blocks_direct(x, x_stride, xsums, groups, block, block_bytes, bits, tile, 2, 2);
         return;
     }
     for (int s = 0; s < n; s++, block += block_bytes, tile += MAX_ROWS * NR) {
         switch (rows) {
 #define DIRECT_CASE(m) \
     case m:            \
-        blocks_direct(x, x_stride, xsums, groups, block, block_bytes, tile, m, 1); break;
+        blocks_direct(x, x_stride, xsums, groups, block, block_bytes, bits, tile, m, 1); break;
             DIRECT_CASE(1) DIRECT_CASE(2) DIRECT_CASE(3) DIRECT_CASE(4)
             DIRECT_CASE(5) DIRECT_CASE(6) DIRECT_CASE(7) DIRECT_CASE(8)
 #undef DIRECT_CASE
-        default: block_tiled(x, x_stride, xsums, rows, groups, block, tile);
+        default: block_tiled(x, x_stride, xsums, rows, groups, block, bits, tile);
         }
     }
 }
 
 /* y [rows, outputs] bfloat16 (row stride y_stride) = x [rows, cols] bfloat16 (x_stride) times
- * the paired 4-bit W^T, + bias (float32, or NULL); `xsums` [rows, cols / 32]: each row's
+ * the paired 4- or 8-bit W^T, + bias (float32, or NULL); `xsums` [rows, cols / 32]: each row's
  * float32 sum per group. Returns 0, or -1 for arguments it does not take. */
 int triode_quant_paired_rows(const uint16_t *x, int64_t x_stride, const float *xsums,
-                             int64_t rows, int64_t cols, const uint8_t *w, const float *bias,
-                             int64_t outputs, uint16_t *y, int64_t y_stride) {
-    if (rows < 1 || rows > MAX_ROWS || cols < GROUP || cols % GROUP || outputs < 1) return -1;
+                             int64_t rows, int64_t cols, const uint8_t *w, int bits,
+                             const float *bias, int64_t outputs, uint16_t *y, int64_t y_stride) {
+    if (rows < 1 || rows > MAX_ROWS || cols < GROUP || cols % GROUP || outputs < 1 ||
+        (bits != 4 && bits != 8))
+        return -1;
     const int64_t groups = cols / GROUP, blocks = (outputs + NR - 1) / NR;
-    const int64_t block_bytes = groups * GROUP_BYTES;
+    const int64_t block_bytes = groups * group_bytes(bits);
     const int span = span_for(rows);
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t first_block = 0; first_block < blocks; first_block += span) {
         float tile[4 * MAX_ROWS * NR] __attribute__((aligned(64)));
         const int n = blocks - first_block < span ? (int)(blocks - first_block) : span;
         blocks_rows(x, x_stride, xsums, rows, groups, w + first_block * block_bytes, block_bytes,
-                    tile, n);
+                    bits, tile, n);
         for (int s = 0; s < n; s++) {
             const int64_t first = (first_block + s) * NR;
             const int width = outputs - first < NR ? (int)(outputs - first) : NR;
@@ -233,9 +259,9 @@ int triode_quant_paired_rows(const uint16_t *x, int64_t x_stride, const float *x
 int triode_quant_paired_available(void) { return 0; }
 
 int triode_quant_paired_rows(const uint16_t *x, int64_t x_stride, const float *xsums,
-                             int64_t rows, int64_t cols, const uint8_t *w, const float *bias,
-                             int64_t outputs, uint16_t *y, int64_t y_stride) {
-    (void)x, (void)x_stride, (void)xsums, (void)rows, (void)cols, (void)w, (void)bias;
+                             int64_t rows, int64_t cols, const uint8_t *w, int bits,
+                             const float *bias, int64_t outputs, uint16_t *y, int64_t y_stride) {
+    (void)x, (void)x_stride, (void)xsums, (void)rows, (void)cols, (void)w, (void)bits, (void)bias;
     (void)outputs, (void)y, (void)y_stride;
     return -1;
 }

@@ -101,10 +101,13 @@ def test_bfloat16_rows_are_widened_and_the_products_rounded_once() -> None:
 @pytest.mark.skipif(
     not getattr(cpu_kernels.quant_matmul(), "paired", False), reason="this CPU has no AVX512-BF16"
 )
-@pytest.mark.parametrize("q4_0", [False, True])
-def test_paired_codes_give_bfloat16_rows_the_float32_products_rounded_once(q4_0: bool) -> None:
-    weight = _int4(176, 576, seed=7, q4_0=q4_0)  # 176 outputs: the last block a part one
-    paired = QuantRows.from_int4(weight, paired=True)
+@pytest.mark.parametrize("fmt", list(WEIGHTS))
+def test_paired_codes_give_bfloat16_rows_the_float32_products_rounded_once(fmt: str) -> None:
+    weight = WEIGHTS[fmt](176, 576)  # 176 outputs: the last block a part one
+    if isinstance(weight, Int4Weight):
+        paired = QuantRows.from_int4(weight, paired=True)
+    else:
+        paired = QuantRows.from_int8(weight, paired=True)
     assert paired is not None and paired.paired
     assert quantized_kernel(weight, torch.bfloat16).paired  # type: ignore[union-attr]
     assert not quantized_kernel(weight, torch.float32).paired  # type: ignore[union-attr]
