@@ -61,6 +61,10 @@ class DecodeStep(ctypes.Structure):
     ]  # fmt: skip
 
 
+# the layers' structures, and each float32 bias copy the C side reads beside its module's bias
+Plan = tuple["ctypes.Array[StackLayer]", list[tuple[torch.Tensor, torch.Tensor]]]
+
+
 class DecodeStack:
     """The decode-only steps of `model` (a `LlamaModel`) in one C call; `run` says per step."""
 
@@ -68,7 +72,7 @@ class DecodeStack:
         self.model = model
         self.steps = 0  # steps that took this path
         self._seen: tuple[int, ...] | None = None  # `_watched` when the plan was built
-        self._plan: tuple[ctypes.Array[StackLayer], list[torch.Tensor]] | None = None
+        self._plan: Plan | None = None
 
     @classmethod
     def for_model(cls, model: LlamaModel) -> DecodeStack | None:
@@ -104,12 +108,18 @@ class DecodeStack:
             or hidden.dtype != first.input_layernorm.weight.dtype
             or first.self_attn.qkv_proj.lora.runs
             or not hidden.is_contiguous()
+            or not all(
+                t.dtype == torch.float32 and t.is_contiguous()
+                for t in (rope.cos_table, rope.sin_table)
+            )
         ):
             return None
         plan = self._current_plan()
         if plan is None:
             return None
-        table, _ = plan
+        table, biases = plan
+        for copy, bias in biases:  # a weight update may have written new values in place
+            copy.copy_(bias)
         attn = first.self_attn
         down = first.mlp.down_proj
         dtype = hidden.dtype
@@ -156,18 +166,18 @@ class DecodeStack:
             )  # fmt: skip
         return tuple(seen)
 
-    def _current_plan(self) -> tuple[ctypes.Array[StackLayer], list[torch.Tensor]] | None:
+    def _current_plan(self) -> Plan | None:
         seen = self._watched()
         if seen != self._seen:
             self._plan, self._seen = self._build(), seen
         return self._plan
 
-    def _build(self) -> tuple[ctypes.Array[StackLayer], list[torch.Tensor]] | None:
-        """Each layer's structure, and the tensors it points into that nothing else keeps
-        (the float32 biases); None where a layer cannot take this path."""
+    def _build(self) -> Plan | None:
+        """Each layer's structure, and the float32 copies of the biases it points into beside
+        their modules' biases; None where a layer cannot take this path."""
         layers = self.model.stage_layers
         table = (StackLayer * len(layers))()
-        keep: list[torch.Tensor] = []
+        biases: list[tuple[torch.Tensor, torch.Tensor]] = []
         for entry, layer in zip(table, layers, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -177,6 +187,10 @@ class DecodeStack:
                 or mlp.act_fn.fused is None
                 or any(norm.fused is None for norm in norms)
                 or not attn.attn.k_cache.numel()
+                or not attn.attn.k_cache.is_contiguous()
+                or not attn.attn.v_cache.is_contiguous()
+                or attn.head_dim % 2
+                or attn.head_dim > 512  # `fused_ops.c`'s rotary embedding
             ):
                 return None
             for name, module in (
@@ -192,16 +206,16 @@ class DecodeStack:
                     paired=quant.paired,
                 )  # fmt: skip
                 if module.bias is not None:
-                    bias = module.bias.float().contiguous()
-                    keep.append(bias)
-                    call.bias = bias.data_ptr()
+                    copy = torch.empty(module.bias.shape, dtype=torch.float32)
+                    biases.append((copy, module.bias))
+                    call.bias = copy.data_ptr()
                 setattr(entry, name, call)
             entry.input_norm, entry.post_norm = (n.weight.data_ptr() for n in norms)
             entry.input_eps, entry.post_eps = (n.eps for n in norms)
             entry.k_cache = attn.attn.k_cache.data_ptr()
             entry.v_cache = attn.attn.v_cache.data_ptr()
             entry.window = attn.attn.window or 0
-        return table, keep
+        return table, biases
 
 
 def _decode_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

@@ -177,6 +177,12 @@ def test_the_stack_follows_weight_changes_and_leaves_adapters_to_the_modules(
     _attach_random_4bit(runner)
     decode_only, taken = _both_ways(runner, prompts, tokens=6)
     assert taken == decode_only
+    # new bias values written in place (as a weight update writes them) reach the C side
+    with torch.no_grad():
+        for layer in runner.model.model.stage_layers:
+            layer.self_attn.qkv_proj.bias.add_(torch.randn_like(layer.self_attn.qkv_proj.bias))
+    decode_only, taken = _both_ways(runner, prompts, tokens=6)
+    assert taken == decode_only
     # requests on an adapter: its deltas are added by the modules
     assert runner.lora is not None
     runner.lora.add(1, str(write_random_adapter(windowed, tmp_path / "adapter", rank=8, seed=3)))
