@@ -5,7 +5,7 @@ blocked layout, and the fused C kernels handed to the modules that take them."""
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,6 +36,34 @@ class RowPaths:
     decodes: int = 0
     wide: bool = True
     dense_min: int = 0
+
+
+def row_invariant_from(model: nn.Module, most: int) -> int:
+    """The fewest rows from which `model`'s dense products (`LinearBase.dense_rows`) give a
+    row the same bits at any row count on this CPU, found by trying each projection shape once
+    (`most` + 16 random rows against each count below `most`): 0 where every count does, so
+    steps need no padding; `most` where a count just below it differs.
+
+    oneDNN picks its bfloat16 kernel by the row count on some CPUs (where this was first seen,
+    rows below 48 came out differently), not on others (on an AVX512-BF16 Zen 4 every count
+    gives the same bits): padding where it is not needed costs a short prompt a 64-row product.
+    """
+    shapes: dict[tuple[int, int], Any] = {}
+    for module in model.modules():
+        if isinstance(getattr(type(module), "rows", None), RowPaths):  # `layers.LinearBase`
+            shapes.setdefault((module.input_size, module.output_size), module)
+    generator = torch.Generator().manual_seed(0)
+    least = 0
+    with torch.no_grad():
+        for (cols, _), module in shapes.items():
+            dtype = module.packed.dtype if module.packed is not None else module.weight.dtype
+            x = torch.randn(most + 16, cols, generator=generator).to(dtype)
+            whole = module.dense_rows(x, None)
+            for n in range(most - 1, max(least, 1) - 1, -1):  # the largest count that differs
+                if not torch.equal(module.dense_rows(x[:n], None), whole[:n]):
+                    least = n + 1
+                    break
+    return least
 
 
 # the most rows `few_rows_product` takes: from about here on MKL's own product catches up

@@ -177,10 +177,10 @@ class LinearBase(nn.Module):
         n, least = x.shape[0], self.rows.dense_min
         if n < least:  # see `RowPaths.dense_min`
             padded = torch.cat([x, x.new_zeros(least - n, x.shape[1])])
-            return self._dense_rows(padded, bias)[:n]
-        return self._dense_rows(x, bias)
+            return self.dense_rows(padded, bias)[:n]
+        return self.dense_rows(x, bias)
 
-    def _dense_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def dense_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         y = few_rows_product(x, self.weight)

@@ -32,6 +32,7 @@ from .batch import Batch, flatten, prompt_embeds
 from .cpu_paths import (
     cpu_weight_packing_supported,
     pack_cpu_weights,
+    row_invariant_from,
     share_row_paths,
     use_fused_ops,
 )
@@ -48,7 +49,8 @@ from .sampler import Sampler, compute_logprobs
 from .sampling_state import SamplingState
 from .step_sampling import Drawn, draw, logit_rows
 
-# what steps with prompt tokens pad their dense products to (see cpu_paths.RowPaths.dense_min)
+# the most rows steps with prompt tokens pad their dense products to (see
+# cpu_paths.RowPaths.dense_min and row_invariant_from)
 DENSE_MIN_ROWS = 64
 # the most prompt rows a step sends through the AMX 4-bit kernel (see cpu_paths.RowPaths.wide);
 # measured on SmolLM2's projections, 2 cores: as fast as oneDNN's bfloat16 products at 256
@@ -132,8 +134,10 @@ class ModelRunner:
 
         self.quantization = quantization
         self.enable_expert_parallel = enable_expert_parallel
-        # oneDNN's bfloat16 products are where a row's result depends on the row count
-        self._pad_prompts = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        # what steps with prompt rows pad dense products to: oneDNN's bfloat16 products are
+        # where a row's result may depend on the row count (`row_invariant_from`, at load)
+        bfloat16_cpu = self.device.type == "cpu" and self.dtype == torch.bfloat16
+        self._dense_min: int | None = None if bfloat16_cpu else 0
         # what may not run now (`sleep`): "kv_cache", "weights"; a step refuses while any does
         self.sleeping: frozenset[str] = frozenset()
         self.kv_cache = torch.empty(0)  # allocated once the model says its geometry
@@ -172,6 +176,8 @@ class ModelRunner:
             self.pack_weights()
             self.quantized_projections = self.attach_quantized(weights_dir)
         self._row_paths = share_row_paths(self.model)
+        if self._dense_min is None:
+            self._dense_min = row_invariant_from(self.model, DENSE_MIN_ROWS)
         if self.lora is not None:  # the resident adapters' pairs reach the new projections
             self.lora.share(self.model)
         self.model.eval()
@@ -344,7 +350,7 @@ class ModelRunner:
             r.num_computed_tokens < len(self._requests[r.request_id].prompt_token_ids)
             for r in sched.requests
         )
-        self._row_paths.dense_min = DENSE_MIN_ROWS if prompt_rows and self._pad_prompts else 0
+        self._row_paths.dense_min = (self._dense_min or 0) if prompt_rows else 0
         # the AMX 4-bit kernel for a step's rows past torch's, unless many prompt rows came
         # at once: oneDNN's dense products are faster from a few hundred rows on
         self._row_paths.wide = len(batch.input_ids) - decodes <= WIDE_MAX_PROMPT_ROWS

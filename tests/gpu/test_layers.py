@@ -218,3 +218,47 @@ def test_padded_dense_products_give_a_row_the_same_bits_at_any_row_count() -> No
         whole = layer(x)
         for lo, hi in [(67, 70), (60, 70), (0, 1), (32, 35)]:
             assert torch.equal(layer(x[lo:hi]), whole[lo:hi])
+
+
+@pytest.mark.skipif(
+    not cpu_weight_packing_supported(torch.bfloat16), reason="no bfloat16 oneDNN packing here"
+)
+def test_the_padding_found_by_trying_gives_a_row_the_same_bits_at_any_row_count() -> None:
+    from triode.gpu.cpu_paths import pack_cpu_weights, row_invariant_from, share_row_paths
+
+    model = torch.nn.Sequential(
+        ColumnParallelLinear(576, 3072).bfloat16(), ColumnParallelLinear(1536, 576).bfloat16()
+    )
+    for layer in model:
+        layer.weight.data.copy_(torch.randn_like(layer.weight) * 0.05)
+    pack_cpu_weights(model)
+    least = row_invariant_from(model, 64)
+    assert 0 <= least <= 64
+    rows = share_row_paths(model)
+    rows.dense_min = least
+    with torch.no_grad():
+        for layer in model:
+            x = torch.randn(90, layer.input_size).bfloat16()
+            whole = layer(x)
+            for n in range(1, 90):
+                assert torch.equal(layer(x[90 - n :]), whole[90 - n :]), n
+
+
+def test_a_product_that_changes_below_some_row_count_is_padded_up_to_it() -> None:
+    from triode.gpu.cpu_paths import row_invariant_from
+
+    class Doubling(ColumnParallelLinear):
+        """A product whose rows do not depend on each other."""
+
+        def dense_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return x[:, : self.output_size] * 2
+
+    class Stepped(Doubling):
+        """Its rows come out differently when fewer than 20 come at once."""
+
+        def dense_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            y = super().dense_rows(x, bias)
+            return y + 1e-3 if x.shape[0] < 20 else y
+
+    assert row_invariant_from(torch.nn.Sequential(Doubling(64, 32), Stepped(64, 48)), 64) == 20
+    assert row_invariant_from(torch.nn.Sequential(Doubling(64, 32)), 64) == 0
