@@ -5,6 +5,7 @@ modules."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -80,6 +81,13 @@ def _both_ways(
     return decode_only, taken
 
 
+def _runner(model_dir: Path, dtype: str, **options: Any) -> ModelRunner:
+    return ModelRunner(
+        model_dir, dtype=dtype, kv_cache_memory=32 << 20, max_model_len=256, num_threads=1,
+        **options,
+    )  # fmt: skip
+
+
 def _prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
@@ -89,9 +97,7 @@ def _prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
 def test_the_default_model_decodes_through_the_stack_as_through_the_modules(
     smollm2: Path, dtype: str
 ) -> None:
-    runner = ModelRunner(
-        smollm2, dtype=dtype, kv_cache_memory=32 << 20, max_model_len=256, num_threads=1
-    )
+    runner = _runner(smollm2, dtype)
     assert isinstance(runner.model.model.decode_stack, DecodeStack)
     # contexts of 1, 2 and 3 blocks: decode groups of their own; a prompt joins mid-way
     prompts = _prompts(runner.vocab_size, [3, 20, 40, 9])
@@ -144,9 +150,7 @@ def windowed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_windowed_model_with_a_qkv_bias_decodes_through_the_stack_as_through_the_modules(
     windowed: Path, dtype: str
 ) -> None:
-    runner = ModelRunner(
-        windowed, dtype=dtype, kv_cache_memory=8 << 20, max_model_len=128, num_threads=1
-    )
+    runner = _runner(windowed, dtype)
     layers = runner.model.model.stage_layers
     assert [layer.self_attn.attn.window for layer in layers] == [None, 8]
     assert layers[0].self_attn.qkv_proj.bias is not None
@@ -162,10 +166,7 @@ def test_the_stack_follows_weight_changes_and_leaves_adapters_to_the_modules(
     windowed: Path, tmp_path: Path
 ) -> None:
     lora = {"max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": 8}
-    runner = ModelRunner(
-        windowed, dtype="float32", kv_cache_memory=8 << 20, max_model_len=128, num_threads=1,
-        lora_config=lora,
-    )  # fmt: skip
+    runner = _runner(windowed, "float32", lora_config=lora)
     _attach_random_4bit(runner)
     prompts = _prompts(runner.vocab_size, [6, 21, 10])
     decode_only, taken = _both_ways(runner, prompts, tokens=6)
