@@ -263,7 +263,7 @@ class QuantMatmul(NamedTuple):
     """`quant_matmul.c`'s kernel (see `quant_matmul.QuantRows` for its use): `run(byref(call))`
     with a `QuantCall` returns 0 or -1; `lanes` float32 lanes a vector, blocks of 2 x lanes
     outputs; at most `max_rows` rows; `paired`: this build's bfloat16 product over paired
-    4-bit codes (`quant_paired.c`, AVX512-BF16)."""
+    codes (`quant_paired.c`, AVX512-BF16)."""
 
     run: Callable[..., int]
     lanes: int
