@@ -26,7 +26,8 @@ async def test_suffix_decoding_proposes_from_earlier_answers_and_stays_exact(
     first = reference.encode("The three primary colors of light are")
     # asked again: the answer comes back from the cache of earlier outputs
     again = reference.encode("The three primary colors of light are")
-    async with open_engine(str(model_dir), speculative_config=SUFFIX) as engine:
+    # float32, as transformers' reference runs: bfloat16 answers part from it at near-ties
+    async with open_engine(str(model_dir), dtype="float32", speculative_config=SUFFIX) as engine:
         outputs = [await final_output(engine, first, GREEDY)]
         before = await engine.get_stats()
         outputs.append(await final_output(engine, again, GREEDY))
