@@ -1,18 +1,20 @@
 """A decode step's decoder layers in one C call (`kernels/decode_stack.c`).
 
-A step whose every row is one request's next token runs, per layer, about ten modules of
-Python around as many C kernels; for a small model on a CPU the interpreter's share is a
-third of the step. `DecodeStack` hands such a step's whole run of layers to one C function
-that calls the same kernels in the same order with the same arguments, so every row's hidden
-state is the modules' bit for bit (tested), and takes the step only where that holds:
+A step whose every row attends like a decode (a request's next token, or a speculating
+request's verify rows, each seeing the context up to its own position) runs, per layer, about
+ten modules of Python around as many C kernels; for a small model on a CPU the interpreter's
+share is a third of the step. `DecodeStack` hands such a step's whole run of layers to one C
+function that calls the same kernels in the same order with the same arguments, so every
+row's hidden state is the modules' bit for bit (tested), and takes the step only where that
+holds:
 
 - the model: Llama-family layers exactly (`LlamaDecoderLayer` with `LlamaAttention` and
   `LlamaMLP`: Llama, SmolLM2, Mistral, Qwen2 with its Q/K/V bias), one tensor-parallel rank,
   the first pipeline stage (the residual stream starts at its first layer);
 - the weights and kernels: every projection on `quant_matmul.c` (`LinearBase.quant`), the
   fused CPU operations and the paged decode attention bound;
-- the step: decodes only (no prompt chunk, no verify rows), at most the kernel's 64 rows, no
-  LoRA adapter running.
+- the step: decode-like rows only (no prompt chunk), in the paged kernel's one group, at
+  most the kernel's 64 rows, no LoRA adapter running.
 
 Anything else takes the modules. What the C side holds are pointers: the plan is rebuilt
 whenever a weight, kernel or KV-cache view it points into has changed (`_watched`).
@@ -102,6 +104,7 @@ class DecodeStack:
         if (
             meta.prefills
             or meta.num_decodes != rows
+            or len(meta.decodes) != 1  # with the paged kernel: one group of every row
             or kernel is None
             or not 1 <= rows <= kernel.max_rows
             or hidden.dtype not in cpu_kernels.FUSED_DTYPES
@@ -130,7 +133,9 @@ class DecodeStack:
             for size in (hidden.shape[1], width, attn.q_size, 2 * down.input_size,
                          down.input_size)
         ]  # fmt: skip
-        tables, lens = _decode_tables(meta)
+        (group,) = meta.decodes
+        tables = group.block_tables.to(torch.int64).contiguous()
+        lens = group.context_lens.to(torch.int64).contiguous()
         positions = rope.positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         step = DecodeStep(
@@ -160,7 +165,8 @@ class DecodeStack:
                 seen += (id(module.quant), id(module.bias))
             seen += (
                 id(attn.fused), id(attn.attn.paged_kernel), id(mlp.act_fn.fused),
-                id(layer.input_layernorm.fused), attn.attn.k_cache.data_ptr(),
+                id(layer.input_layernorm.fused), id(layer.post_attention_layernorm.fused),
+                attn.attn.k_cache.data_ptr(),
                 attn.attn.v_cache.data_ptr(), layer.input_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(),
             )  # fmt: skip
@@ -200,11 +206,8 @@ class DecodeStack:
                 quant = module.quant
                 if not isinstance(quant, QuantRows):
                     return None
-                call = QuantCall(
-                    cols=quant.shape[1], w=quant.packed.data_ptr(), outputs=quant.shape[0],
-                    bits=quant.bits, bf16=norms[0].weight.dtype == torch.bfloat16,
-                    paired=quant.paired,
-                )  # fmt: skip
+                call = quant.weight_call()
+                call.bf16 = norms[0].weight.dtype == torch.bfloat16
                 if module.bias is not None:
                     copy = torch.empty(module.bias.shape, dtype=torch.float32)
                     biases.append((copy, module.bias))
@@ -216,22 +219,3 @@ class DecodeStack:
             entry.v_cache = attn.attn.v_cache.data_ptr()
             entry.window = attn.attn.window or 0
         return table, biases
-
-
-def _decode_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's decode groups' block tables as one [rows, widest] int64 table (padded with
-    block 0; the kernel reads each row's context length, not its padding) and their context
-    lengths."""
-    groups = meta.decodes
-    if len(groups) == 1:
-        tables, lens = groups[0].block_tables, groups[0].context_lens
-    else:
-        width = max(g.block_tables.shape[1] for g in groups)
-        tables = torch.cat(
-            [
-                torch.nn.functional.pad(g.block_tables, (0, width - g.block_tables.shape[1]))
-                for g in groups
-            ]
-        )
-        lens = torch.cat([g.context_lens for g in groups])
-    return tables.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()

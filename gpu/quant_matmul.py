@@ -31,16 +31,24 @@ class QuantRows:
     def __init__(
         self, packed: torch.Tensor, bits: int, shape: tuple[int, int], paired: bool = False
     ) -> None:
-        """`paired`: 4-bit codes paired for bfloat16 rows (`from_int4`)."""
+        """`paired`: codes paired for bfloat16 rows (`from_int4`, `from_int8`)."""
         kernel = cpu_kernels.quant_matmul()
         assert kernel is not None
+        if paired and not kernel.paired:
+            raise ValueError("this build has no bfloat16 product over paired codes")
         self.kernel, self.max_rows = kernel, kernel.max_rows
         self.packed, self.bits, self.shape, self.paired = packed, bits, shape, paired
         # the arguments that never change set once: a call sets x's, y's and the bias's
-        self._call = cpu_kernels.QuantCall(
-            cols=shape[1], w=packed.data_ptr(), outputs=shape[0], bits=bits, paired=paired
-        )
+        self._call = self.weight_call()
         self._call_ref = ctypes.byref(self._call)
+
+    def weight_call(self) -> cpu_kernels.QuantCall:
+        """A fresh `QuantCall` with this weight's arguments set (its bytes, shape, bits and
+        layout); the caller sets the rows', the output's, the bias's and the element type."""
+        return cpu_kernels.QuantCall(
+            cols=self.shape[1], w=self.packed.data_ptr(), outputs=self.shape[0], bits=self.bits,
+            paired=self.paired,
+        )  # fmt: skip
 
     @classmethod
     def from_int4(cls, weight: Int4Weight, paired: bool = False) -> QuantRows | None:
@@ -50,8 +58,6 @@ class QuantRows:
         kernel = cpu_kernels.quant_matmul()
         if kernel is None or not weight.constants_are_float16():
             return None
-        if paired and not kernel.paired:
-            raise ValueError("this build has no bfloat16 product over paired codes")
         rows, cols = weight.shape
         lanes = kernel.lanes
         codes = _padded(weight.unpacked_codes().to(torch.uint8), 2 * lanes)
@@ -73,8 +79,6 @@ class QuantRows:
         kernel = cpu_kernels.quant_matmul()
         if kernel is None or not weight.scale_is_float16():
             return None
-        if paired and not kernel.paired:
-            raise ValueError("this build has no bfloat16 product over paired codes")
         codes, scale = weight
         rows, cols = codes.shape
         lanes = kernel.lanes
