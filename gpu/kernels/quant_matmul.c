@@ -320,7 +320,6 @@ static void blocks_rows(const float *x, const float *xsums, int64_t rows, int64_
     }
 }
 
-
 int triode_quant_lanes(void) { return LANES; }
 int triode_quant_max_rows(void) { return QUANT_MAX_ROWS; }
 
@@ -336,7 +335,7 @@ static int quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t row
         return -1;
     const float *xf = (const float *)x;
     float *widened = NULL;
-    if (x_bf16 || x_stride != cols) {
+    if (!paired && (x_bf16 || x_stride != cols)) { /* the paired product reads x as it is */
         widened = malloc(sizeof(float) * rows * cols);
         if (widened == NULL) return -1;
         for (int64_t r = 0; r < rows; r++)
@@ -354,7 +353,11 @@ static int quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t row
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < groups; g++) {
             float sum = 0.0f;
-            for (int k = 0; k < GROUP; k++) sum += xf[r * cols + g * GROUP + k];
+            for (int k = 0; k < GROUP; k++) {
+                const int64_t c = g * GROUP + k;
+                sum += paired ? bf16_f32(((const uint16_t *)x)[r * x_stride + c])
+                              : xf[r * cols + c];
+            }
             xsums[r * groups + g] = sum;
         }
     if (paired) {

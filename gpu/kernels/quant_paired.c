@@ -1,10 +1,11 @@
 /* `quant_matmul.c`'s product for bfloat16 rows on CPUs with AVX512-BF16: 4-bit and 8-bit codes
  * widen to bfloat16 (exact: 0..15, -128..127) and `vdpbf16ps` takes two inputs a lane per
- * instruction, where the float32 path widens each code to a float and takes one. A bfloat16 x times a bfloat16 code
- * is exact in float32, so per group of 32 inputs the dot products are float32 sums of the same
- * exact terms as the float32 path's, added in pairs (odd input, then even) in one fixed order;
- * the group's constants then apply as there. Every row count takes the same instructions in
- * the same order, so a row's result does not depend on the rows beside it.
+ * instruction, where the float32 path widens each code to a float and takes one. A bfloat16 x
+ * times a bfloat16 code is exact in float32, so per group of 32 inputs the dot products are
+ * float32 sums of the same exact terms as the float32 path's, added in pairs (odd input, then
+ * even) in one fixed order; the group's constants then apply as there. Every row count takes
+ * the same instructions in the same order, so a row's result does not depend on the rows
+ * beside it.
  *
  * The codes arrive paired (`quant_matmul.QuantRows`): per block of NR = 32 outputs and group,
  * the 32 float16 scales, (4-bit) the 32 minimums, then per pair of inputs (2p, 2p + 1): (4-bit)
