@@ -99,10 +99,34 @@ def test_the_default_model_decodes_through_the_stack_as_through_the_modules(
 ) -> None:
     runner = _runner(smollm2, dtype)
     assert isinstance(runner.model.model.decode_stack, DecodeStack)
-    # contexts of 1, 2 and 3 blocks: decode groups of their own; a prompt joins mid-way
+    # contexts of 1, 2 and 3 blocks, each row read to its own length; a prompt joins mid-way
     prompts = _prompts(runner.vocab_size, [3, 20, 40, 9])
     decode_only, taken = _both_ways(runner, prompts, tokens=10)
     assert taken == decode_only
+
+
+def test_verify_rows_go_through_the_stack_as_through_the_modules(smollm2: Path) -> None:
+    runner = _runner(smollm2, "float32")
+    stack = runner.model.model.decode_stack
+    assert stack is not None
+    (prompt,) = _prompts(runner.vocab_size, [12])
+    results, taken = [], []
+    for stacked in (True, False):
+        runner.model.model.decode_stack = stack if stacked else None
+        before, tag = stack.steps, f"verify-{stacked}"
+        driver = Driver(runner)
+        driver.add(tag, prompt)
+        driver.step()  # the prompt
+        for _ in range(4):  # three proposals a step: the last token again
+            driver.step(drafts={tag: [driver.seqs[tag].tokens[-1]] * 3})
+        seq = driver.seqs[tag]
+        results.append((seq.output, [_values(lp) for lp in seq.logprobs]))
+        taken.append(stack.steps - before)
+        driver.finish(tag)
+        driver.step()
+    runner.model.model.decode_stack = stack
+    assert results[0] == results[1]
+    assert taken == [4, 0]
 
 
 def _int4(rows: int, cols: int, seed: int) -> Int4Weight:
