@@ -15,9 +15,15 @@ sampler draws row j from (`min_p_logits`, `truncated_candidates`: after temperat
 top-p and min-p). The first rejected row emits a draw from p_j without d_j, renormalised (the
 truncation stays what it was); if every proposal is accepted, the last row emits a draw from its
 p. The emitted tokens are then distributed exactly as tokens sampled one at a time. Draws are
-the sampler's own (`draw_plain`, `draw_candidates`). A seeded request draws every uniform from
-its own generator: one per proposal, then the sampler's vocabulary of them for its emitted
-token, so a request without proposals emits what the sampler would.
+the sampler's own (`draw_plain`, `draw_candidates`).
+
+A seeded request instead draws each of its rows in turn as the sampler would, from its own
+generator, and keeps the proposal while the draw equals it; the first draw that differs is
+its token. That is the same rejection sampling (the draw equals d_j with probability p_j(d_j),
+and otherwise is distributed as p_j without d_j, renormalised), and its generator advances by
+one draw per emitted token whatever was proposed: a seeded request emits the tokens sampling
+one at a time would, bit for bit, however many proposals each step verified. How many that
+is depends on the step's timing (`Drafter.plan`), so nothing less would make it repeat.
 
 Logprobs describe the raw model distribution, as the sampler's do: one row per emitted token,
 from the row it was emitted at.
@@ -55,6 +61,8 @@ class _Group:
     values: torch.Tensor
     # truncated: the candidates' token ids; else None (the columns are the vocabulary)
     ids: torch.Tensor | None = None
+    # what a seeded request drew at each of its rows it drew at (-1 elsewhere)
+    drawn: torch.Tensor | None = None
 
 
 def verify(
@@ -118,12 +126,17 @@ def verify(
         at = local[rows]
         if group.greedy:
             emitted[index] = group.values[at]
-        else:
-            emitted[index] = _draw_without(
-                group.values[at],
-                None if group.ids is None else group.ids[at],
-                proposed[rows],
-                [states[i] for i in requests],
+            continue
+        seeded = torch.tensor([states[i].generator is not None for i in requests])
+        if seeded.any():
+            emitted[index[seeded]] = group.drawn[at[seeded]]
+        if not seeded.all():
+            free = ~seeded
+            emitted[index[free]] = _draw_without(
+                group.values[at[free]],
+                None if group.ids is None else group.ids[at[free]],
+                proposed[rows[free]],
+                [states[i] for i, s in zip(requests, seeded.tolist(), strict=True) if not s],
                 x.shape[1],
             )
 
@@ -156,7 +169,26 @@ def _test(
     p = _log_prob_of(log_weights, group.ids, proposed).exp_()
     # u < p with u uniform on [0, 1) accepts with probability p; rows without a proposal have p
     # 0 (or NaN where nothing survives) and accept nothing.
-    return group, _uniforms(len(x), requests) < p
+    accepted = torch.rand(len(x)) < p
+    seeded = [(s, first, n) for s, first, n in requests if s.generator is not None]
+    if seeded:
+        group.drawn = torch.full((len(x),), -1, dtype=torch.int64)
+        for s, first, n in seeded:
+            accepted[first : first + n + 1] = False
+            for row in range(first, first + n + 1):
+                group.drawn[row] = _draw_row(group, row, s, x.shape[1])
+                if group.drawn[row] != proposed[row]:  # the last row proposes -1
+                    break
+                accepted[row] = True
+    return group, accepted
+
+
+def _draw_row(group: _Group, row: int, state: SamplingState, vocab: int) -> int:
+    """The sampler's draw for one row of `group`, from `state`'s generator."""
+    values = group.values[row : row + 1]
+    if group.ids is None:
+        return int(draw_plain(values, [state]))
+    return int(draw_candidates(values, group.ids[row : row + 1], [state], vocab))
 
 
 def _rows(firsts: list[int], counts: list[int]) -> torch.Tensor:
@@ -202,16 +234,6 @@ def _log_prob_of(
     else:
         at = values.masked_fill(ids != tokens.unsqueeze(1), -math.inf).amax(dim=-1)
     return at - _logsumexp(values)
-
-
-def _uniforms(n: int, seeded: list[tuple[SamplingState, int, int]]) -> torch.Tensor:
-    """n uniforms on [0, 1) for the acceptance tests, from torch's generator except for seeded
-    requests: (state, first row, number of proposals), whose come from their own."""
-    u = torch.rand(n)
-    for s, first, proposals in seeded:
-        if s.generator is not None and proposals:
-            u[first : first + proposals] = torch.rand(proposals, generator=s.generator)
-    return u
 
 
 def _draw_without(

@@ -6,8 +6,8 @@ A request that samples has one row, the logits of its last known position; a spe
 rejection sampler (`rejection_sampler.verify`), which keeps the proposals the model agrees
 with and one token of the model's own. The others take the sampler (`sampler.Sampler`) or,
 when every row takes its argmax and reports nothing else, the fused argmax over bfloat16
-logits; a seeded request that does not speculate in a step draws the same way whatever its
-neighbours do. A structured output's grammar masks every row of its request first.
+logits; a seeded request draws the same tokens whatever its neighbours do and whether or not
+it speculates. A structured output's grammar masks every row of its request first.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Verification of speculative proposals: greedy requests emit what greedy decoding would,
-sampled ones what sampling one token at a time would (in distribution), seeded ones repeat, and
-logprobs describe the raw rows the tokens were emitted from."""
+sampled ones what sampling one token at a time would (in distribution), seeded ones exactly
+what it would whatever was proposed, and logprobs describe the raw rows the tokens were emitted
+from."""
 
 from __future__ import annotations
 
@@ -296,6 +297,51 @@ def test_seeded_requests_without_proposals_emit_what_the_sampler_would(
     sampled = run(lambda logits, states: Sampler()(logits, states).token_ids)
     verified = run(lambda logits, states: [t[0] for t, _ in verify(logits, states, [[]] * 3)])
     assert verified == sampled
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 0.9},
+        {"top_p": 0.9, "min_p": 0.02},
+        {"top_k": 8, "repetition_penalty": 1.3},
+        {"temperature": 1.2, "frequency_penalty": 0.4, "min_tokens": 3},
+    ],
+    ids=["plain", "top_p", "top_k", "penalties"],
+)
+def test_seeded_requests_emit_what_the_sampler_would_whatever_is_proposed(
+    params: dict[str, Any],
+) -> None:
+    # Position i's logits are the same whatever came before, so sampling one token at a time
+    # and verifying proposals see the same rows; how many proposals each step verifies, and
+    # which of them are wrong, must not change a seeded request's tokens.
+    length = 40
+    positions = torch.randn(length + 8, VOCAB)
+    positions[:, :6] += 2.5  # likely enough that right proposals are common
+
+    reference = state(seed=21, **params)
+    expected = []
+    for i in range(length):
+        expected.append(Sampler()(positions[i : i + 1], [reference]).token_ids[0])
+        reference.append(expected[-1])
+
+    plan = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        s, tokens = state(seed=21, **params), []
+        while len(tokens) < length:
+            k = int(torch.randint(0, 5, (1,), generator=plan))
+            draft = expected[len(tokens) : len(tokens) + k]
+            if draft and bool(torch.rand(1, generator=plan) < 0.4):
+                wrong = int(torch.randint(0, len(draft), (1,), generator=plan))
+                draft[wrong] = (draft[wrong] + 1) % VOCAB
+            rows = positions[len(tokens) : len(tokens) + len(draft) + 1]
+            neighbour = state(seed=3, top_k=4)  # another seeded request in the same step
+            (emitted, _), _ = verify(torch.cat([rows, rows[:1]]), [s, neighbour], [draft, []])
+            for t in emitted:
+                s.append(t)
+            tokens.extend(emitted)
+            torch.rand(100)  # whatever else draws from the global generator
+        assert tokens[:length] == expected
 
 
 def test_logprobs_are_of_the_raw_rows_the_tokens_were_emitted_from() -> None:
