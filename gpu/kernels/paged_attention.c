@@ -7,7 +7,8 @@
  *
  * Two paths: with AVX-512, for bfloat16 head sizes 64 and 128 and up to 8 query heads per KV
  * head, the scores of 16 tokens are one vector (bfloat16 dot products where the CPU has them),
- * the softmax rescales once per 16 tokens and the next 16 rows are prefetched; elsewhere, and
+ * the softmax rescales once per span of 128 tokens, which every KV head of a sequence walks in
+ * turn while the span's rows are near, and the next 16 rows are prefetched; elsewhere, and
  * for float32, a portable loop that the compiler vectorises over the head dimension and that
  * rescales once per 32 tokens. Float32 takes libm's expf, as torch's softmax is near exact.
  *
@@ -175,17 +176,25 @@ static inline __m512 sum16(const __m512 v[16]) {
                          _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
 }
 
-#define TILE 16 /* tokens whose scores are one vector */
+#define TILE 16  /* tokens whose scores are one vector */
+#define SPAN 128 /* tokens per softmax rescale, and per pass of one KV head */
 
-/* One (sequence, KV head): its G query heads against the KV head's tokens, D / 32 pairs of
- * vectors a row (even and odd elements apart: `load32`). G and D are constants at each call
- * site, so the compiler keeps the queries and the running sums in registers. Per tile of 16
- * tokens: each head's 16 scores as one vector (`sum16`), one online-softmax rescale per head,
- * then the values weighted into the sums. */
-static inline __attribute__((always_inline)) void attend_one(
-    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
-    int64_t first, int64_t context, uint16_t *out, int64_t token_stride, int64_t block_size,
-    float scale, const int G, const int D) {
+/* one query head's online softmax between spans: its weighted sums of the values (even and odd
+ * elements apart, as `load32` gives them), its running maximum and denominator */
+typedef struct {
+    __m512 even[4], odd[4];
+    float max, denom;
+} head_sums;
+
+/* One KV head's G query heads (`sums`, D / 32 pairs of vectors a row; G and D constants at each
+ * call site, so the queries and sums stay in registers) against `span` tokens whose rows start
+ * at element offsets `rows`: every tile's 16 scores a head as one vector (`sum16`), the span's
+ * maximum kept as a vector; then one online-softmax rescale per head for the whole span, and
+ * the values weighted into the sums. Rescaling once per span, not per tile, keeps the serial
+ * scalar work (maximum, rescale factor, denominator) off most tokens. */
+static inline __attribute__((always_inline)) void attend_span(
+    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *rows,
+    const int span, head_sums *sums, float scale, const int G, const int D) {
     enum { MAXC = 4 }; /* D <= 128 */
     const int C = D / 32;
 #if defined(__AVX512BF16__)
@@ -194,55 +203,38 @@ static inline __attribute__((always_inline)) void attend_one(
     __m512 q_even[8][MAXC], q_odd[8][MAXC];
 #endif
     __m512 acc_even[8][MAXC], acc_odd[8][MAXC];
-    float running_max[8], denom[8];
-    for (int g = 0; g < G; g++) {
+    for (int g = 0; g < G; g++)
         for (int c = 0; c < C; c++) {
 #if defined(__AVX512BF16__)
             q_pairs[g][c] = (__m512bh)_mm512_loadu_si512((const void *)(q + g * D + c * 32));
 #else
             load32(q + g * D + c * 32, &q_even[g][c], &q_odd[g][c]);
 #endif
-            acc_even[g][c] = acc_odd[g][c] = _mm512_setzero_ps();
+            acc_even[g][c] = sums[g].even[c];
+            acc_odd[g][c] = sums[g].odd[c];
         }
-        running_max[g] = -INFINITY;
-        denom[g] = 0.0f;
-    }
     const __m512 scale16 = _mm512_set1_ps(scale);
-    /* the next token's place in the cache, advanced one token at a time (no division past the
-     * first): the walk starts at the window's first token, in whatever slot of its block */
-    int64_t block = first / block_size, slot = first % block_size;
-    int64_t rows[2][TILE]; /* element offsets of this tile's token rows and the next one's */
-    const int64_t first_n = context - first < TILE ? context - first : TILE;
-    for (int j = 0; j < first_n; j++) {
-        rows[0][j] = (table[block] * block_size + slot) * token_stride;
-        if (++slot == block_size) slot = 0, block++;
-    }
-    for (int64_t start = first, tile = 0; start < context; start += TILE, tile ^= 1) {
-        const int n = context - start < TILE ? (int)(context - start) : TILE;
-        const int64_t *here = rows[tile];
+    float weights[8][SPAN] __attribute__((aligned(64)));
+    __m512 span_max[8];
+    for (int g = 0; g < G; g++) span_max[g] = _mm512_set1_ps(-INFINITY);
+    for (int t0 = 0; t0 < span; t0 += TILE) {
+        const int n = span - t0 < TILE ? span - t0 : TILE;
         const __mmask16 live = (__mmask16)((1u << n) - 1u);
-        /* the next tile's rows, fetched while this one computes */
-        const int64_t next = context - start - n < TILE ? context - start - n : TILE;
-        for (int j = 0; j < next; j++) {
-            const int64_t row = (table[block] * block_size + slot) * token_stride;
-            rows[tile ^ 1][j] = row;
-            if (++slot == block_size) slot = 0, block++;
-            for (int b = 0; b < D * 2; b += 64) {
-                _mm_prefetch((const char *)(k_cache + row) + b, _MM_HINT_T0);
-                _mm_prefetch((const char *)(v_cache + row) + b, _MM_HINT_T0);
-            }
-        }
-        float weights[8][TILE] __attribute__((aligned(64)));
+        /* the next tile's keys, fetched while this one computes */
+        for (int j = t0 + TILE; j < span && j < t0 + 2 * TILE; j++)
+            for (int b = 0; b < D * 2; b += 64)
+                _mm_prefetch((const char *)(k_cache + rows[j]) + b, _MM_HINT_T0);
         __m512 dots[8][TILE]; /* per head and token: 16 partial sums of its score */
         for (int j = 0; j < TILE; j++) {
             if (j >= n) {
                 for (int g = 0; g < G; g++) dots[g][j] = _mm512_setzero_ps();
                 continue;
             }
+            const int64_t row = rows[t0 + j];
 #if defined(__AVX512BF16__)
             __m512bh key[MAXC];
             for (int c = 0; c < C; c++)
-                key[c] = (__m512bh)_mm512_loadu_si512((const void *)(k_cache + here[j] + c * 32));
+                key[c] = (__m512bh)_mm512_loadu_si512((const void *)(k_cache + row + c * 32));
             for (int g = 0; g < G; g++) {
                 __m512 dot = _mm512_setzero_ps();
                 for (int c = 0; c < C; c++) dot = _mm512_dpbf16_ps(dot, q_pairs[g][c], key[c]);
@@ -250,7 +242,7 @@ static inline __attribute__((always_inline)) void attend_one(
             }
 #else
             __m512 k_even[MAXC], k_odd[MAXC];
-            for (int c = 0; c < C; c++) load32(k_cache + here[j] + c * 32, &k_even[c], &k_odd[c]);
+            for (int c = 0; c < C; c++) load32(k_cache + row + c * 32, &k_even[c], &k_odd[c]);
             for (int g = 0; g < G; g++) {
                 __m512 dot = _mm512_mul_ps(q_even[g][0], k_even[0]);
                 dot = _mm512_fmadd_ps(q_odd[g][0], k_odd[0], dot);
@@ -265,52 +257,71 @@ static inline __attribute__((always_inline)) void attend_one(
         for (int g = 0; g < G; g++) {
             const __m512 scores = _mm512_mask_mov_ps(
                 _mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(sum16(dots[g]), scale16));
-            const float tile_max = _mm512_reduce_max_ps(scores);
-            const float new_max = tile_max > running_max[g] ? tile_max : running_max[g];
-            /* the first tile rescales empty sums: the factor does not matter */
-            const float rescale = exp_clamped(running_max[g] - new_max);
-            running_max[g] = new_max;
-            const __m512 p = _mm512_maskz_mov_ps(
-                live, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
-            denom[g] = denom[g] * rescale + _mm512_reduce_add_ps(p);
-            _mm512_store_ps(weights[g], p);
-            const __m512 r = _mm512_set1_ps(rescale);
-            for (int c = 0; c < C; c++) {
-                acc_even[g][c] = _mm512_mul_ps(acc_even[g][c], r);
-                acc_odd[g][c] = _mm512_mul_ps(acc_odd[g][c], r);
-            }
-        }
-        for (int j = 0; j < n; j++) {
-            for (int c = 0; c < C; c++) {
-                __m512 v_even, v_odd;
-                load32(v_cache + here[j] + c * 32, &v_even, &v_odd);
-                for (int g = 0; g < G; g++) {
-                    const __m512 p = _mm512_set1_ps(weights[g][j]);
-                    acc_even[g][c] = _mm512_fmadd_ps(p, v_even, acc_even[g][c]);
-                    acc_odd[g][c] = _mm512_fmadd_ps(p, v_odd, acc_odd[g][c]);
-                }
-            }
+            span_max[g] = _mm512_max_ps(span_max[g], scores);
+            _mm512_store_ps(weights[g] + t0, scores);
         }
     }
     for (int g = 0; g < G; g++) {
-        const __m512 inv = _mm512_set1_ps(denom[g] > 0.0f ? 1.0f / denom[g] : 0.0f);
-        float even[16] __attribute__((aligned(64))), odd[16] __attribute__((aligned(64)));
+        const float top = _mm512_reduce_max_ps(span_max[g]);
+        const float new_max = top > sums[g].max ? top : sums[g].max;
+        /* the first span rescales empty sums: the factor does not matter */
+        const float rescale = exp_clamped(sums[g].max - new_max);
+        sums[g].max = new_max;
+        const __m512 shift = _mm512_set1_ps(new_max);
+        __m512 total = _mm512_setzero_ps();
+        for (int t0 = 0; t0 < span; t0 += TILE) {
+            const int n = span - t0 < TILE ? span - t0 : TILE;
+            const __mmask16 live = (__mmask16)((1u << n) - 1u);
+            const __m512 p = _mm512_maskz_mov_ps(
+                live, exp16(_mm512_sub_ps(_mm512_load_ps(weights[g] + t0), shift)));
+            total = _mm512_add_ps(total, p);
+            _mm512_store_ps(weights[g] + t0, p);
+        }
+        sums[g].denom = sums[g].denom * rescale + _mm512_reduce_add_ps(total);
+        const __m512 r = _mm512_set1_ps(rescale);
         for (int c = 0; c < C; c++) {
-            _mm512_store_ps(even, _mm512_mul_ps(acc_even[g][c], inv));
-            _mm512_store_ps(odd, _mm512_mul_ps(acc_odd[g][c], inv));
-            for (int i = 0; i < 16; i++) {
-                out[g * D + c * 32 + 2 * i] = f32_bf16(even[i]);
-                out[g * D + c * 32 + 2 * i + 1] = f32_bf16(odd[i]);
+            acc_even[g][c] = _mm512_mul_ps(acc_even[g][c], r);
+            acc_odd[g][c] = _mm512_mul_ps(acc_odd[g][c], r);
+        }
+    }
+    for (int j = 0; j < span; j++) {
+        if (j + TILE < span)
+            for (int b = 0; b < D * 2; b += 64)
+                _mm_prefetch((const char *)(v_cache + rows[j + TILE]) + b, _MM_HINT_T0);
+        for (int c = 0; c < C; c++) {
+            __m512 v_even, v_odd;
+            load32(v_cache + rows[j] + c * 32, &v_even, &v_odd);
+            for (int g = 0; g < G; g++) {
+                const __m512 p = _mm512_set1_ps(weights[g][j]);
+                acc_even[g][c] = _mm512_fmadd_ps(p, v_even, acc_even[g][c]);
+                acc_odd[g][c] = _mm512_fmadd_ps(p, v_odd, acc_odd[g][c]);
             }
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) {
+            sums[g].even[c] = acc_even[g][c];
+            sums[g].odd[c] = acc_odd[g][c];
+        }
+}
+
+/* a query head's output: its weighted sums over its denominator, as bfloat16 */
+static void head_output(const head_sums *sums, int D, uint16_t *out) {
+    const __m512 inv = _mm512_set1_ps(sums->denom > 0.0f ? 1.0f / sums->denom : 0.0f);
+    float even[16] __attribute__((aligned(64))), odd[16] __attribute__((aligned(64)));
+    for (int c = 0; c < D / 32; c++) {
+        _mm512_store_ps(even, _mm512_mul_ps(sums->even[c], inv));
+        _mm512_store_ps(odd, _mm512_mul_ps(sums->odd[c], inv));
+        for (int i = 0; i < 16; i++) {
+            out[c * 32 + 2 * i] = f32_bf16(even[i]);
+            out[c * 32 + 2 * i + 1] = f32_bf16(odd[i]);
         }
     }
 }
 
 #define ATTEND(G, D)                                                                          \
-    attend_one(q + s * q_stride + kv * (G) * (D), k_cache + kv * (D), v_cache + kv * (D),  \
-               block_tables + s * max_blocks, window_start(context_lens[s], window),         \
-               context_lens[s], out + (s * num_heads + kv * (G)) * (D), token_stride,       \
-               block_size, scale, G, D)
+    attend_span(q + s * q_stride + kv * (G) * (D), k_cache + kv * (D), v_cache + kv * (D),  \
+                rows, span, sums + kv * (G), scale, G, D)
 
 #define CASES(D)                                                                              \
     switch (group) {                                                                          \
@@ -328,8 +339,7 @@ static int vector_path(int64_t group, int64_t head_dim) {
     return group >= 1 && group <= 8 && (head_dim == 64 || head_dim == 128);
 }
 
-/* Work items are sequences, their KV heads one after the other: the first head's pass brings
- * each cached token row (every KV head side by side) into L2 and the others read it there.
+/* Work items are sequences, their KV heads one after the other over each span of tokens.
  * With few sequences an item is a (sequence, KV head) pair, so that every thread has work.
  * Items are handed out one at a time: a thread that another process holds up delays one. */
 static void paged_decode_avx512(
@@ -344,13 +354,40 @@ static void paged_decode_avx512(
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_seqs * splits; item++) {
         const int64_t s = item / splits;
-        for (int64_t kv = item % splits * heads_per_item; kv < (item % splits + 1) * heads_per_item; kv++) {
-            if (head_dim == 64) {
-                CASES(64)
-            } else {
-                CASES(128)
+        const int64_t first_kv = item % splits * heads_per_item;
+        const int64_t end_kv = first_kv + heads_per_item;
+        head_sums sums[MAX_HEADS] __attribute__((aligned(64)));
+        for (int64_t h = first_kv * group; h < end_kv * group; h++) {
+            for (int c = 0; c < 4; c++) sums[h].even[c] = sums[h].odd[c] = _mm512_setzero_ps();
+            sums[h].max = -INFINITY;
+            sums[h].denom = 0.0f;
+        }
+        const int64_t context = context_lens[s];
+        const int64_t first = window_start(context, window);
+        const int64_t *table = block_tables + s * max_blocks;
+        /* the next token's place in the cache, advanced one token at a time (no division past
+         * the first): the walk starts at the window's first token, in whatever slot of its
+         * block */
+        int64_t block = first / block_size, slot = first % block_size;
+        int64_t rows[SPAN];
+        /* a span of tokens at a time, every KV head of the item over it in turn: the span's
+         * token rows (every KV head side by side) are still in cache for the later heads */
+        for (int64_t start = first; start < context; start += SPAN) {
+            const int span = context - start < SPAN ? (int)(context - start) : SPAN;
+            for (int j = 0; j < span; j++) {
+                rows[j] = (table[block] * block_size + slot) * token_stride;
+                if (++slot == block_size) slot = 0, block++;
+            }
+            for (int64_t kv = first_kv; kv < end_kv; kv++) {
+                if (head_dim == 64) {
+                    CASES(64)
+                } else {
+                    CASES(128)
+                }
             }
         }
+        for (int64_t h = first_kv * group; h < end_kv * group; h++)
+            head_output(&sums[h], (int)head_dim, out + (s * num_heads + h) * head_dim);
     }
 }
 #endif

@@ -53,12 +53,12 @@ def test_kernel_matches_attention_over_shuffled_blocks(
     seqs: int, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
 ) -> None:
     # few sequences split by KV head, many take all heads at once; contexts of 1 token, part of
-    # a block, and past several 32-token chunks
+    # a block, past several 32-token chunks, and over several 128-token spans with a part one
     g = torch.Generator().manual_seed(seqs)
-    num_blocks = 200
+    num_blocks = 1200
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    lens = torch.tensor([[1, 7, 33, 100, 64][i % 5] for i in range(seqs)])
+    lens = torch.tensor([[1, 7, 33, 300, 100, 64][i % 6] for i in range(seqs)])
     width = -(-int(lens.max()) // block_size)
     tables = torch.randperm(num_blocks, generator=g)[: seqs * width].view(seqs, width)
     q = torch.randn(seqs, heads, head_dim, generator=g).to(dtype)
