@@ -327,6 +327,24 @@ int triode_quant_max_rows(void) { return QUANT_MAX_ROWS; }
  * (row stride x_stride; bfloat16 if x_bf16) times the packed W^T, + bias (float32, or NULL).
  * Returns 0, or -1 for arguments it does not take (rows outside 1..QUANT_MAX_ROWS, cols not
  * whole groups, bits other than 4 and 8). */
+/* the sum of a group's 32 inputs, halves added pairwise (16 sums, then 8, 4, 2, 1): one fixed
+ * order, which the compiler vectorises, where a running sum is 32 dependent additions */
+static inline float group_sum(const float *x) {
+    float s[GROUP];
+    for (int k = 0; k < GROUP; k++) s[k] = x[k];
+    for (int half = GROUP / 2; half > 0; half /= 2)
+        for (int k = 0; k < half; k++) s[k] += s[k + half];
+    return s[0];
+}
+
+static inline float group_sum_bf16(const uint16_t *x) {
+    float s[GROUP];
+    for (int k = 0; k < GROUP; k++) s[k] = bf16_f32(x[k]);
+    for (int half = GROUP / 2; half > 0; half /= 2)
+        for (int k = 0; k < half; k++) s[k] += s[k + half];
+    return s[0];
+}
+
 static int quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t rows, int64_t cols,
                         const uint8_t *w, int bits, const float *bias, int64_t outputs,
                         void *y, int64_t y_stride, int y_bf16, int paired) {
@@ -351,15 +369,10 @@ static int quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t row
         return -1;
     }
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t g = 0; g < groups; g++) {
-            float sum = 0.0f;
-            for (int k = 0; k < GROUP; k++) {
-                const int64_t c = g * GROUP + k;
-                sum += paired ? bf16_f32(((const uint16_t *)x)[r * x_stride + c])
-                              : xf[r * cols + c];
-            }
-            xsums[r * groups + g] = sum;
-        }
+        for (int64_t g = 0; g < groups; g++)
+            xsums[r * groups + g] =
+                paired ? group_sum_bf16((const uint16_t *)x + r * x_stride + g * GROUP)
+                       : group_sum(xf + r * cols + g * GROUP);
     if (paired) {
         const int status = triode_quant_paired_rows(x, x_stride, xsums, rows, cols, w, bits,
                                                     bias, outputs, y, y_stride);
