@@ -180,6 +180,8 @@ static inline int beats(float v, float best) {
     return v > best || (isnan(v) && !isnan(best));
 }
 
+#define CHAINS 4 /* the vector argmax's independent running maxima */
+
 /* out[r] = the index of row r's largest value, the first of equals: x [rows, cols], rows
  * `stride` apart; the greedy pick straight from the logits' own type. */
 INLINE void argmax(const void *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out,
@@ -190,26 +192,41 @@ INLINE void argmax(const void *x, int64_t rows, int64_t cols, int64_t stride, in
         float best = -INFINITY;
         int64_t at = 0, i = 0;
 #if defined(__AVX512F__)
-        if (cols >= 16) {
-            __m512 top = vec16_load(row, f32);
-            __m512i where = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-            __m512i index = where;
-            const __m512i step = _mm512_set1_epi32(16);
-            for (i = 16; i + 16 <= cols; i += 16) {
-                index = _mm512_add_epi32(index, step);
-                const __m512 v = vec16_load(elem_at(row, i, f32), f32);
-                const __mmask16 nan_v = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-                const __mmask16 nan_top = _mm512_cmp_ps_mask(top, top, _CMP_UNORD_Q);
-                const __mmask16 pick = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ) | (nan_v & ~nan_top);
-                top = _mm512_mask_mov_ps(top, pick, v);
-                where = _mm512_mask_mov_epi32(where, pick, index);
+        if (cols >= 16 * CHAINS) {
+            /* CHAINS independent running maxima, each over every CHAINS-th vector: one chain's
+             * compare-and-blend waits on its last, so one chain alone runs at its latency */
+            __m512 top[CHAINS];
+            __m512i where[CHAINS];
+            const __m512i iota =
+                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+            for (int k = 0; k < CHAINS; k++) {
+                top[k] = vec16_load(elem_at(row, 16 * k, f32), f32);
+                where[k] = _mm512_add_epi32(iota, _mm512_set1_epi32(16 * k));
             }
-            float lanes[16];
-            int32_t lane_at[16];
-            _mm512_storeu_ps(lanes, top);
-            _mm512_storeu_si512((void *)lane_at, where);
+            __m512i index = iota;
+            for (i = 16 * CHAINS; i + 16 * CHAINS <= cols; i += 16 * CHAINS) {
+                index = _mm512_add_epi32(index, _mm512_set1_epi32(16 * CHAINS));
+                for (int k = 0; k < CHAINS; k++) {
+                    const __m512 v = vec16_load(elem_at(row, i + 16 * k, f32), f32);
+                    const __mmask16 nan_v = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+                    const __mmask16 nan_top = _mm512_cmp_ps_mask(top[k], top[k], _CMP_UNORD_Q);
+                    const __mmask16 pick =
+                        _mm512_cmp_ps_mask(v, top[k], _CMP_GT_OQ) | (nan_v & ~nan_top);
+                    top[k] = _mm512_mask_mov_ps(top[k], pick, v);
+                    where[k] = _mm512_mask_mov_epi32(
+                        where[k], pick, _mm512_add_epi32(index, _mm512_set1_epi32(16 * k)));
+                }
+            }
+            /* each lane of each chain holds the first of its largest: the largest of those,
+             * the first of equals (a NaN the largest, the first NaN of NaNs) */
+            float lanes[16 * CHAINS];
+            int32_t lane_at[16 * CHAINS];
+            for (int k = 0; k < CHAINS; k++) {
+                _mm512_storeu_ps(lanes + 16 * k, top[k]);
+                _mm512_storeu_si512((void *)(lane_at + 16 * k), where[k]);
+            }
             best = lanes[0], at = lane_at[0];
-            for (int j = 1; j < 16; j++)
+            for (int j = 1; j < 16 * CHAINS; j++)
                 if (beats(lanes[j], best) || (lanes[j] == best && lane_at[j] < at) ||
                     (isnan(lanes[j]) && isnan(best) && lane_at[j] < at))
                     best = lanes[j], at = lane_at[j];

@@ -296,7 +296,7 @@ def test_fused_ops_refuse_what_they_cannot_read() -> None:
 
 
 @needs_ops
-@pytest.mark.parametrize("cols", [49152, 37, 5])  # vectors and a tail, a tail alone
+@pytest.mark.parametrize("cols", [49152, 100, 37, 5])  # vectors (and a tail), a tail alone
 @both_dtypes
 def test_fused_argmax_picks_what_torch_max_picks(cols: int, dtype: torch.dtype) -> None:
     assert ops is not None
@@ -309,6 +309,9 @@ def test_fused_argmax_picks_what_torch_max_picks(cols: int, dtype: torch.dtype) 
     x[5, cols // 3] = math.nan
     x[5, cols - 1] = math.nan  # the first NaN
     x[6, 0] = math.inf
+    if cols >= 100:  # the first of equals, and the first NaN, in a later lane than the next
+        x[7, 50] = x[7, 70] = x[7].max() + 1
+        x[8, 40] = x[8, 65] = math.nan
     wide = torch.cat([x, torch.zeros(9, 3, dtype=dtype)], 1)[:, :cols]  # rows apart
     expected = torch.max(x.float(), dim=-1).indices
     assert torch.equal(ops.argmax(x), expected)
