@@ -129,6 +129,7 @@ def verify(
             continue
         seeded = torch.tensor([states[i].generator is not None for i in requests])
         if seeded.any():
+            assert group.drawn is not None  # `_test` drew the seeded requests' rows
             emitted[index[seeded]] = group.drawn[at[seeded]]
         if not seeded.all():
             free = ~seeded

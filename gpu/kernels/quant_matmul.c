@@ -323,10 +323,6 @@ static void blocks_rows(const float *x, const float *xsums, int64_t rows, int64_
 int triode_quant_lanes(void) { return LANES; }
 int triode_quant_max_rows(void) { return QUANT_MAX_ROWS; }
 
-/* y [rows, outputs] (row stride y_stride; bfloat16 if y_bf16 else float32) = x [rows, cols]
- * (row stride x_stride; bfloat16 if x_bf16) times the packed W^T, + bias (float32, or NULL).
- * Returns 0, or -1 for arguments it does not take (rows outside 1..QUANT_MAX_ROWS, cols not
- * whole groups, bits other than 4 and 8). */
 /* the sum of a group's 32 inputs, halves added pairwise (16 sums, then 8, 4, 2, 1): one fixed
  * order, which the compiler vectorises, where a running sum is 32 dependent additions */
 static inline float group_sum(const float *x) {
@@ -345,6 +341,10 @@ static inline float group_sum_bf16(const uint16_t *x) {
     return s[0];
 }
 
+/* y [rows, outputs] (row stride y_stride; bfloat16 if y_bf16 else float32) = x [rows, cols]
+ * (row stride x_stride; bfloat16 if x_bf16) times the packed W^T, + bias (float32, or NULL).
+ * Returns 0, or -1 for arguments it does not take (rows outside 1..QUANT_MAX_ROWS, cols not
+ * whole groups, bits other than 4 and 8). */
 static int quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t rows, int64_t cols,
                         const uint8_t *w, int bits, const float *bias, int64_t outputs,
                         void *y, int64_t y_stride, int y_bf16, int paired) {
