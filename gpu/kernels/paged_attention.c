@@ -8,8 +8,8 @@
  * Two paths: with AVX-512, for bfloat16 head sizes 64 and 128 and up to 8 query heads per KV
  * head, the scores of 16 tokens are one vector (bfloat16 dot products where the CPU has them),
  * the softmax rescales once per span of 128 tokens, which every KV head of a sequence walks in
- * turn while the span's rows are near, and the next 16 rows are prefetched; elsewhere, and
- * for float32, a portable loop that the compiler vectorises over the head dimension and that
+ * turn while the span's rows are near, and keys and values are fetched a few tokens ahead;
+ * elsewhere, and for float32, a portable loop that the compiler vectorises over the head dimension and that
  * rescales once per 32 tokens. Float32 takes libm's expf, as torch's softmax is near exact.
  *
  * A sliding window of w tokens (0: none) limits a row whose context is n tokens to the keys at
@@ -178,6 +178,7 @@ static inline __m512 sum16(const __m512 v[16]) {
 
 #define TILE 16  /* tokens whose scores are one vector */
 #define SPAN 128 /* tokens per softmax rescale, and per pass of one KV head */
+#define MAXC 4    /* vector pairs a row of D <= 128 bfloat16 elements holds */
 
 #define AHEAD 8 /* tokens ahead that the walks over keys and values fetch them */
 
@@ -192,7 +193,7 @@ static inline __m512 sum16(const __m512 v[16]) {
 /* one query head's online softmax between spans: its weighted sums of the values (even and odd
  * elements apart, as `load32` gives them), its running maximum and denominator */
 typedef struct {
-    __m512 even[4], odd[4];
+    __m512 even[MAXC], odd[MAXC];
     float max, denom;
 } head_sums;
 
@@ -212,7 +213,6 @@ static inline __attribute__((always_inline)) void attend_span(
     const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *rows,
     const int span, head_sums *sums, float scale, const int G, const int D,
     const int64_t lead_bytes) {
-    enum { MAXC = 4 }; /* D <= 128 */
     const int C = D / 32;
 #if defined(__AVX512BF16__)
     __m512bh q_pairs[8][MAXC]; /* the query as it is: products of bfloat16 pairs are exact */
@@ -379,7 +379,7 @@ static void paged_decode_avx512(
         const int64_t end_kv = first_kv + heads_per_item;
         head_sums sums[MAX_HEADS] __attribute__((aligned(64)));
         for (int64_t h = first_kv * group; h < end_kv * group; h++) {
-            for (int c = 0; c < 4; c++) sums[h].even[c] = sums[h].odd[c] = _mm512_setzero_ps();
+            for (int c = 0; c < MAXC; c++) sums[h].even[c] = sums[h].odd[c] = _mm512_setzero_ps();
             sums[h].max = -INFINITY;
             sums[h].denom = 0.0f;
         }

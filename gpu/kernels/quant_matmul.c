@@ -334,11 +334,9 @@ static inline float group_sum(const float *x) {
 }
 
 static inline float group_sum_bf16(const uint16_t *x) {
-    float s[GROUP];
-    for (int k = 0; k < GROUP; k++) s[k] = bf16_f32(x[k]);
-    for (int half = GROUP / 2; half > 0; half /= 2)
-        for (int k = 0; k < half; k++) s[k] += s[k + half];
-    return s[0];
+    float f[GROUP];
+    for (int k = 0; k < GROUP; k++) f[k] = bf16_f32(x[k]);
+    return group_sum(f);
 }
 
 /* y [rows, outputs] (row stride y_stride; bfloat16 if y_bf16 else float32) = x [rows, cols]
