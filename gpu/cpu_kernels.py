@@ -37,8 +37,8 @@ KERNELS = Path(__file__).with_name("kernels")
 SOURCES = tuple(
     KERNELS / name
     for name in (
-        "paged_attention.c", "fused_ops.c", "int4_amx.c", "quant_matmul.c", "quant_paired.c",
-        "decode_stack.c",
+        "paged_attention.c", "paged_attention_avx512.c", "fused_ops.c", "int4_amx.c",
+        "quant_matmul.c", "quant_paired.c", "decode_stack.c",
     )
 )  # fmt: skip
 HEADERS = tuple(KERNELS / name for name in ("simd.h", "bf16.h", "elements.h", "kernels.h"))

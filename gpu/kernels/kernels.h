@@ -40,6 +40,22 @@ void triode_rope_cache_f32(float *qkv, int64_t row_stride, int64_t rows, int64_t
                            const int64_t *slots);
 void triode_silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t size);
 void triode_silu_mul_f32(const float *x, float *out, int64_t rows, int64_t size);
+/* decode attention's limits (`paged_attention.c`), and the first position a context of
+ * `context` tokens reads under a sliding `window` (0: none) */
+#define MAX_HEAD_DIM 256
+#define MAX_HEADS 64
+static inline int64_t window_start(int64_t context, int64_t window) {
+    return window > 0 && context > window ? context - window : 0;
+}
+
+/* `paged_attention_avx512.c`: 0, or -1 where the build has no AVX-512 or the shape is not one
+ * it takes (the portable path then runs) */
+int triode_paged_decode_avx512(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                               const uint16_t *v_cache, const int64_t *block_tables,
+                               const int64_t *context_lens, uint16_t *out, int64_t num_seqs,
+                               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                               int64_t block_size, int64_t max_blocks, float scale,
+                               int64_t window);
 void triode_paged_decode_attention_bf16(
     const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
     const int64_t *block_tables, const int64_t *context_lens, uint16_t *out, int64_t num_seqs,
