@@ -22,13 +22,15 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
+#include "simd.h"
+
 #define LANES 16
 #define NR 32
 #define GROUP 32
 #define PAIRS (GROUP / 2)
 #define MAX_ROWS 64
 #define MR_DIRECT 8
-#define MR_TILE 12
+#define MR_TILE 7 /* 7 rows x 2 x (sums, dot products) + 2 codes + x: 31 of 32 registers */
 #define CHUNK_GROUPS 4 /* groups widened at a time by the tiled path */
 
 /* bytes of one block's group: constants, then codes */
@@ -137,42 +139,86 @@ static inline __attribute__((always_inline)) void blocks_direct(
     }
 }
 
-/* tile rows 0..mr-1 += one group, its codes widened in `q` [PAIRS][2][NR] words */
-static inline __attribute__((always_inline)) void tile_group(const uint16_t *x, int64_t x_stride,
+/* tile rows 0..mr-1 += groups 0..n-1 of a chunk, their codes widened in `q` [n][PAIRS][2][NR]
+ * words: each row's sums stay in registers over the chunk (the same operations in the same
+ * order as add_group's, so the same bits) */
+static inline __attribute__((always_inline)) void tile_chunk(const uint32_t *xt,
                                                              const float *xsums, int64_t groups,
                                                              const uint16_t *q,
-                                                             const constants *c, int bits,
-                                                             float *tile, const int mr) {
-    __m512 dot[MR_TILE][2];
-    for (int r = 0; r < mr; r++) dot[r][0] = dot[r][1] = _mm512_setzero_ps();
-    for (int p = 0; p < PAIRS; p++) {
-        const __m512i q0 = _mm512_load_si512(q + p * 2 * NR);
-        const __m512i q1 = _mm512_load_si512(q + p * 2 * NR + NR);
-        for (int r = 0; r < mr; r++) {
-            const __m512bh xb = x_pair(x + r * x_stride, p);
-            dot[r][0] = dot_pair(dot[r][0], q0, xb);
-            dot[r][1] = dot_pair(dot[r][1], q1, xb);
+                                                             const constants *c, int n,
+                                                             int bits, float *tile, const int mr) {
+    __m512 sum[MR_TILE][2];
+    for (int r = 0; r < mr; r++)
+        for (int h = 0; h < 2; h++) sum[r][h] = _mm512_loadu_ps(tile + r * NR + h * LANES);
+#pragma GCC unroll 1 /* unrolled, every group's constants would take registers the codes need */
+    for (int g = 0; g < n; g++) {
+        __m512 dot[MR_TILE][2];
+        for (int r = 0; r < mr; r++) dot[r][0] = dot[r][1] = _mm512_setzero_ps();
+        const uint16_t *qg = q + g * PAIRS * 2 * NR;
+        for (int p = 0; p < PAIRS; p++) {
+            const __m512i q0 = _mm512_load_si512(qg + p * 2 * NR);
+            const __m512i q1 = _mm512_load_si512(qg + p * 2 * NR + NR);
+            for (int r = 0; r < mr; r++) {
+                const __m512bh xb =
+                    (__m512bh)_mm512_set1_epi32((int32_t)xt[(g * PAIRS + p) * mr + r]);
+                dot[r][0] = dot_pair(dot[r][0], q0, xb);
+                dot[r][1] = dot_pair(dot[r][1], q1, xb);
+            }
         }
+        for (int r = 0; r < mr; r++)
+            for (int h = 0; h < 2; h++) {
+                sum[r][h] = _mm512_fmadd_ps(c[g].scale[h], dot[r][h], sum[r][h]);
+                if (bits == 4)
+                    sum[r][h] = _mm512_fmadd_ps(c[g].minimum[h],
+                                                _mm512_set1_ps(xsums[r * groups + g]), sum[r][h]);
+            }
     }
-    for (int r = 0; r < mr; r++) add_group(tile + r * NR, c, dot[r], xsums[r * groups], bits);
+    for (int r = 0; r < mr; r++)
+        for (int h = 0; h < 2; h++) _mm512_storeu_ps(tile + r * NR + h * LANES, sum[r][h]);
 }
 
-static void tile_rows(const uint16_t *x, int64_t x_stride, const float *xsums, int64_t groups,
-                      const uint16_t *q, const constants *c, int bits, float *tile, int mr) {
+static void tile_rows(const uint32_t *xt, const float *xsums, int64_t groups, const uint16_t *q,
+                      const constants *c, int n, int bits, float *tile, int mr) {
     switch (mr) {
 #define TILE_CASE(m) \
     case m:          \
-        tile_group(x, x_stride, xsums, groups, q, c, bits, tile, m); break;
+        tile_chunk(xt, xsums, groups, q, c, n, bits, tile, m); break;
         TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6)
-        TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11) TILE_CASE(12)
+        TILE_CASE(7)
 #undef TILE_CASE
     }
 }
 
+/* the tiled path's tiles of rows: as few as hold MR_TILE rows at most, their sizes as even as
+ * can be; tile t starts at row tile_row(rows, tiles, t) */
+static inline int row_tiles(int64_t rows) { return (int)((rows + MR_TILE - 1) / MR_TILE); }
+static inline int64_t tile_row(int64_t rows, int tiles, int t) { return rows * t / tiles; }
+
+/* rows 0..mr-1 of x as one tile's pairs: per group and pair p, each row's inputs (2p, 2p + 1)
+ * side by side, so that the tile's broadcasts walk one run of memory */
+static void pack_tile(const uint16_t *x, int64_t x_stride, int64_t groups, int mr, uint32_t *xt) {
+    for (int64_t k = 0; k < groups * PAIRS; k++)
+        for (int r = 0; r < mr; r++) memcpy(xt + k * mr + r, x + r * x_stride + 2 * k, 4);
+}
+
+/* room for MAX_ROWS rows of `cols` packed: one buffer per calling thread (the engine calls from
+ * one), kept for the next call and grown when a wider x comes; NULL when out of memory */
+static uint32_t *packing_buffer(int64_t cols) {
+    static _Thread_local uint32_t *buffer = NULL;
+    static _Thread_local size_t size = 0;
+    const size_t need = (size_t)MAX_ROWS * cols * sizeof(uint16_t);
+    if (need > size) {
+        free(buffer);
+        buffer = aligned_alloc(64, need);
+        size = buffer ? need : 0;
+    }
+    return buffer;
+}
+
 /* more rows than the registers hold: a few groups' codes widened to bfloat16 in L1 once, then
- * tiles of MR_TILE rows over each group */
-static void block_tiled(const uint16_t *x, int64_t x_stride, const float *xsums, int64_t rows,
-                        int64_t groups, const uint8_t *block, int bits, float *tile) {
+ * each tile of rows (packed by `pack_tile`) over those groups */
+static void block_tiled(const uint32_t *xp, const float *xsums, int64_t rows, int64_t groups,
+                        const uint8_t *block, int bits, float *tile) {
     uint16_t q[CHUNK_GROUPS * PAIRS * 2 * NR] __attribute__((aligned(64)));
     constants c[CHUNK_GROUPS];
     const __m512i table = _mm512_loadu_si512(CODE_VALUES);
@@ -189,21 +235,20 @@ static void block_tiled(const uint16_t *x, int64_t x_stride, const float *xsums,
                 _mm512_store_si512(q + ((g * PAIRS + p) * 2 + 1) * NR, pair[1]);
             }
         }
-        for (int g = 0; g < n; g++)
-            for (int64_t r = 0; r < rows; r += MR_TILE) {
-                const int mr = rows - r < MR_TILE ? (int)(rows - r) : MR_TILE;
-                tile_rows(x + r * x_stride + (g0 + g) * GROUP, x_stride,
-                          xsums + r * groups + g0 + g, groups, q + g * PAIRS * 2 * NR, &c[g],
-                          bits, tile + r * NR, mr);
-            }
+        for (int t = 0, tiles = row_tiles(rows); t < tiles; t++) {
+            const int64_t r = tile_row(rows, tiles, t);
+            const int mr = (int)(tile_row(rows, tiles, t + 1) - r);
+            tile_rows(xp + r * groups * PAIRS + g0 * PAIRS * mr, xsums + r * groups + g0, groups,
+                      q, c, n, bits, tile + r * NR, mr);
+        }
     }
 }
 
 static inline int span_for(int64_t rows) { return rows == 1 ? 4 : rows == 2 ? 2 : 1; }
 
-static void blocks_rows(const uint16_t *x, int64_t x_stride, const float *xsums, int64_t rows,
-                        int64_t groups, const uint8_t *block, int64_t block_bytes, int bits,
-                        float *tile, int n) {
+static void blocks_rows(const uint16_t *x, int64_t x_stride, const uint32_t *xp,
+                        const float *xsums, int64_t rows, int64_t groups, const uint8_t *block,
+                        int64_t block_bytes, int bits, float *tile, int n) {
     if (rows <= 2 && n == span_for(rows)) {
         if (rows == 1)
             blocks_direct(x, x_stride, xsums, groups, block, block_bytes, bits, tile, 1, 4);
@@ -219,7 +264,23 @@ static void blocks_rows(const uint16_t *x, int64_t x_stride, const float *xsums,
             DIRECT_CASE(1) DIRECT_CASE(2) DIRECT_CASE(3) DIRECT_CASE(4)
             DIRECT_CASE(5) DIRECT_CASE(6) DIRECT_CASE(7) DIRECT_CASE(8)
 #undef DIRECT_CASE
-        default: block_tiled(x, x_stride, xsums, rows, groups, block, bits, tile);
+        default: block_tiled(xp, xsums, rows, groups, block, bits, tile);
+        }
+    }
+}
+
+/* y's columns of a block, rounded to bfloat16: rows of `width` <= NR sums (+ bias) */
+static void store_rows(const float *sums, int64_t rows, int width, const float *bias, uint16_t *y,
+                       int64_t y_stride) {
+    for (int64_t r = 0; r < rows; r++, sums += NR, y += y_stride) {
+        if (width == NR) {
+            for (int h = 0; h < 2; h++) {
+                __m512 v = _mm512_loadu_ps(sums + h * LANES);
+                if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + h * LANES));
+                bf16x16_store(y + h * LANES, v);
+            }
+        } else {
+            for (int j = 0; j < width; j++) y[j] = f32_bf16(bias ? sums[j] + bias[j] : sums[j]);
         }
     }
 }
@@ -236,20 +297,30 @@ int triode_quant_paired_rows(const uint16_t *x, int64_t x_stride, const float *x
     const int64_t groups = cols / GROUP, blocks = (outputs + NR - 1) / NR;
     const int64_t block_bytes = groups * group_bytes(bits);
     const int span = span_for(rows);
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t first_block = 0; first_block < blocks; first_block += span) {
-        float tile[4 * MAX_ROWS * NR] __attribute__((aligned(64)));
-        const int n = blocks - first_block < span ? (int)(blocks - first_block) : span;
-        blocks_rows(x, x_stride, xsums, rows, groups, w + first_block * block_bytes, block_bytes,
-                    bits, tile, n);
-        for (int s = 0; s < n; s++) {
-            const int64_t first = (first_block + s) * NR;
-            const int width = outputs - first < NR ? (int)(outputs - first) : NR;
-            const float *sums = tile + s * MAX_ROWS * NR;
-            for (int64_t r = 0; r < rows; r++)
-                for (int j = 0; j < width; j++)
-                    y[r * y_stride + first + j] =
-                        f32_bf16(bias ? sums[r * NR + j] + bias[first + j] : sums[r * NR + j]);
+    uint32_t *xp = NULL; /* x's pairs tile by tile, for the tiled path */
+    if (rows > MR_DIRECT && !(xp = packing_buffer(cols))) return -1;
+#pragma omp parallel
+    {
+        if (xp) {
+#pragma omp for
+            for (int t = 0; t < row_tiles(rows); t++) {
+                const int64_t r = tile_row(rows, row_tiles(rows), t);
+                const int mr = (int)(tile_row(rows, row_tiles(rows), t + 1) - r);
+                pack_tile(x + r * x_stride, x_stride, groups, mr, xp + r * groups * PAIRS);
+            }
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t first_block = 0; first_block < blocks; first_block += span) {
+            float tile[4 * MAX_ROWS * NR] __attribute__((aligned(64)));
+            const int n = blocks - first_block < span ? (int)(blocks - first_block) : span;
+            blocks_rows(x, x_stride, xp, xsums, rows, groups, w + first_block * block_bytes,
+                        block_bytes, bits, tile, n);
+            for (int s = 0; s < n; s++) {
+                const int64_t first = (first_block + s) * NR;
+                const int width = outputs - first < NR ? (int)(outputs - first) : NR;
+                store_rows(tile + s * MAX_ROWS * NR, rows, width, bias ? bias + first : NULL,
+                           y + first, y_stride);
+            }
         }
     }
     return 0;

@@ -124,6 +124,8 @@ def test_paired_codes_give_bfloat16_rows_the_float32_products_rounded_once(fmt: 
     assert ((full.float() - expected).abs() <= expected.abs() * 2**-7 + terms * 1e-6).all()
     for rows in range(1, MAX_ROWS):  # the register path (few rows) and the tiled one agree
         assert torch.equal(paired(x[:rows], bias), full[:rows]), rows
+    strided = torch.randn(MAX_ROWS, 600).bfloat16()[:, 7:583]  # the tiled path packs the rows
+    assert torch.equal(paired(strided), paired(strided.contiguous()))
     with pytest.raises(ValueError, match="for a"):
         paired(x.float())  # paired codes take bfloat16 rows only
 
