@@ -9,13 +9,14 @@ connection's failure cannot take the whole server down with.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from collections.abc import Callable
 from typing import Any
 
 import trio
 from hypercorn.config import Config
-from hypercorn.events import Closed, Event
+from hypercorn.events import Closed, Event, RawData
 from hypercorn.trio import run as hypercorn_run
 from hypercorn.trio import serve as hypercorn_serve
 from hypercorn.trio.tcp_server import TCPServer
@@ -93,6 +94,21 @@ class _ConnectionServer(TCPServer):
     """
 
     async def protocol_send(self, event: Event) -> None:
+        stream = self.stream
+        if (
+            isinstance(event, RawData)
+            and isinstance(stream, trio.SocketStream)  # not TLS: the bytes go as they are
+            and not self.send_lock.locked()
+        ):
+            # A streamed chunk almost always fits the socket's buffer: written here at once,
+            # it skips the lock, shielded cancel scope and two checkpoints of hypercorn's
+            # send (a third of the server's time per SSE chunk). No other send is under way
+            # (the lock is free) and nothing here yields, so nothing can come between. What
+            # the socket does not take (or an error) goes the usual way.
+            sent = _send_now(stream.socket.fileno(), event.data)
+            if sent == len(event.data):
+                return
+            event = RawData(data=event.data[sent:])
         try:
             await super().protocol_send(event)
         except trio.BusyResourceError:
@@ -103,6 +119,15 @@ class _ConnectionServer(TCPServer):
             await super().run()
         except* Exception as group:
             log.error("dropped a connection after a server error", exc_info=group)
+
+
+def _send_now(fd: int, data: bytes) -> int:
+    """How much of `data` the non-blocking socket `fd` took at once: 0 where it would block or
+    failed (the usual send then meets the same and reports it)."""
+    try:
+        return os.write(fd, data)
+    except OSError:
+        return 0
 
 
 hypercorn_run.TCPServer = _ConnectionServer  # type: ignore[misc]
