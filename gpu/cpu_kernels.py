@@ -41,7 +41,9 @@ SOURCES = tuple(
         "quant_matmul.c", "quant_paired.c", "decode_stack.c",
     )
 )  # fmt: skip
-HEADERS = tuple(KERNELS / name for name in ("simd.h", "bf16.h", "elements.h", "kernels.h"))
+HEADERS = tuple(
+    KERNELS / name for name in ("simd.h", "bf16.h", "elements.h", "group_sum.h", "kernels.h")
+)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 Kernel = Callable[..., torch.Tensor]

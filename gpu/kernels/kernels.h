@@ -20,7 +20,7 @@ typedef struct {
 } quant_call;
 
 int triode_quant_matmul_call(const quant_call *c);
-int triode_quant_paired_rows(const uint16_t *x, int64_t x_stride, const float *xsums,
+int triode_quant_paired_rows(const uint16_t *x, int64_t x_stride, float *xsums,
                              int64_t rows, int64_t cols, const uint8_t *w, int bits,
                              const float *bias, int64_t outputs, uint16_t *y, int64_t y_stride);
 

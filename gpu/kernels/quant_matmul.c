@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "group_sum.h"
 #include "kernels.h"
 
 #define QUANT_MAX_ROWS 64
@@ -323,22 +324,6 @@ static void blocks_rows(const float *x, const float *xsums, int64_t rows, int64_
 int triode_quant_lanes(void) { return LANES; }
 int triode_quant_max_rows(void) { return QUANT_MAX_ROWS; }
 
-/* the sum of a group's 32 inputs, halves added pairwise (16 sums, then 8, 4, 2, 1): one fixed
- * order, which the compiler vectorises, where a running sum is 32 dependent additions */
-static inline float group_sum(const float *x) {
-    float s[GROUP];
-    for (int k = 0; k < GROUP; k++) s[k] = x[k];
-    for (int half = GROUP / 2; half > 0; half /= 2)
-        for (int k = 0; k < half; k++) s[k] += s[k + half];
-    return s[0];
-}
-
-static inline float group_sum_bf16(const uint16_t *x) {
-    float f[GROUP];
-    for (int k = 0; k < GROUP; k++) f[k] = bf16_f32(x[k]);
-    return group_sum(f);
-}
-
 /* y [rows, outputs] (row stride y_stride; bfloat16 if y_bf16 else float32) = x [rows, cols]
  * (row stride x_stride; bfloat16 if x_bf16) times the packed W^T, + bias (float32, or NULL).
  * Returns 0, or -1 for arguments it does not take (rows outside 1..QUANT_MAX_ROWS, cols not
@@ -366,18 +351,16 @@ static int quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t row
         free(widened);
         return -1;
     }
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t g = 0; g < groups; g++)
-            xsums[r * groups + g] =
-                paired ? group_sum_bf16((const uint16_t *)x + r * x_stride + g * GROUP)
-                       : group_sum(xf + r * cols + g * GROUP);
-    if (paired) {
+    if (paired) { /* which sums the groups itself, its threads sharing the rows */
         const int status = triode_quant_paired_rows(x, x_stride, xsums, rows, cols, w, bits,
                                                     bias, outputs, y, y_stride);
         free(xsums);
         free(widened);
         return status;
     }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++)
+            xsums[r * groups + g] = group_sum(xf + r * cols + g * GROUP);
     const int64_t blocks = (outputs + NR - 1) / NR;
     const int64_t block_bytes = cols / GROUP * group_bytes(bits);
     const int span = span_for(rows);

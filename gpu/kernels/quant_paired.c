@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "group_sum.h"
 #include "kernels.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -269,6 +270,14 @@ static void blocks_rows(const uint16_t *x, int64_t x_stride, const uint32_t *xp,
     }
 }
 
+/* rows first..last-1 of x's sums per group */
+static void sum_rows(const uint16_t *x, int64_t x_stride, int64_t first, int64_t last,
+                     int64_t groups, float *xsums) {
+    for (int64_t r = first; r < last; r++)
+        for (int64_t g = 0; g < groups; g++)
+            xsums[r * groups + g] = group_sum_bf16(x + r * x_stride + g * GROUP);
+}
+
 /* y's columns of a block, rounded to bfloat16: rows of `width` <= NR sums (+ bias) */
 static void store_rows(const float *sums, int64_t rows, int width, const float *bias, uint16_t *y,
                        int64_t y_stride) {
@@ -286,9 +295,10 @@ static void store_rows(const float *sums, int64_t rows, int width, const float *
 }
 
 /* y [rows, outputs] bfloat16 (row stride y_stride) = x [rows, cols] bfloat16 (x_stride) times
- * the paired 4- or 8-bit W^T, + bias (float32, or NULL); `xsums` [rows, cols / 32]: each row's
- * float32 sum per group. Returns 0, or -1 for arguments it does not take. */
-int triode_quant_paired_rows(const uint16_t *x, int64_t x_stride, const float *xsums,
+ * the paired 4- or 8-bit W^T, + bias (float32, or NULL); `xsums` [rows, cols / 32]: room for
+ * each row's float32 sum per group, which it fills. Returns 0, or -1 for arguments it does not
+ * take. */
+int triode_quant_paired_rows(const uint16_t *x, int64_t x_stride, float *xsums,
                              int64_t rows, int64_t cols, const uint8_t *w, int bits,
                              const float *bias, int64_t outputs, uint16_t *y, int64_t y_stride) {
     if (rows < 1 || rows > MAX_ROWS || cols < GROUP || cols % GROUP || outputs < 1 ||
@@ -299,9 +309,12 @@ int triode_quant_paired_rows(const uint16_t *x, int64_t x_stride, const float *x
     const int span = span_for(rows);
     uint32_t *xp = NULL; /* x's pairs tile by tile, for the tiled path */
     if (rows > MR_DIRECT && !(xp = packing_buffer(cols))) return -1;
+    if (!xp) sum_rows(x, x_stride, 0, rows, groups, xsums); /* few: not worth a barrier */
 #pragma omp parallel
     {
         if (xp) {
+#pragma omp for nowait
+            for (int64_t r = 0; r < rows; r++) sum_rows(x, x_stride, r, r + 1, groups, xsums);
 #pragma omp for
             for (int t = 0; t < row_tiles(rows); t++) {
                 const int64_t r = tile_row(rows, row_tiles(rows), t);
@@ -330,7 +343,7 @@ int triode_quant_paired_rows(const uint16_t *x, int64_t x_stride, const float *x
 
 int triode_quant_paired_available(void) { return 0; }
 
-int triode_quant_paired_rows(const uint16_t *x, int64_t x_stride, const float *xsums,
+int triode_quant_paired_rows(const uint16_t *x, int64_t x_stride, float *xsums,
                              int64_t rows, int64_t cols, const uint8_t *w, int bits,
                              const float *bias, int64_t outputs, uint16_t *y, int64_t y_stride) {
     (void)x, (void)x_stride, (void)xsums, (void)rows, (void)cols, (void)w, (void)bits, (void)bias;
