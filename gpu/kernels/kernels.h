@@ -48,6 +48,25 @@ static inline int64_t window_start(int64_t context, int64_t window) {
     return window > 0 && context > window ? context - window : 0;
 }
 
+/* Decode attention's work items, which both paths hand out one at a time: from 8 sequences on,
+ * a sequence with all its KV heads, so that each cached token row (every KV head side by side)
+ * streams from memory once and in order; below that one KV head of a sequence, so that every
+ * thread has work. Item i of kv_items(...) is sequence `seq`'s KV heads [first_kv, end_kv). */
+typedef struct {
+    int64_t seq, first_kv, end_kv;
+} kv_item;
+static inline int64_t kv_splits(int64_t num_seqs, int64_t num_kv_heads) {
+    return num_seqs >= 8 ? 1 : num_kv_heads;
+}
+static inline int64_t kv_items(int64_t num_seqs, int64_t num_kv_heads) {
+    return num_seqs * kv_splits(num_seqs, num_kv_heads);
+}
+static inline kv_item kv_item_at(int64_t i, int64_t num_seqs, int64_t num_kv_heads) {
+    const int64_t splits = kv_splits(num_seqs, num_kv_heads), heads = num_kv_heads / splits;
+    const int64_t first = i % splits * heads;
+    return (kv_item){i / splits, first, first + heads};
+}
+
 /* `paged_attention_avx512.c`: 0, or -1 where the build has no AVX-512 or the shape is not one
  * it takes (the portable path then runs) */
 int triode_paged_decode_avx512(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,

@@ -41,9 +41,7 @@ int triode_max_heads(void) { return MAX_HEADS; }
  * Query head h reads KV head h / (num_heads / num_kv_heads). A context of 0 gives zeros.
  * window > 0: a row reads only its context's last `window` tokens.
  *
- * A work item is a sequence and a range of its KV heads: all of them when there are sequences
- * enough to share out, so each cached token row (every KV head side by side) streams from
- * memory once and in order; one head each for a few sequences, so both cores have work. */
+ * A work item is a sequence and a range of its KV heads (`kv_item_at`, kernels.h). */
 INLINE void paged_decode_generic(
     const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
     const int64_t *block_tables, const int64_t *context_lens, void *out,
@@ -51,13 +49,12 @@ INLINE void paged_decode_generic(
     int64_t block_size, int64_t max_blocks, float scale, int64_t window, int f32) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t token_stride = num_kv_heads * head_dim;
-    const int64_t splits = num_seqs >= 8 ? 1 : num_kv_heads;
-    const int64_t heads_per_item = num_kv_heads / splits;
 
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_seqs * splits; item++) {
-        const int64_t s = item / splits;
-        const int64_t first_kv = (item % splits) * heads_per_item;
+    for (int64_t i = 0; i < kv_items(num_seqs, num_kv_heads); i++) {
+        const kv_item item = kv_item_at(i, num_seqs, num_kv_heads);
+        const int64_t s = item.seq, first_kv = item.first_kv;
+        const int64_t heads_per_item = item.end_kv - first_kv;
         const int64_t n_heads = heads_per_item * group; /* query heads of this item */
         const int64_t first_head = first_kv * group;
         float query[MAX_HEADS][MAX_HEAD_DIM];

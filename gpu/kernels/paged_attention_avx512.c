@@ -223,9 +223,9 @@ static int vector_path(int64_t group, int64_t head_dim) {
     return group >= 1 && group <= 8 && (head_dim == 64 || head_dim == 128);
 }
 
-/* Work items are sequences, their KV heads one after the other over each span of tokens.
- * With few sequences an item is a (sequence, KV head) pair, so that every thread has work.
- * Items are handed out one at a time: a thread that another process holds up delays one. */
+/* Work items as `kv_item_at` (kernels.h) makes them, an item's KV heads one after the other
+ * over each span of tokens. Items are handed out one at a time: a thread that another process
+ * holds up delays one. */
 int triode_paged_decode_avx512(
     const uint16_t *q, int64_t q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
     const int64_t *block_tables, const int64_t *context_lens, uint16_t *out,
@@ -234,13 +234,10 @@ int triode_paged_decode_avx512(
     const int64_t group = num_heads / num_kv_heads;
     if (!vector_path(group, head_dim)) return -1;
     const int64_t token_stride = num_kv_heads * head_dim;
-    const int64_t splits = num_seqs >= 8 ? 1 : num_kv_heads;
-    const int64_t heads_per_item = num_kv_heads / splits;
 #pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_seqs * splits; item++) {
-        const int64_t s = item / splits;
-        const int64_t first_kv = item % splits * heads_per_item;
-        const int64_t end_kv = first_kv + heads_per_item;
+    for (int64_t i = 0; i < kv_items(num_seqs, num_kv_heads); i++) {
+        const kv_item item = kv_item_at(i, num_seqs, num_kv_heads);
+        const int64_t s = item.seq, first_kv = item.first_kv, end_kv = item.end_kv;
         head_sums sums[MAX_HEADS] __attribute__((aligned(64)));
         for (int64_t h = first_kv * group; h < end_kv * group; h++) {
             for (int c = 0; c < MAXC; c++) sums[h].even[c] = sums[h].odd[c] = _mm512_setzero_ps();
