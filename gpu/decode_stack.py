@@ -75,6 +75,17 @@ class DecodeStack:
         self.steps = 0  # steps that took this path
         self._seen: tuple[int, ...] | None = None  # `_watched` when the plan was built
         self._plan: Plan | None = None
+        # per layer, the modules whose attributes the plan points into (the modules stay; what
+        # they hold changes), looked up once: `_watched` runs every step
+        self._parts = [
+            (
+                layer.self_attn, layer.self_attn.attn, layer.mlp.act_fn,
+                (layer.input_layernorm, layer.post_attention_layernorm),
+                (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                 layer.mlp.down_proj),
+            )
+            for layer in model.stage_layers
+        ]  # fmt: skip
 
     @classmethod
     def for_model(cls, model: LlamaModel) -> DecodeStack | None:
@@ -159,17 +170,15 @@ class DecodeStack:
         """What the plan points into: every layer's kernels, caches and norm weights (their
         identities and addresses). A weight update, a sleep or a new KV cache changes it."""
         seen: list[int] = []
-        for layer in self.model.stage_layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        for attn, inner, act, norms, projections in self._parts:
+            for module in projections:
                 seen += (id(module.quant), id(module.bias))
             seen += (
-                id(attn.fused), id(attn.attn.paged_kernel), id(mlp.act_fn.fused),
-                id(layer.input_layernorm.fused), id(layer.post_attention_layernorm.fused),
-                attn.attn.k_cache.data_ptr(),
-                attn.attn.v_cache.data_ptr(), layer.input_layernorm.weight.data_ptr(),
-                layer.post_attention_layernorm.weight.data_ptr(),
+                id(attn.fused), id(inner.paged_kernel), id(act.fused),
+                inner.k_cache.data_ptr(), inner.v_cache.data_ptr(),
             )  # fmt: skip
+            for norm in norms:
+                seen += (id(norm.fused), norm.weight.data_ptr())
         return tuple(seen)
 
     def _current_plan(self) -> Plan | None:

@@ -196,7 +196,7 @@ class LlamaModel(nn.Module):
 
     @property
     def stage_layers(self) -> list[LlamaDecoderLayer]:
-        return list(self.layers[self.start_layer : self.end_layer])  # type: ignore[arg-type]
+        return list(self.layers)[self.start_layer : self.end_layer]  # not a new ModuleList
 
     def forward(
         self,
