@@ -203,8 +203,17 @@ class EngineCore:
         stats = self.scheduler.get_stats()
         for client, outputs in per_client.items():
             outputs.scheduler_stats = stats
-            await self._outbox.send((client, outputs))
+            await self._to_publisher(client, outputs)
         await self._broadcast_stats(stats, per_client)
+
+    async def _to_publisher(self, client: int, outputs: EngineCoreOutputs) -> None:
+        """A step's outputs to the publisher without a checkpoint while its inbox has room:
+        the step loop goes on to hand the next step to the model before the publisher encodes
+        and sends these, which then happens while the model computes."""
+        try:
+            self._outbox.send_nowait((client, outputs))
+        except trio.WouldBlock:
+            await self._outbox.send((client, outputs))
 
     async def _poll_pause(self) -> None:
         """After a step that only polled the KV connector: a moment, or less if an input

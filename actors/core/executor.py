@@ -23,6 +23,7 @@ import trio
 from triode.wire import ModelRunnerOutput, SchedulerOutput
 
 from ..config import EngineArgs
+from .model_thread import ModelThread
 from .multiproc import open_multiproc_executor
 
 log = logging.getLogger(__name__)
@@ -76,13 +77,14 @@ class Executor(Protocol):
 
 
 class InProcessExecutor:
-    """Runs the model in this process, on one thread beside the trio loop, a step at a time."""
+    """Runs the model in this process, on its own thread beside the trio loop (`thread`,
+    which builds it too: `open_executor`), a step at a time."""
 
     protocol_errors = 0
     max_concurrent_batches = 1
     worker_pids: list[int] = []  # the model runs in this process
 
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, thread: ModelThread) -> None:
         # torch and the model, in this process only when the model runs here
         from triode.gpu.model_runner import ModelRunner
         from triode.gpu.operations import Operations
@@ -112,7 +114,7 @@ class InProcessExecutor:
         )
 
         self._operations = Operations(self._runner)
-        self._thread = trio.CapacityLimiter(1)
+        self._thread = thread
         self._filler = trio.CapacityLimiter(1)
         self._overlap_bitmask = self._runner.device.type != "cpu"
 
@@ -129,9 +131,7 @@ class InProcessExecutor:
             return await self._execute_beside_fill(scheduler_output, fill_bitmask)
         if fill_bitmask is not None:
             await trio.to_thread.run_sync(fill_bitmask, scheduler_output, limiter=self._filler)
-        return await trio.to_thread.run_sync(
-            self._runner.execute, scheduler_output, limiter=self._thread
-        )
+        return await self._thread.run(self._runner.execute, scheduler_output)
 
     async def _execute_beside_fill(
         self, scheduler_output: SchedulerOutput, fill_bitmask: FillBitmask
@@ -148,9 +148,7 @@ class InProcessExecutor:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(partial(trio.to_thread.run_sync, fill, limiter=self._filler))
-            return await trio.to_thread.run_sync(
-                self._runner.execute, scheduler_output, filled.result, limiter=self._thread
-            )
+            return await self._thread.run(self._runner.execute, scheduler_output, filled.result)
 
     async def submit(
         self, scheduler_output: SchedulerOutput, fill_bitmask: FillBitmask | None = None
@@ -161,11 +159,9 @@ class InProcessExecutor:
         raise RuntimeError("the in-process executor runs one step at a time: call execute")
 
     async def call_workers(self, method: str, **kwargs: Any) -> list[dict[str, Any]]:
-        """On the model's thread, between steps, one call at a time (the thread's limiter);
-        not abandoned when cancelled (an operation half done would leave the model in
-        between)."""
-        call = self._operations.call
-        return [await trio.to_thread.run_sync(call, method, kwargs, limiter=self._thread)]
+        """On the model's thread, between steps, one call at a time; not abandoned when
+        cancelled (an operation half done would leave the model in between)."""
+        return [await self._thread.run(self._operations.call, method, kwargs)]
 
     def shutdown(self) -> None:
         self._operations.close()
@@ -189,11 +185,17 @@ async def open_executor(args: EngineArgs) -> AsyncIterator[Executor]:
     worker processes). With workers, one that dies or fails cancels the block and raises
     `WorkerDied` (in an exception group), having killed the other ranks."""
     if args.executor_backend == "inproc":
-        executor = await trio.to_thread.run_sync(InProcessExecutor, args, abandon_on_cancel=True)
+        thread = ModelThread()
+        try:
+            executor = await thread.run(InProcessExecutor, args, thread, abandon_on_cancel=True)
+        except BaseException:
+            thread.close(wait=False)  # after a load abandoned, once it ends
+            raise
         try:
             yield executor
         finally:
             executor.shutdown()
+            thread.close()
         return
     async with open_multiproc_executor(args) as multiproc:
         yield multiproc
