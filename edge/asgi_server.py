@@ -102,7 +102,7 @@ class _ConnectionServer(TCPServer):
         ):
             # A streamed chunk almost always fits the socket's buffer: written here at once,
             # it skips the lock, shielded cancel scope and two checkpoints of hypercorn's
-            # send (a third of the server's time per SSE chunk). No other send is under way
+            # send (about a fifth of the server's time per SSE chunk). No other send is under way
             # (the lock is free) and nothing here yields, so nothing can come between. What
             # the socket does not take (or an error) goes the usual way.
             sent = _send_now(stream.socket.fileno(), event.data)

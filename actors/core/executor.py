@@ -194,8 +194,10 @@ async def open_executor(args: EngineArgs) -> AsyncIterator[Executor]:
         try:
             yield executor
         finally:
-            executor.shutdown()
-            thread.close()
+            try:
+                executor.shutdown()
+            finally:
+                thread.close()
         return
     async with open_multiproc_executor(args) as multiproc:
         yield multiproc
