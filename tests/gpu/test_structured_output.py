@@ -19,6 +19,7 @@ import trio
 
 from triode.actors.config import EngineArgs
 from triode.actors.core.executor import InProcessExecutor
+from triode.actors.core.model_thread import ModelThread
 from triode.actors.core.scheduler import Scheduler
 from triode.actors.core.scheduler_config import SchedulerConfig
 from triode.actors.core.structured_output import StructuredOutputManager
@@ -209,7 +210,8 @@ def test_the_in_process_executor_masks_every_sampled_token(
     assert scheduler.structured is not None
     model = build_tiny_model(tmp_path / "tiny")
     args = EngineArgs(model=str(model), dtype="float32", kv_cache_memory=2 << 20)
-    executor = InProcessExecutor(args)
+    thread = ModelThread()
+    executor = InProcessExecutor(args, thread)
     executor._overlap_bitmask = overlap  # on CPU it fills first; an accelerator overlaps
     so = SO(regex="[a-c]{6}")
     outputs: list[EngineCoreOutput] = []
@@ -234,6 +236,7 @@ def test_the_in_process_executor_masks_every_sampled_token(
         trio.run(run)
     finally:
         executor.shutdown()
+        thread.close()
     for seed in range(4):
         mine = [o for o in outputs if o.request_id == f"x{seed}"]
         assert re.fullmatch("[a-c]{6}", _text(engine, mine)), _text(engine, mine)
