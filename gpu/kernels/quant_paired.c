@@ -97,15 +97,21 @@ static inline __m512 dot_pair(__m512 sum, __m512i codes, __m512bh x) {
     return _mm512_dpbf16_ps(sum, (__m512bh)codes, x);
 }
 
-/* sums[h] += scale[h] x dot + minimum[h] x xsum, as `quant_matmul.c`'s add_group */
+/* sum + scale[h] x dot + minimum[h] x xsum: a group's terms in half h of a block's outputs, in
+ * `quant_matmul.c`'s order (both paths take them from here, so they give the same bits) */
+static inline __m512 group_terms(__m512 sum, const constants *c, int h, __m512 dot, float xsum,
+                                 int bits) {
+    sum = _mm512_fmadd_ps(c->scale[h], dot, sum);
+    return bits == 4 ? _mm512_fmadd_ps(c->minimum[h], _mm512_set1_ps(xsum), sum) : sum;
+}
+
+/* sums[h] += a group's terms, as `quant_matmul.c`'s add_group */
 static inline __attribute__((always_inline)) void add_group(float *sums, const constants *c,
                                                             const __m512 dot[2], float xsum,
                                                             int bits) {
-    for (int h = 0; h < 2; h++) {
-        __m512 sum = _mm512_fmadd_ps(c->scale[h], dot[h], _mm512_loadu_ps(sums + h * LANES));
-        if (bits == 4) sum = _mm512_fmadd_ps(c->minimum[h], _mm512_set1_ps(xsum), sum);
-        _mm512_storeu_ps(sums + h * LANES, sum);
-    }
+    for (int h = 0; h < 2; h++)
+        _mm512_storeu_ps(sums + h * LANES, group_terms(_mm512_loadu_ps(sums + h * LANES), c, h,
+                                                       dot[h], xsum, bits));
 }
 
 /* rows 0..mr-1 against `span` blocks, each code from memory into registers once for all rows;
@@ -141,8 +147,7 @@ static inline __attribute__((always_inline)) void blocks_direct(
 }
 
 /* tile rows 0..mr-1 += groups 0..n-1 of a chunk, their codes widened in `q` [n][PAIRS][2][NR]
- * words: each row's sums stay in registers over the chunk (the same operations in the same
- * order as add_group's, so the same bits) */
+ * words: each row's sums stay in registers over the chunk (`group_terms`, as add_group) */
 static inline __attribute__((always_inline)) void tile_chunk(const uint32_t *xt,
                                                              const float *xsums, int64_t groups,
                                                              const uint16_t *q,
@@ -167,12 +172,9 @@ static inline __attribute__((always_inline)) void tile_chunk(const uint32_t *xt,
             }
         }
         for (int r = 0; r < mr; r++)
-            for (int h = 0; h < 2; h++) {
-                sum[r][h] = _mm512_fmadd_ps(c[g].scale[h], dot[r][h], sum[r][h]);
-                if (bits == 4)
-                    sum[r][h] = _mm512_fmadd_ps(c[g].minimum[h],
-                                                _mm512_set1_ps(xsums[r * groups + g]), sum[r][h]);
-            }
+            for (int h = 0; h < 2; h++)
+                sum[r][h] =
+                    group_terms(sum[r][h], &c[g], h, dot[r][h], xsums[r * groups + g], bits);
     }
     for (int r = 0; r < mr; r++)
         for (int h = 0; h < 2; h++) _mm512_storeu_ps(tile + r * NR + h * LANES, sum[r][h]);
@@ -310,15 +312,16 @@ int triode_quant_paired_rows(const uint16_t *x, int64_t x_stride, float *xsums,
     uint32_t *xp = NULL; /* x's pairs tile by tile, for the tiled path */
     if (rows > MR_DIRECT && !(xp = packing_buffer(cols))) return -1;
     if (!xp) sum_rows(x, x_stride, 0, rows, groups, xsums); /* few: not worth a barrier */
+    const int tiles = row_tiles(rows);
 #pragma omp parallel
     {
         if (xp) {
 #pragma omp for nowait
             for (int64_t r = 0; r < rows; r++) sum_rows(x, x_stride, r, r + 1, groups, xsums);
 #pragma omp for
-            for (int t = 0; t < row_tiles(rows); t++) {
-                const int64_t r = tile_row(rows, row_tiles(rows), t);
-                const int mr = (int)(tile_row(rows, row_tiles(rows), t + 1) - r);
+            for (int t = 0; t < tiles; t++) {
+                const int64_t r = tile_row(rows, tiles, t);
+                const int mr = (int)(tile_row(rows, tiles, t + 1) - r);
                 pack_tile(x + r * x_stride, x_stride, groups, mr, xp + r * groups * PAIRS);
             }
         }
