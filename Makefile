@@ -50,7 +50,7 @@ $(MODEL): | $(INSTALLED)
 	@echo "default model: $(MODEL)"
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 serve: setup
 	$(VENV)/bin/triode serve --host 127.0.0.1 --port 8000

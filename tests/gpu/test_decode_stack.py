@@ -27,6 +27,14 @@ pytestmark = pytest.mark.skipif(
 Outputs = dict[str, tuple[list[int], list[list[list[float]]]]]
 
 
+@pytest.fixture(autouse=True)
+def quant_matmul_projections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stack runs `quant_matmul.c`'s projections; a CPU with AMX gives bfloat16 4-bit
+    weights to torch's and AMX's kernels (`Int4Linear`) instead, which the stack leaves to the
+    modules. Here every CPU picks as one without AMX does, so the stack is checked on each."""
+    monkeypatch.setattr(cpu_kernels, "int4_amx_matmul", lambda: None)
+
+
 def _decode(
     runner: ModelRunner, prompts: list[list[int]], tokens: int, stacked: bool, lora_id: int = 0
 ) -> tuple[Outputs, int, int]:

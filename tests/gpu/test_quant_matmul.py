@@ -39,6 +39,13 @@ def _int8(rows: int, cols: int, seed: int) -> Int8Weight:
     return Int8Weight(codes, (torch.rand(rows, cols // 32, generator=g) * 0.01).half().float())
 
 
+@pytest.fixture
+def without_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Projections picked as on a CPU without AMX, where bfloat16 4-bit weights take this
+    file's kernels (with AMX they take `Int4Linear`, `test_int4.py`)."""
+    monkeypatch.setattr(cpu_kernels, "int4_amx_matmul", lambda: None)
+
+
 def _kernel(weight: Int4Weight | Int8Weight) -> QuantRows:
     if isinstance(weight, Int4Weight):
         kernel = QuantRows.from_int4(weight)
@@ -102,7 +109,9 @@ def test_bfloat16_rows_are_widened_and_the_products_rounded_once() -> None:
     not getattr(cpu_kernels.quant_matmul(), "paired", False), reason="this CPU has no AVX512-BF16"
 )
 @pytest.mark.parametrize("fmt", list(WEIGHTS))
-def test_paired_codes_give_bfloat16_rows_the_float32_products_rounded_once(fmt: str) -> None:
+def test_paired_codes_give_bfloat16_rows_the_float32_products_rounded_once(
+    fmt: str, without_amx: None
+) -> None:
     weight = WEIGHTS[fmt](176, 576)  # 176 outputs: the last block a part one
     if isinstance(weight, Int4Weight):
         paired = QuantRows.from_int4(weight, paired=True)
@@ -150,7 +159,7 @@ def test_inputs_the_kernel_does_not_take_are_refused() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_projection_runs_its_rows_from_its_blocks_float32_all_bfloat16_the_decodes(
-    dtype: torch.dtype,
+    dtype: torch.dtype, without_amx: None
 ) -> None:
     layer = ColumnParallelLinear(128, 96, bias=True).to(dtype)
     layer.weight.data.copy_(torch.randn(96, 128) * 0.05)

@@ -161,7 +161,9 @@ def test_completion_logprobs_name_tokens_by_id(server: Server, client: openai.Op
             continue
         assert named_top is not None
         assert all(key.startswith("token_id:") for key in named_top)
-        assert sorted(named_top.values()) == sorted(text_top.values())
+        # tokens that decode to the same text share one key of the text map; ids never do
+        assert set(text_top.values()) <= set(named_top.values())
+        assert len(text_top) <= len(named_top) <= 3  # the top 2 and the token taken
 
 
 @pytest.mark.slow
