@@ -8,6 +8,9 @@ MODEL := $(TRIODE_CACHE)/models/$(MODEL_FILE)
 TORCH_CPU := torch==2.13.0
 INSTALLED := $(VENV)/.installed
 PYTEST_ARGS ?=
+# two pytest-xdist workers, each module whole on one (tests/conftest.py); the modules run in
+# file order, or shuffled with PYTEST_ARGS="-p randomly" (pytest-randomly prints its seed)
+PYTEST_WORKERS ?= 2
 FUZZ_SECONDS ?= 120
 FUZZ_ARGS ?=
 
@@ -50,7 +53,7 @@ $(MODEL): | $(INSTALLED)
 	@echo "default model: $(MODEL)"
 
 test: setup
-	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS)
 
 serve: setup
 	$(VENV)/bin/triode serve --host 127.0.0.1 --port 8000

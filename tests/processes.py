@@ -1,31 +1,59 @@
-"""What the tests ask of processes they started: whether one still runs; and a world of rank
-processes run to their end."""
+"""What the tests ask of processes they started: whether one still runs, and what sockets it
+holds; and a pool of rank processes that runs one world after another."""
 
 from __future__ import annotations
 
 import multiprocessing
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
 
-def run_ranks(target: Callable[..., None], args_of_rank: Sequence[tuple[Any, ...]]) -> None:
-    """Run `target(*args)` in one spawned process per entry of `args_of_rank`, all at once;
-    each must exit with status 0 within 240 s, and none outlives the call."""
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=target, args=args) for args in args_of_rank]
-    for p in procs:
-        p.start()
+class RankPool:
+    """Spawned processes that run worlds of ranks one after another: each `run` hands every
+    rank to a process of its own (the pool has at least as many processes as the largest world,
+    and runs one world at a time), so that a module's worlds pay for starting Python and torch
+    once, not once per rank of each world. A rank that raises ends the world's distributed
+    state in its process before the next world starts there."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._pool = ProcessPoolExecutor(size, mp_context=multiprocessing.get_context("spawn"))
+
+    def run(self, target: Callable[..., Any], args_of_rank: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """`target(*args)` for every entry of `args_of_rank`, all at once; their results in
+        order. Each must return within 240 s; otherwise the pool is ended and this raises."""
+        assert len(args_of_rank) <= self.size, (len(args_of_rank), self.size)
+        futures = [self._pool.submit(_in_world, target, args) for args in args_of_rank]
+        _, late = wait(futures, timeout=240)
+        if late:
+            self.close(kill=True)
+            raise TimeoutError(f"{len(late)} of {len(futures)} ranks still ran after 240 s")
+        return [f.result() for f in futures]
+
+    def close(self, *, kill: bool = False) -> None:
+        """End every process of the pool (`kill`: at once); none may outlive the call."""
+        processes = list((self._pool._processes or {}).values())  # type: ignore[attr-defined]
+        if kill:
+            for process in processes:
+                process.kill()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for process in processes:
+            process.join()
+        assert not any(alive(process.pid) for process in processes)
+
+
+def _in_world(target: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     try:
-        for p in procs:
-            p.join(timeout=240)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        return target(*args)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert not any(p.is_alive() for p in procs)
+        import torch.distributed as dist
+
+        from triode.gpu import parallel_state
+
+        if dist.is_initialized():
+            parallel_state.destroy_distributed()
 
 
 def alive(pid: int) -> bool:
@@ -88,3 +116,20 @@ def listening_sockets(pids: list[int]) -> list[tuple[int, str, str, int]]:
 def on_every_interface(pids: list[int]) -> list[tuple[int, str, str, int]]:
     """The sockets of `listening_sockets` that other hosts could reach: bound to 0.0.0.0 or ::."""
     return [s for s in listening_sockets(pids) if s[2] in ("0.0.0.0", "::")]
+
+
+def established_to(pid: int, port: int) -> int:
+    """How many TCP connections to local `port` the process `pid` holds open (accepted ones:
+    an API server's clients)."""
+    inodes = _socket_inodes(pid)
+    count = 0
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "01" and fields[9] in inodes and _address(fields[1])[1] == port:
+                count += 1
+    return count

@@ -4,7 +4,9 @@ A port the kernel picked for a probe socket (a bind to port 0) comes from its ep
 which is also where every outgoing connection gets its local port: between the probe and the
 bind, a gloo rank's, a ZMQ peer's or an HTTP client's connection can take it, and the bind
 fails with "address already in use". A port below that range is never handed out that way, so
-only another explicit bind can take it.
+only another explicit bind can take it. The candidates come from a generator of this module's
+own, seeded by the OS: two processes whose global `random` an application (or a test runner)
+seeded alike would otherwise try the same ports in the same order.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 _PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST = 10000  # below: the well-known services' neighbourhood
 TRIES = 64
+_candidates = random.Random()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -24,7 +27,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     ephemeral = _ephemeral_start()
     for _ in range(TRIES if ephemeral > LOWEST else 0):
-        port = random.randrange(LOWEST, ephemeral)
+        port = _candidates.randrange(LOWEST, ephemeral)
         with socket.socket(family) as probe:
             try:
                 probe.bind((host, port))

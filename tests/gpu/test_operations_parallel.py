@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from processes import run_ranks
+from processes import RankPool
 from safetensors.torch import load_file, save_file
 
 from triode.gpu.local_group import free_port
@@ -122,7 +122,7 @@ def _copy(src: Path, dst: Path, names: list[str] | None, seed: int) -> Path:
     return dst
 
 
-def test_every_rank_takes_its_share_of_each_operation(tmp_path: Path) -> None:
+def test_every_rank_takes_its_share_of_each_operation(rank_pool: RankPool, tmp_path: Path) -> None:
     original = build_tiny_model(tmp_path / "original", num_layers=4)
     dirs = {
         "original": original,
@@ -132,7 +132,7 @@ def test_every_rank_takes_its_share_of_each_operation(tmp_path: Path) -> None:
     port, out = free_port(), tmp_path / "results.pkl"
     names = {k: str(v) for k, v in dirs.items()}
     layouts = [ParallelLayout(2, 2, rank) for rank in range(4)]
-    run_ranks(_rank_main, [(layout, port, names, str(out)) for layout in layouts])
+    rank_pool.run(_rank_main, [(layout, port, names, str(out)) for layout in layouts])
     got = pickle.loads(out.read_bytes())
     for name in ("patched", "changed"):
         expected = _decode(_runner(dirs[name]), lambda tokens: tokens, 0)

@@ -12,7 +12,7 @@ import pickle
 from pathlib import Path
 
 import pytest
-from processes import run_ranks
+from processes import RankPool
 
 from triode.gpu.local_group import free_port
 from triode.gpu.parallel_state import ParallelLayout, partition
@@ -95,11 +95,11 @@ def _plain(output: object) -> list[tuple[str, int | None, object, object]]:
     return rows
 
 
-def _run_world(model_dir: Path, tp: int, pp: int, tmp_path: Path) -> list[object]:
+def _run_world(pool: RankPool, model_dir: Path, tp: int, pp: int, tmp_path: Path) -> list[object]:
     port = free_port()
     out = tmp_path / f"tp{tp}-pp{pp}.pkl"
     layouts = [ParallelLayout(tp, pp, rank) for rank in range(tp * pp)]
-    run_ranks(_rank_main, [(layout, port, str(model_dir), str(out)) for layout in layouts])
+    pool.run(_rank_main, [(layout, port, str(model_dir), str(out)) for layout in layouts])
     return pickle.loads(out.read_bytes())
 
 
@@ -140,9 +140,11 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def references(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+def references(
+    rank_pool: RankPool, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict:
     tmp = tmp_path_factory.mktemp("tp1")
-    return {name: _run_world(path, 1, 1, tmp) for name, path in tiny_models.items()}
+    return {name: _run_world(rank_pool, path, 1, 1, tmp) for name, path in tiny_models.items()}
 
 
 # every layout on the Llama and Qwen2 shapes; the windowed families under TP and PP alone
@@ -154,6 +156,7 @@ WORLDS = [
 
 @pytest.mark.parametrize(("model", "tp", "pp"), WORLDS)
 def test_parallel_world_matches_a_world_of_one(
+    rank_pool: RankPool,
     tiny_models: dict[str, Path],
     references: dict,
     tmp_path: Path,
@@ -161,7 +164,7 @@ def test_parallel_world_matches_a_world_of_one(
     tp: int,
     pp: int,
 ) -> None:
-    got = _run_world(tiny_models[model], tp, pp, tmp_path)
+    got = _run_world(rank_pool, tiny_models[model], tp, pp, tmp_path)
     _assert_same(references[model], got)
 
 

@@ -118,18 +118,30 @@ def _killed_peer(rank: int, world: int) -> tuple[str, str, float, str]:
         return "no error", "", time.monotonic() - start, ar.name
 
 
-def _unmappable_on_rank_1(rank: int, world: int) -> tuple[str, str]:
+def _unmappable_on_rank_1(rank: int, world: int) -> tuple[str, str, list[str]]:
+    """(what `create` did, its message, the names of the segments this rank made)."""
+    import secrets
+
     import torch.distributed as dist
 
     from triode.gpu import shm_allreduce
 
+    made: list[str] = []
+
+    class _Named:
+        @staticmethod
+        def token_hex(nbytes: int) -> str:
+            made.append(shm_allreduce.NAME_PREFIX + secrets.token_hex(nbytes))
+            return made[-1].removeprefix(shm_allreduce.NAME_PREFIX)
+
+    shm_allreduce.secrets = _Named  # type: ignore[assignment]
     if rank == 1:
         shm_allreduce.SHM_DIR = Path("/nonexistent-triode-shm")
     try:
         shm_allreduce.ShmAllReduce.create(dist.group.WORLD, max_bytes=4096, timeout=5).close()
     except shm_allreduce.ShmUnavailable as e:
-        return "ShmUnavailable", str(e)
-    return "created", ""
+        return "ShmUnavailable", str(e), made
+    return "created", "", made
 
 
 def _tp_all_reduce_paths(rank: int, world: int, port: int, env: str | None) -> dict[str, Any]:
@@ -303,14 +315,12 @@ def test_a_killed_rank_is_reported_gone_well_before_the_timeout(tmp_path: Path) 
 
 
 def test_a_rank_that_cannot_map_the_segment_makes_every_rank_fall_back(tmp_path: Path) -> None:
-    from triode.gpu.shm_allreduce import NAME_PREFIX, SHM_DIR
-
-    before = set(SHM_DIR.glob(f"{NAME_PREFIX}*"))
     results = _run(_unmappable_on_rank_1, 2, tmp_path)
 
-    assert [kind for kind, _ in results] == ["ShmUnavailable", "ShmUnavailable"]
+    assert [kind for kind, _, _ in results] == ["ShmUnavailable", "ShmUnavailable"]
     assert "rank 1 could not map" in results[1][1]
-    assert set(SHM_DIR.glob(f"{NAME_PREFIX}*")) <= before
+    [made] = results[0][2]  # rank 0 made the segment, and unlinked it
+    _assert_gone(made)
 
 
 def test_tp_all_reduce_uses_gloo_for_what_does_not_fit(tmp_path: Path) -> None:

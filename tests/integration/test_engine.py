@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+from collections.abc import Iterator
 from contextlib import aclosing
 from pathlib import Path
 
@@ -14,8 +15,10 @@ import pytest
 import trio
 from engine_calls import final_output
 from reference import Reference
+from shared_engine import engine_cores, fresh_engine, idle_stats
 
 from triode.actors import EngineDeadError, RequestError, SamplingParams, open_engine
+from triode.actors.launcher import EngineCoreEndpoint
 from triode.wire import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
@@ -47,28 +50,31 @@ async def _all(engine, prompts, params=GREEDY):  # type: ignore[no-untyped-def]
     return [results[i] for i in range(len(prompts))]
 
 
+Cores = list[EngineCoreEndpoint]
+
+
+@pytest.fixture(scope="module")
+def cores(model_dir: Path) -> Iterator[Cores]:
+    """The float32 engine of the tests that leave it as they found it, started once: each test
+    connects to it afresh (`fresh_engine`: idle, awake, no block held, prefix cache empty). The
+    tests of other settings, and the one that kills its engine, start their own."""
+    with engine_cores(str(model_dir), **F32) as endpoints:
+        yield endpoints
+
+
 def _prompts(reference: Reference) -> list[list[int]]:
     return [reference.encode(p) for p in PROMPTS[:3]] + [reference.chat(PROMPTS[3])]
 
 
-async def _wait_idle(engine) -> dict:  # type: ignore[no-untyped-def]
-    with trio.fail_after(10):
-        while True:
-            stats = await engine.get_stats()
-            if stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0:
-                return stats
-            await trio.sleep(0.05)
-
-
 async def test_greedy_matches_transformers_alone_and_batched(
-    model_dir: Path, reference: Reference
+    cores: Cores, reference: Reference
 ) -> None:
     prompts = _prompts(reference)
     expected = [reference.greedy(tuple(p), NEW_TOKENS) for p in prompts]
-    async with open_engine(str(model_dir), **F32) as engine:
+    async with fresh_engine(cores) as engine:
         alone = [await _generate(engine, p) for p in prompts]
         batched = await _all(engine, prompts)
-        stats = await _wait_idle(engine)
+        stats = await idle_stats(engine)
     assert [o.outputs[0].token_ids for o in alone] == expected
     assert [o.outputs[0].token_ids for o in batched] == expected
     assert alone[0].outputs[0].text == reference.tokenizer.decode(expected[0])
@@ -93,19 +99,19 @@ async def test_greedy_matches_under_preemption(model_dir: Path, reference: Refer
     ) as engine:
         assert engine.num_kv_blocks * engine.block_size < sum(len(p) + NEW_TOKENS for p in prompts)
         batched = await _all(engine, prompts)
-        stats = await _wait_idle(engine)
+        stats = await idle_stats(engine)
     assert [o.outputs[0].token_ids for o in batched] == expected
     assert stats["num_preemptions"] > 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
-async def test_shared_prefix_hits_the_prefix_cache(model_dir: Path, reference: Reference) -> None:
+async def test_shared_prefix_hits_the_prefix_cache(cores: Cores, reference: Reference) -> None:
     system = "You are a helpful assistant who answers questions about geography briefly. " * 3
     first, second = (
         reference.encode(system + "Where is Peru?"),
         reference.encode(system + "Where is Chad?"),
     )
-    async with open_engine(str(model_dir), **F32) as engine:
+    async with fresh_engine(cores) as engine:
         one = await _generate(engine, first)
         two = await _generate(engine, second)
         # a salt starts a chain of its own: only the same salt shares, and answers the same
@@ -128,10 +134,10 @@ async def _salted(engine, prompt, salt):  # type: ignore[no-untyped-def]
     return final
 
 
-async def test_sampling_seeds_top_k_and_logprobs(model_dir: Path, reference: Reference) -> None:
+async def test_sampling_seeds_top_k_and_logprobs(cores: Cores, reference: Reference) -> None:
     prompt = reference.encode(PROMPTS[0])
     seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
-    async with open_engine(str(model_dir), **F32) as engine:
+    async with fresh_engine(cores) as engine:
         a = await _generate(engine, prompt, seeded)
         b = await _generate(engine, prompt, seeded)
         top1 = await _generate(
@@ -170,7 +176,7 @@ async def test_stop_strings_and_too_long_prompts(model_dir: Path, reference: Ref
         )
         with pytest.raises(RequestError, match="at most 63"):
             await _generate(engine, list(range(100, 200)))
-        stats = await _wait_idle(engine)
+        stats = await idle_stats(engine)
     assert out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].stop_reason == stop
     assert out.outputs[0].text == full[: full.index(stop)]
@@ -205,9 +211,9 @@ async def test_every_eos_id_of_generation_config_ends_a_sequence(
     assert ignored.outputs[0].token_ids == expected
 
 
-async def test_cancel_mid_stream_frees_every_block(model_dir: Path, reference: Reference) -> None:
+async def test_cancel_mid_stream_frees_every_block(cores: Cores, reference: Reference) -> None:
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-    async with open_engine(str(model_dir), **F32) as engine:
+    async with fresh_engine(cores) as engine:
         seen = 0
         with trio.move_on_after(30) as scope:
             async for out in engine.generate(reference.encode(PROMPTS[1]), long):
@@ -215,17 +221,17 @@ async def test_cancel_mid_stream_frees_every_block(model_dir: Path, reference: R
                 if seen >= 5:
                     scope.cancel()
         assert scope.cancelled_caught and 5 <= seen < 400
-        stats = await _wait_idle(engine)
+        stats = await idle_stats(engine)
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
         # Leaving an aclosing() block early (break) aborts too.
         async with aclosing(engine.generate(reference.encode(PROMPTS[2]), long)) as outs:
             async for _ in outs:
                 break
-        stats = await _wait_idle(engine)
+        stats = await idle_stats(engine)
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
-async def test_structured_output_in_the_engine_core(model_dir: Path, reference: Reference) -> None:
+async def test_structured_output_in_the_engine_core(cores: Cores, reference: Reference) -> None:
     """Grammars compile in the engine core (a bad one sent straight to it is an error output,
     counted), a request aborted while its grammar compiles is dropped, and a schema sent twice
     compiles once."""
@@ -238,7 +244,7 @@ async def test_structured_output_in_the_engine_core(model_dir: Path, reference: 
     }
     so = StructuredOutputsParams(json=json.dumps(schema))
     params = SamplingParams(temperature=0, max_tokens=60, structured_outputs=so)
-    async with open_engine(str(model_dir), **F32) as engine:
+    async with fresh_engine(cores) as engine:
         with pytest.raises(RequestError, match=r"^regex: "):
             await _generate(
                 engine,
@@ -251,7 +257,7 @@ async def test_structured_output_in_the_engine_core(model_dir: Path, reference: 
         assert texts[0] == texts[1]
         value = json.loads(texts[0])
         assert set(value) == {"name", "lives"} and value["lives"] in (1, 9)
-        stats = await _wait_idle(engine)
+        stats = await idle_stats(engine)
         assert stats["grammars_compiling"] == 0 and stats["grammar_errors"] == 1
         assert stats["grammars_compiled"] == 1 and stats["grammar_cache_hits"] >= 1
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
@@ -271,11 +277,11 @@ async def test_engine_death_fails_requests_at_once(model_dir: Path, reference: R
 
 
 async def test_utility_calls_sleep_wake_and_reset_prefix_cache(
-    model_dir: Path, reference: Reference
+    cores: Cores, reference: Reference
 ) -> None:
     prompt = reference.encode("You are a helpful assistant who answers briefly. " * 4 + "Hi!")
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    async with open_engine(str(model_dir), **F32) as engine:
+    async with fresh_engine(cores) as engine:
         await _generate(engine, prompt, params)
         assert (await _generate(engine, prompt, params)).num_cached_tokens > 0
         assert await engine.admin.reset_prefix_cache() is True

@@ -8,6 +8,7 @@ import io
 import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ import httpx
 import openai
 import pytest
 import torch
-from processes import alive
+from processes import alive, established_to
 from server import Server, running_server
 
 pytestmark = pytest.mark.slow
@@ -115,25 +116,37 @@ def test_a_killed_api_server_is_replaced_and_its_requests_freed(
 ) -> None:
     victim = _children(scaled.process.pid)["api-server-1"]
 
-    def long_stream(_: int) -> str:
+    def long_stream(first_chunk: threading.Event) -> str:
         try:
             with _fresh(scaled) as fresh:
                 stream = fresh.completions.create(
                     model=MODEL, prompt="Count:", max_tokens=120, temperature=0, stream=True,
                     extra_body={"ignore_eos": True},
                 )  # fmt: skip
-                return "done" if sum(1 for _ in stream) > 100 else "short"
+                chunks = 0
+                for _ in stream:
+                    chunks += 1
+                    first_chunk.set()
+                return "done" if chunks > 100 else "short"
         except (openai.APIError, httpx.HTTPError):
             return "failed"
+        finally:
+            first_chunk.set()
 
-    with ThreadPoolExecutor(6) as pool:
-        outcomes = pool.map(long_stream, range(6))
-        deadline = time.monotonic() + 30
-        while _metric(scaled, "triode:num_requests_running") < 6:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+    # The kernel hands each connection to either API server: streams are opened until each
+    # server holds at least one (six at least, 24 at most), so that some survive the kill.
+    port = int(scaled.url.rsplit(":", 1)[1])
+    servers = [_children(scaled.process.pid)[f"api-server-{i}"] for i in (0, 1)]
+    with ThreadPoolExecutor(24) as pool:
+        futures = []
+        deadline = time.monotonic() + 60
+        while len(futures) < 6 or not all(established_to(pid, port) for pid in servers):
+            assert len(futures) < 24 and time.monotonic() < deadline
+            first_chunk = threading.Event()
+            futures.append(pool.submit(long_stream, first_chunk))
+            assert first_chunk.wait(30)
         os.kill(victim, signal.SIGKILL)
-        outcomes = list(outcomes)
+        outcomes = [f.result() for f in futures]
     assert "done" in outcomes and set(outcomes) <= {"done", "failed", "short"}, outcomes
     deadline = time.monotonic() + 30
     while (new := _children(scaled.process.pid).get("api-server-1")) in (None, victim):

@@ -3,6 +3,7 @@ them between the pick and the bind."""
 
 from __future__ import annotations
 
+import random
 import socket
 
 import pytest
@@ -37,3 +38,12 @@ def test_without_room_below_the_range_the_kernel_picks(monkeypatch: pytest.Monke
     assert port >= 1024
     with socket.socket() as server:
         server.bind(("127.0.0.1", port))
+
+
+def test_a_global_random_seed_does_not_choose_the_ports() -> None:
+    # two processes (say, two test workers) whose global generator was seeded alike
+    picks = []
+    for _ in range(2):
+        random.seed(1234)
+        picks.append([ports.free_port() for _ in range(4)])
+    assert picks[0] != picks[1]

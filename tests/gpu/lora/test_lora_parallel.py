@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from lora_builders import build_adapter
-from processes import run_ranks
+from processes import RankPool
 from runner_driver import GREEDY
 
 from triode.gpu.local_group import free_port
@@ -88,7 +88,9 @@ def _rank_main(layout: ParallelLayout, port: int, model_dir: str, adapter: str, 
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_two_ranks_with_an_adapter_match_one(tmp_path: Path, tp: int, pp: int) -> None:
+def test_two_ranks_with_an_adapter_match_one(
+    rank_pool: RankPool, tmp_path: Path, tp: int, pp: int
+) -> None:
     from triode.gpu.tiny_model import build_uneven_tiny_model
 
     model_dir = build_uneven_tiny_model(tmp_path / "uneven")
@@ -102,7 +104,7 @@ def test_two_ranks_with_an_adapter_match_one(tmp_path: Path, tp: int, pp: int) -
         (ParallelLayout(tp, pp, rank), port, str(model_dir), str(adapter), str(out))
         for rank in (0, 1)
     ]
-    run_ranks(_rank_main, args)
+    rank_pool.run(_rank_main, args)
     got = pickle.loads(out.read_bytes())
     assert [[r[:2] for r in step] for step in got] == [[r[:2] for r in step] for step in expected]
     for want_step, got_step in zip(expected, got, strict=True):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from processes import run_ranks
+from processes import RankPool
 
 from triode.gpu.local_group import free_port
 from triode.gpu.parallel_state import ParallelLayout
@@ -135,10 +135,12 @@ def _plain(output: object) -> list[tuple[str, int | None, object, object]]:
     return rows
 
 
-def _run_world(model_dir: Path, tp: int, pp: int, runs: list[Run], out: Path) -> list:
+def _run_world(
+    pool: RankPool, model_dir: Path, tp: int, pp: int, runs: list[Run], out: Path
+) -> list:
     port = free_port()
     layouts = [ParallelLayout(tp, pp, rank) for rank in range(tp * pp)]
-    run_ranks(_rank_main, [(lay, port, str(model_dir), str(out), runs) for lay in layouts])
+    pool.run(_rank_main, [(lay, port, str(model_dir), str(out), runs) for lay in layouts])
     return pickle.loads(out.read_bytes())
 
 
@@ -151,11 +153,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def references(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+def references(
+    rank_pool: RankPool, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict:
     tmp = tmp_path_factory.mktemp("world-of-one")
     one: list[Run] = [(False, "allreduce")]
     return {
-        name: _run_world(path, 1, 1, one, tmp / f"{name}.pkl")[0][0]
+        name: _run_world(rank_pool, path, 1, 1, one, tmp / f"{name}.pkl")[0][0]
         for name, path in models.items()
     }
 
@@ -163,12 +167,17 @@ def references(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 @pytest.mark.parametrize("world", list(WORLDS))
 @pytest.mark.parametrize("model", list(MODELS))
 def test_moe_world_matches_a_world_of_one(
-    models: dict[str, Path], references: dict, tmp_path: Path, model: str, world: str
+    rank_pool: RankPool,
+    models: dict[str, Path],
+    references: dict,
+    tmp_path: Path,
+    model: str,
+    world: str,
 ) -> None:
     tp, pp, runs = WORLDS[world]
     spec = MODELS[model]
     experts = spec.get("num_experts") or spec["num_local_experts"]
-    results = _run_world(models[model], tp, pp, runs, tmp_path / "out.pkl")
+    results = _run_world(rank_pool, models[model], tp, pp, runs, tmp_path / "out.pkl")
     for (ep, dispatch), (got, held) in zip(runs, results, strict=True):
         run = f"{world}, expert parallel {ep}, {dispatch}"
         assert set(held) == {experts // tp if ep else experts}, run  # experts per block

@@ -1,0 +1,75 @@
+"""How the suite is spread over pytest-xdist's workers (`make test` runs `-n 2 --dist
+loadgroup`): a module runs whole on one worker, so its module-scoped servers start once; modules
+that share a session-scoped fixture, or whose checks see a machine-wide resource, form one group
+and run on one worker.
+
+Each worker, and every process it starts, runs on a share of the machine's CPUs of its own:
+the model processes size their thread pools to the CPUs they may use, so that two workers'
+models never put more threads than cores to work, where every OpenMP barrier would wait for a
+thread the kernel descheduled."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+from processes import RankPool
+
+# The modules that make shared tensors (/dev/shm/triode_tensor_*), and those whose checks say
+# that none outlives a test: on one worker, no other test's segment shows up in a check.
+SHARED_TENSORS = frozenset({
+    "tests/wire/test_tensor_ipc.py",
+    "tests/wire/test_weight_update.py",
+    "tests/gpu/test_weight_transfer.py",
+    "tests/gpu/test_operations.py",
+    "tests/gpu/test_operations_parallel.py",
+    "tests/actors/test_prompt_embeds_engine.py",
+    "tests/actors/core/test_engine_operations.py",
+    "tests/edge/completions/test_prompt_embeds.py",
+    "tests/edge/test_admin_routes.py",
+    "tests/integration/test_weight_sync.py",
+    "tests/integration/test_admin_operations.py",
+    "tests/integration/test_server_errors.py",
+    "tests/integration/test_scale_out.py",
+})  # fmt: skip
+
+
+def _worker_cpus() -> list[int] | None:
+    """This xdist worker's equal, contiguous share of the CPUs; None outside xdist, or with
+    fewer CPUs than workers."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return None
+    count = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    cpus = sorted(os.sched_getaffinity(0))
+    per_worker = len(cpus) // count
+    if per_worker == 0:
+        return None
+    index = int(worker.removeprefix("gw"))
+    return cpus[index * per_worker : (index + 1) * per_worker]
+
+
+if (_cpus := _worker_cpus()) is not None:
+    os.sched_setaffinity(0, _cpus)
+
+
+def _group(module: str) -> str:
+    if module in SHARED_TENSORS:
+        return "shared-tensors"
+    return module
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(_group(item.nodeid.split("::", 1)[0])))
+
+
+@pytest.fixture(scope="session")
+def rank_pool() -> Iterator[RankPool]:
+    """Four spawned processes for the worlds of rank processes a worker's modules run."""
+    pool = RankPool(4)
+    yield pool
+    pool.close()
