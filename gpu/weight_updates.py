@@ -17,8 +17,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.core_model_loading import revert_weight_conversion
+from transformers import AutoConfig
 
 from triode.wire import OperationError
 
@@ -59,6 +58,10 @@ def checkpoint_layout(
     skeleton: nn.Module, params: Iterable[tuple[str, torch.Tensor]]
 ) -> dict[str, torch.Tensor]:
     """A transformers model's parameters as its checkpoints name and shape them."""
+    # transformers' model loading takes 0.65 s to import: a model process that never checks an
+    # update does without it
+    from transformers.core_model_loading import revert_weight_conversion
+
     return revert_weight_conversion(skeleton, dict(params))
 
 
@@ -73,6 +76,8 @@ class Architecture:
     def __init__(self, config: Any) -> None:
         self.config = config
         self.name = (getattr(config, "architectures", None) or ["?"])[0]
+        from transformers import AutoModelForCausalLM
+
         # transformers may set attributes on the config it builds from: a copy takes them
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(copy.deepcopy(config))
