@@ -76,6 +76,7 @@ class Architecture:
     def __init__(self, config: Any) -> None:
         self.config = config
         self.name = (getattr(config, "architectures", None) or ["?"])[0]
+        # transformers' model classes load with its model loading: imported on first check
         from transformers import AutoModelForCausalLM
 
         # transformers may set attributes on the config it builds from: a copy takes them

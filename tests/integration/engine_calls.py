@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import trio
+
 from triode.actors import Engine, RequestOutput, SamplingParams
 
 
@@ -12,3 +16,14 @@ async def final_output(engine: Engine, prompt: list[int], params: SamplingParams
         final = out
     assert final is not None and final.finished
     return final
+
+
+async def waiting(engine: Engine, count: int = 1) -> dict[str, Any]:
+    """The engine's stats once `count` requests wait in its queue (within 10 s): what a test
+    checks before it says that they were not run."""
+    with trio.fail_after(10):
+        while True:
+            stats = await engine.get_stats()
+            if stats["num_waiting_reqs"] >= count:
+                return stats
+            await trio.sleep(0.01)

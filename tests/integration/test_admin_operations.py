@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from engine_calls import final_output
+from engine_calls import final_output, waiting
 from safetensors.torch import load_file, save_file
 
 from triode.actors import OperationError, SamplingParams, open_engine
@@ -77,7 +77,7 @@ async def test_sleep_gives_the_kv_cache_and_weights_back_and_wakes_the_same(
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(late)
-            await trio.sleep(0.5)
+            await waiting(engine)
             assert not results  # asleep: it waits, not refused
             woke = await admin.wake_up()
         assert not woke["is_sleeping"]
@@ -175,7 +175,7 @@ async def test_pause_abort_wait_and_keep_with_requests_in_flight(tiny: Path) -> 
         results = Seen()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: _stream(engine, prompt, GREEDY, results))
-            await trio.sleep(0.3)
+            await waiting(engine)
             assert not results
             await admin.resume()
         assert results[-1].outputs[0].token_ids == reference[:12]
@@ -205,7 +205,7 @@ async def test_pause_abort_wait_and_keep_with_requests_in_flight(tiny: Path) -> 
                     await trio.sleep(0.05)
                     nursery.start_soon(lambda: _stream(engine, prompt, GREEDY, queued))
             assert seen[-1].finished and seen[-1].outputs[0].token_ids == reference
-            await trio.sleep(0.2)
+            await waiting(engine)
             assert not queued
             await admin.resume()
         assert queued[-1].outputs[0].token_ids == reference[:12]

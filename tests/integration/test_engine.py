@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from engine_calls import final_output
+from engine_calls import final_output, waiting
 from reference import Reference
 from shared_engine import engine_cores, fresh_engine, idle_stats
 
@@ -296,9 +296,8 @@ async def test_utility_calls_sleep_wake_and_reset_prefix_cache(
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run)
-            await trio.sleep(0.5)
+            stats = await waiting(engine)
             assert not results  # asleep: no steps are taken
-            stats = await engine.get_stats()
             assert stats["num_waiting_reqs"] == 1
             await engine.admin.wake_up()
         assert results[0].outputs[0].token_ids == reference.greedy(tuple(prompt), 4)
