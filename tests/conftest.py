@@ -10,15 +10,19 @@ thread the kernel descheduled."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from processes import RankPool
 
-# The modules that make shared tensors (/dev/shm/triode_tensor_*), and those whose checks say
-# that none outlives a test: on one worker, no other test's segment shows up in a check.
+# The modules that make shared tensors (/dev/shm/triode_tensor_*: prompt embeddings, weight
+# updates; the fuzzers send prompt embeddings too), and those whose checks say that none
+# outlives a test: on one worker, no other test's segment shows up in a check.
 SHARED_TENSORS = frozenset({
+    "tests/fuzz/test_harnesses.py",
+    "tests/fuzz/live/test_live.py",
     "tests/wire/test_tensor_ipc.py",
     "tests/wire/test_weight_update.py",
     "tests/gpu/test_weight_transfer.py",
@@ -73,3 +77,11 @@ def rank_pool() -> Iterator[RankPool]:
     pool = RankPool(4)
     yield pool
     pool.close()
+
+
+@pytest.fixture
+def own_children() -> Callable[[], list[multiprocessing.process.BaseProcess]]:
+    """The multiprocessing children started during the test that still run: the session's rank
+    pool, started before, is not the test's."""
+    before = {p.pid for p in multiprocessing.active_children()}
+    return lambda: [p for p in multiprocessing.active_children() if p.pid not in before]

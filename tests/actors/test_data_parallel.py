@@ -41,10 +41,26 @@ async def _generate_all(engine: object, params: SamplingParams) -> list[list[int
     return results
 
 
-async def test_two_engines_share_the_requests_and_agree_with_one(tiny_model: Path) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    async with open_engine(str(tiny_model), **_engine_args()) as one:
-        expected = await _generate_all(one, params)
+GREEDY_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def one_engine(tiny_model: Path) -> list[list[int]]:
+    """A world of one's greedy tokens for every prompt: what every layout must give."""
+
+    async def generate() -> list[list[int]]:
+        params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+        async with open_engine(str(tiny_model), **_engine_args()) as one:
+            return await _generate_all(one, params)
+
+    return trio.run(generate)
+
+
+async def test_two_engines_share_the_requests_and_agree_with_one(
+    tiny_model: Path, one_engine: list[list[int]]
+) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    expected = one_engine
     async with open_engine(str(tiny_model), **_engine_args(data_parallel_size=2)) as two:
         assert len(set(two.pids)) == 2
         got = await _generate_all(two, params)
@@ -57,10 +73,11 @@ async def test_two_engines_share_the_requests_and_agree_with_one(tiny_model: Pat
     assert not any(alive(pid) for pid in pids)
 
 
-async def test_data_parallel_combines_with_tensor_parallel(tiny_model: Path) -> None:
+async def test_data_parallel_combines_with_tensor_parallel(
+    tiny_model: Path, one_engine: list[list[int]]
+) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    async with open_engine(str(tiny_model), **_engine_args()) as one:
-        expected = await _generate_all(one, params)
+    expected = [tokens[:8] for tokens in one_engine]  # greedy: the first 8 of the 12
     args = _engine_args(data_parallel_size=2, tensor_parallel_size=2)
     async with open_engine(str(tiny_model), **args) as engine:
         assert engine.tensor_parallel_size == 2 and engine.data_parallel_size == 2

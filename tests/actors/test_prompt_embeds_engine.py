@@ -14,8 +14,10 @@ import pytest
 import torch
 import trio
 from safetensors.torch import load_file
+from shared_engine import engine_cores, fresh_engine
 
 from triode.actors import EngineDeadError, RequestError, SamplingParams, open_engine
+from triode.actors.launcher import EngineCoreEndpoint
 from triode.wire.tensor_ipc import NAME_PREFIX, share
 
 pytestmark = pytest.mark.slow
@@ -52,16 +54,28 @@ def _engine_args(**extra: object) -> dict[str, object]:
     return {"dtype": "float32", "kv_cache_memory": "16MiB", "max_model_len": 256, **extra}
 
 
+Cores = list[EngineCoreEndpoint]
+
+
+@pytest.fixture(scope="module")
+def cores(tiny_model: Path) -> Iterator[Cores]:
+    """The engine of the tests that leave it as they found it, started once (`fresh_engine`
+    hands each the engine idle, with every block free and the prefix cache reset); the chunked
+    prefill's settings and the killed engine core are tests' own."""
+    with engine_cores(str(tiny_model), **_engine_args()) as endpoints:
+        yield endpoints
+
+
 async def _tokens(engine: object, prompt: object, params: SamplingParams, **kw: object) -> list:
     outputs = [out async for out in engine.generate(prompt, params, **kw)]  # type: ignore[attr-defined]
     return [c.token_ids for c in outputs[-1].outputs]
 
 
 async def test_embeddings_of_a_prompt_generate_what_its_token_ids_do(
-    tiny_model: Path, embedding: torch.Tensor
+    cores: Cores, embedding: torch.Tensor
 ) -> None:
     seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=10, n=2, ignore_eos=True)
-    async with open_engine(str(tiny_model), **_engine_args()) as engine:
+    async with fresh_engine(cores) as engine:
         for ids in PROMPTS:
             rows = embedding[ids]
             expected = await _tokens(engine, ids, GREEDY)
@@ -84,10 +98,10 @@ async def test_embeddings_of_a_prompt_generate_what_its_token_ids_do(
 
 
 async def test_a_tensor_already_shared_is_taken_over_and_unlinked(
-    tiny_model: Path, embedding: torch.Tensor, before: set[str]
+    cores: Cores, embedding: torch.Tensor, before: set[str]
 ) -> None:
     seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=6, n=2, ignore_eos=True)
-    async with open_engine(str(tiny_model), **_engine_args()) as engine:
+    async with fresh_engine(cores) as engine:
         expected = await _tokens(engine, PROMPTS[0], seeded)
         handle, _ = share(embedding[PROMPTS[0]])
         assert await _tokens(engine, None, seeded, prompt_embeds=handle) == expected
@@ -109,10 +123,10 @@ async def test_a_long_prompt_of_embeddings_is_prefilled_in_chunks(
 
 
 async def test_embeddings_the_model_cannot_take_are_refused_and_nothing_stays_shared(
-    tiny_model: Path, embedding: torch.Tensor
+    cores: Cores, embedding: torch.Tensor
 ) -> None:
     hidden = embedding.shape[1]
-    async with open_engine(str(tiny_model), **_engine_args()) as engine:
+    async with fresh_engine(cores) as engine:
         for bad, why in (
             (torch.zeros(4, hidden + 1), "hidden size"),
             (torch.zeros(4, hidden, dtype=torch.float64), "dtype"),
@@ -132,10 +146,10 @@ async def test_embeddings_the_model_cannot_take_are_refused_and_nothing_stays_sh
 
 
 async def test_cancelling_a_request_of_embeddings_frees_its_segment_and_blocks(
-    tiny_model: Path, embedding: torch.Tensor, before: set[str]
+    cores: Cores, embedding: torch.Tensor, before: set[str]
 ) -> None:
     long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    async with open_engine(str(tiny_model), **_engine_args()) as engine:
+    async with fresh_engine(cores) as engine:
         with trio.move_on_after(30) as scope:
             async for _ in engine.generate(None, long, prompt_embeds=embedding[PROMPTS[2]]):
                 # the engine core copied the rows out and unlinked the segment on arrival

@@ -3,7 +3,7 @@ output against one rank's and prints a row of timings per token count."""
 
 from __future__ import annotations
 
-import multiprocessing
+from collections.abc import Callable
 
 import pytest
 
@@ -13,6 +13,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_short_run_times_every_split_at_each_token_count(
+    own_children: Callable[[], list],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # 3 tokens: the all_to_all dispatch's shares are uneven (2 + 1)
@@ -22,4 +23,4 @@ def test_a_short_run_times_every_split_at_each_token_count(
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[1:]]
     assert [row[0] for row in rows] == ["1", "3"]
     assert all(float(cell) > 0 for row in rows for cell in row[1:])
-    assert multiprocessing.active_children() == []
+    assert own_children() == []

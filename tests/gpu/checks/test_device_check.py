@@ -3,11 +3,11 @@ its parallel model checks on the CPU."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +24,9 @@ pytestmark = pytest.mark.slow
 HIDDEN_64 = 576 * 64
 
 
-def test_gloo_collectives_at_world_2_match_their_exact_expected_values() -> None:
+def test_gloo_collectives_at_world_2_match_their_exact_expected_values(
+    own_children: Callable[[], list],
+) -> None:
     rows = check_collectives("gloo", 2, iterations=5)
 
     all_reduces = {
@@ -37,7 +39,7 @@ def test_gloo_collectives_at_world_2_match_their_exact_expected_values() -> None
     assert [(r.op, r.note) for r in rows if r.status != "pass"] == []
     assert all(r.backend == "gloo" and r.world == 2 for r in rows)
     assert all(r.latency_us is not None and r.latency_us > 0 for r in rows)
-    assert multiprocessing.active_children() == []
+    assert own_children() == []
 
 
 def _fail_on_rank_1(me: Rank) -> None:
@@ -46,23 +48,23 @@ def _fail_on_rank_1(me: Rank) -> None:
     dist.barrier()  # waits for a rank that never comes
 
 
-def test_a_failing_rank_is_raised_and_no_rank_outlives_it() -> None:
+def test_a_failing_rank_is_raised_and_no_rank_outlives_it(own_children: Callable[[], list]) -> None:
     with pytest.raises(RankError, match="rank 1 gives up") as caught:
         run_ranks(_fail_on_rank_1, backend="gloo", world=2, timeout=60)
     assert "RuntimeError: rank 1 gives up" in caught.value.tracebacks[1]
-    assert multiprocessing.active_children() == []
+    assert own_children() == []
 
 
 def _sleep(me: Rank) -> None:
     time.sleep(600)
 
 
-def test_ranks_past_the_timeout_are_killed() -> None:
+def test_ranks_past_the_timeout_are_killed(own_children: Callable[[], list]) -> None:
     start = time.monotonic()
     with pytest.raises(TimeoutError):
         run_ranks(_sleep, backend="gloo", world=2, timeout=5)
     assert time.monotonic() - start < 30
-    assert multiprocessing.active_children() == []
+    assert own_children() == []
 
 
 def _device_check(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
