@@ -32,7 +32,7 @@ import pytest
 import trio
 from kv_secret import secret_file
 from reference import Reference
-from server import Server, free_port, running_servers
+from server import Server, free_port, running_server, running_servers
 
 from triode.wire.kv_seal import read_secret, seal, seal_remote_decode
 
@@ -166,7 +166,8 @@ def test_through_the_proxy_equals_transformers_and_the_decode_computes_one_token
     assert computed - before["triode:prompt_tokens_by_source_total/local_compute"] == len(PROMPTS)
     transferred = after["triode:prompt_tokens_by_source_total/external_kv_transfer"]
     assert transferred > before["triode:prompt_tokens_by_source_total/external_kv_transfer"]
-    assert after["triode:kv_transfer_failures_total"] == 0
+    failures = "triode:kv_transfer_failures_total"
+    assert after[failures] == before[failures]  # none in this test (another's may come first)
     for name in ("tcp", "shm"):
         assert _metrics(instances[name])["triode:prompt_tokens_by_source_total/local_compute"] > 0
     _settle(instances["tcp"], instances["shm"], decode)
@@ -345,10 +346,18 @@ def test_a_kv_instance_without_a_secret_refuses_to_start(tmp_path: Path) -> None
 
 
 def test_a_prefill_killed_before_the_transfer_makes_the_decode_recompute(
-    instances: dict[str, Server], expected: list[str], secret: str
+    instances: dict[str, Server], expected: list[str], secret: str, tmp_path: Path
 ) -> None:
-    """Last in the module: it kills the TCP prefill instance."""
-    prefill, decode = instances["tcp"], instances["decode"]
+    """It kills a TCP prefill instance of its own: the module's stay as the other tests need
+    them, in whatever order they run."""
+    decode = instances["decode"]
+    with running_server([*F32, *_kv("kv_producer", secret, "tcp")], tmp_path / "p.log") as prefill:
+        _killed_prefill_makes_the_decode_recompute(prefill, decode, expected, secret)
+
+
+def _killed_prefill_makes_the_decode_recompute(
+    prefill: Server, decode: Server, expected: list[str], secret: str
+) -> None:
     params = _prefill(prefill, PROMPTS[2], secret)
     assert params["do_remote_prefill"] and params["remote_block_ids"]
     engine = prefill.engine_pid()
