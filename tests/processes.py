@@ -4,7 +4,7 @@ holds; and a pool of rank processes that runs one world after another."""
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -94,22 +94,28 @@ def _address(hex_address: str) -> tuple[str, int]:
     return str(ipaddress.ip_address(socket.inet_ntop(family, words))), int(port, 16)
 
 
+def _owned_rows(pid: int, tables: Sequence[str]) -> Iterator[tuple[str, list[str]]]:
+    """(table, fields) of every row of /proc/PID/net/TABLE whose socket `pid` holds."""
+    inodes = _socket_inodes(pid)
+    for table in tables:
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[9] in inodes:
+                yield table, fields
+
+
 def listening_sockets(pids: list[int]) -> list[tuple[int, str, str, int]]:
     """(pid, protocol, address, port) of every TCP socket listening and every UDP socket bound
     by one of `pids`, from the kernel's socket tables (what `ss -ltnu` shows)."""
     found = []
     for pid in pids:
-        inodes = _socket_inodes(pid)
-        for table in ("tcp", "tcp6", "udp", "udp6"):
-            try:
-                lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            for line in lines:
-                fields = line.split()
-                listening = fields[3] == "0A" if table.startswith("tcp") else True
-                if listening and fields[9] in inodes:
-                    found.append((pid, table.rstrip("6"), *_address(fields[1])))
+        for table, fields in _owned_rows(pid, ("tcp", "tcp6", "udp", "udp6")):
+            if fields[3] == "0A" or not table.startswith("tcp"):
+                found.append((pid, table.rstrip("6"), *_address(fields[1])))
     return found
 
 
@@ -121,15 +127,7 @@ def on_every_interface(pids: list[int]) -> list[tuple[int, str, str, int]]:
 def established_to(pid: int, port: int) -> int:
     """How many TCP connections to local `port` the process `pid` holds open (accepted ones:
     an API server's clients)."""
-    inodes = _socket_inodes(pid)
-    count = 0
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "01" and fields[9] in inodes and _address(fields[1])[1] == port:
-                count += 1
-    return count
+    return sum(
+        fields[3] == "01" and _address(fields[1])[1] == port
+        for _, fields in _owned_rows(pid, ("tcp", "tcp6"))
+    )
