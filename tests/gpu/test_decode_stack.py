@@ -19,20 +19,17 @@ from triode.gpu.model_runner import ModelRunner
 from triode.gpu.tiny_model import build_tiny_model
 from triode.wire import Logprobs
 
-pytestmark = pytest.mark.skipif(
-    cpu_kernels.decode_stack() is None or cpu_kernels.quant_matmul() is None,
-    reason="the CPU kernels are not built",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        cpu_kernels.decode_stack() is None or cpu_kernels.quant_matmul() is None,
+        reason="the CPU kernels are not built",
+    ),
+    # the stack runs `quant_matmul.c`'s projections: every CPU picks them as one without AMX
+    # does, so the stack is checked on each
+    pytest.mark.usefixtures("without_amx"),
+]
 
 Outputs = dict[str, tuple[list[int], list[list[list[float]]]]]
-
-
-@pytest.fixture(autouse=True)
-def quant_matmul_projections(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The stack runs `quant_matmul.c`'s projections; a CPU with AMX gives bfloat16 4-bit
-    weights to torch's and AMX's kernels (`Int4Linear`) instead, which the stack leaves to the
-    modules. Here every CPU picks as one without AMX does, so the stack is checked on each."""
-    monkeypatch.setattr(cpu_kernels, "int4_amx_matmul", lambda: None)
 
 
 def _decode(

@@ -39,13 +39,6 @@ def _int8(rows: int, cols: int, seed: int) -> Int8Weight:
     return Int8Weight(codes, (torch.rand(rows, cols // 32, generator=g) * 0.01).half().float())
 
 
-@pytest.fixture
-def without_amx(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Projections picked as on a CPU without AMX, where bfloat16 4-bit weights take this
-    file's kernels (with AMX they take `Int4Linear`, `test_int4.py`)."""
-    monkeypatch.setattr(cpu_kernels, "int4_amx_matmul", lambda: None)
-
-
 def _kernel(weight: Int4Weight | Int8Weight) -> QuantRows:
     if isinstance(weight, Int4Weight):
         kernel = QuantRows.from_int4(weight)
