@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
@@ -75,11 +75,18 @@ async def fresh_engine(endpoints: list[EngineCoreEndpoint]) -> AsyncIterator[Eng
         yield engine
 
 
-async def idle_stats(engine: Engine) -> dict[str, Any]:
-    """The engine's stats once it runs and queues nothing (within 10 s)."""
+async def stats_when(engine: Engine, condition: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    """The engine's stats once `condition` holds of them (polled, within 10 s)."""
     with trio.fail_after(10):
         while True:
             stats = await engine.get_stats()
-            if stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0:
+            if condition(stats):
                 return stats
-            await trio.sleep(0.05)
+            await trio.sleep(0.01)
+
+
+async def idle_stats(engine: Engine) -> dict[str, Any]:
+    """The engine's stats once it runs and queues nothing (within 10 s)."""
+    return await stats_when(
+        engine, lambda stats: stats["num_running_reqs"] == 0 and stats["num_waiting_reqs"] == 0
+    )

@@ -14,11 +14,12 @@ import pytest
 import torch
 import trio
 from safetensors.torch import load_file
-from shared_engine import engine_cores, fresh_engine
+from shared_engine import engine_cores, fresh_engine, idle_stats
+from shm_segments import segments
 
 from triode.actors import EngineDeadError, RequestError, SamplingParams, open_engine
 from triode.actors.launcher import EngineCoreEndpoint
-from triode.wire.tensor_ipc import NAME_PREFIX, share
+from triode.wire.tensor_ipc import share
 
 pytestmark = pytest.mark.slow
 
@@ -26,16 +27,12 @@ PROMPTS = [[5, 17, 42, 9, 100, 3], [7, 7, 81, 2], list(range(20, 60))]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
-def _segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob(NAME_PREFIX + "*")}
-
-
 @pytest.fixture(autouse=True)
 def before() -> Iterator[set[str]]:
     """The segments that were there before the test; none of its own outlives it."""
-    existing = _segments()
+    existing = segments()
     yield existing
-    assert _segments() <= existing
+    assert segments() <= existing
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +105,7 @@ async def test_a_tensor_already_shared_is_taken_over_and_unlinked(
         wrong, _ = share(torch.zeros(3, embedding.shape[1] + 1))
         with pytest.raises(RequestError, match="hidden size"):
             await _tokens(engine, None, seeded, prompt_embeds=wrong)
-        assert not _segments() - before  # both taken over: the refused one unlinked too
+        assert not segments() - before  # both taken over: the refused one unlinked too
 
 
 async def test_a_long_prompt_of_embeddings_is_prefilled_in_chunks(
@@ -153,12 +150,10 @@ async def test_cancelling_a_request_of_embeddings_frees_its_segment_and_blocks(
         with trio.move_on_after(30) as scope:
             async for _ in engine.generate(None, long, prompt_embeds=embedding[PROMPTS[2]]):
                 # the engine core copied the rows out and unlinked the segment on arrival
-                assert not _segments() - before
+                assert not segments() - before
                 scope.cancel()
         assert scope.cancelled_caught
-        with trio.fail_after(10):
-            while (stats := await engine.get_stats())["num_running_reqs"]:  # noqa: ASYNC110
-                await trio.sleep(0.05)
+        stats = await idle_stats(engine)
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
@@ -170,7 +165,7 @@ async def test_an_engine_core_that_dies_before_taking_the_embeddings_leaves_no_s
         try:
 
             async def kill_once_shared() -> None:
-                while not _segments() - before:  # noqa: ASYNC110 - a file system poll
+                while not segments() - before:  # noqa: ASYNC110 - a file system poll
                     await trio.sleep(0.01)
                 os.kill(engine.pid, signal.SIGKILL)
 
@@ -182,4 +177,4 @@ async def test_an_engine_core_that_dies_before_taking_the_embeddings_leaves_no_s
         finally:
             with contextlib.suppress(ProcessLookupError):  # killed, and reaped
                 os.kill(engine.pid, signal.SIGCONT)
-    assert not _segments() - before
+    assert not segments() - before

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import trio
+from shared_engine import stats_when
 
 from triode.actors import Engine, RequestOutput, SamplingParams
 
@@ -21,9 +21,4 @@ async def final_output(engine: Engine, prompt: list[int], params: SamplingParams
 async def waiting(engine: Engine, count: int = 1) -> dict[str, Any]:
     """The engine's stats once `count` requests wait in its queue (within 10 s): what a test
     checks before it says that they were not run."""
-    with trio.fail_after(10):
-        while True:
-            stats = await engine.get_stats()
-            if stats["num_waiting_reqs"] >= count:
-                return stats
-            await trio.sleep(0.01)
+    return await stats_when(engine, lambda stats: stats["num_waiting_reqs"] >= count)
