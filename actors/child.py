@@ -156,9 +156,10 @@ async def _exit_with_parent(parent_pid: int, name: str) -> None:
     os._exit(1)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], *, forked: bool = False) -> int:
+    """`forked`: a fork server started this process for `parent_pid` (see `forkserver`)."""
     up_address, down_address, target, name, parent_pid = argv
-    if os.getppid() != int(parent_pid):
+    if not forked and os.getppid() != int(parent_pid):
         return 1  # the parent died before we started
     logging.basicConfig(
         level=os.environ.get("TRIODE_LOG_LEVEL", "WARNING").upper(),

@@ -1,8 +1,9 @@
 """Spawning and supervising actors in child processes.
 
-`open_child` starts `python -m triode.actors`, runs the handshake (HELLO -> CONFIG ->
-READY), watches the process through its pidfd so a death is noticed at once, and on leaving the
-block stops the child with an escalation: SHUTDOWN message -> deadline -> SIGTERM -> SIGKILL.
+`open_child` starts `python -m triode.actors` (or has the fork server named by
+`$TRIODE_FORKSERVER` fork it: `forkserver.py`), runs the handshake (HELLO -> CONFIG -> READY),
+watches the process through its pidfd so a death is noticed at once, and on leaving the block
+stops the child with an escalation: SHUTDOWN message -> deadline -> SIGTERM -> SIGKILL.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from triode.wire import (
 )
 
 from .errors import ActorDied, HandshakeError, RemoteError
+from .forkserver import ENV as forkserver_env
+from .forkserver import ForkedProcess, fork_child
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ _ERROR_GRACE = 0.25
 class Child:
     """A running child actor process, as its parent sees it."""
 
-    def __init__(self, name: str, process: trio.Process) -> None:
+    def __init__(self, name: str, process: trio.Process | ForkedProcess) -> None:
         self.name = name
         self.process = process
         self.ready: Ready | None = None
@@ -120,12 +123,19 @@ async def open_child(
     down = Socket.open(zctx, zmq.PUSH, bind=down_address)
     encoder = Encoder()
     try:
-        process = await trio.lowlevel.open_process(
-            [*command, up_address, down_address, target, name, str(os.getpid())],
-            env={**os.environ, **(env or {})},
-            start_new_session=True,  # terminal signals go to the parent, which stops us
-            stdin=subprocess.DEVNULL,
-        )
+        argv = [up_address, down_address, target, name, str(os.getpid())]
+        child_env = {**os.environ, **(env or {})}
+        process: trio.Process | ForkedProcess | None = None
+        forkserver = os.environ.get(forkserver_env)
+        if forkserver and tuple(command) == CHILD_COMMAND:
+            process = await fork_child(forkserver, argv, child_env)
+        if process is None:
+            process = await trio.lowlevel.open_process(
+                [*command, *argv],
+                env=child_env,
+                start_new_session=True,  # terminal signals go to the parent, which stops us
+                stdin=subprocess.DEVNULL,
+            )
         child = Child(name, process)
         try:
             async with trio.open_nursery() as nursery:
@@ -234,13 +244,13 @@ async def _stop(
     child.stop_escalation = "killed"
 
 
-async def _reap(process: trio.Process) -> None:
+async def _reap(process: trio.Process | ForkedProcess) -> None:
     if process.returncode is None:
         _signal(process, signal.SIGKILL)
     await process.wait()
 
 
-def _signal(process: trio.Process, sig: int) -> None:
+def _signal(process: trio.Process | ForkedProcess, sig: int) -> None:
     try:
         process.send_signal(sig)
     except ProcessLookupError:

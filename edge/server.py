@@ -69,8 +69,10 @@ async def serve(
     log.info("starting the engine core for %s", options.model or "the default model")
     async with open_engine(options.model, **engine_args) as engine:
         log.info(
-            "engine ready in %.1fs: %s, %s, max_model_len %d, %d KV blocks of %d tokens",
+            "engine ready in %.1fs (engine core pid %s): %s, %s, max_model_len %d, "
+            "%d KV blocks of %d tokens",
             time.perf_counter() - started,
+            ", ".join(map(str, engine.pids)),
             engine.model_dir,
             engine.dtype,
             engine.max_model_len,

@@ -6,7 +6,13 @@ and run on one worker.
 Each worker, and every process it starts, runs on a share of the machine's CPUs of its own:
 the model processes size their thread pools to the CPUs they may use, so that two workers'
 models never put more threads than cores to work, where every OpenMP barrier would wait for a
-thread the kernel descheduled."""
+thread the kernel descheduled.
+
+Each worker starts the model processes (engine cores, workers) of its tests, and of the servers
+its tests launch, from a fork server of its own (`triode.actors.forkserver`): torch,
+transformers and triode are imported once per worker, not once per process. A module that
+looks at its servers' process tree (whose children an actor is, its command line) sets
+`EXECUTED_ACTORS = True`: its actors are executed as without a fork server."""
 
 from __future__ import annotations
 
@@ -16,6 +22,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from processes import RankPool
+
+from triode.actors.forkserver import ENV as FORKSERVER_ENV
+from triode.actors.forkserver import Forkserver
+from triode.actors.model_env import model_process_env
 
 # The modules that make shared tensors (/dev/shm/triode_tensor_*: prompt embeddings, weight
 # updates; the fuzzers send prompt embeddings too), and those whose checks say that none
@@ -85,3 +95,24 @@ def own_children() -> Callable[[], list[multiprocessing.process.BaseProcess]]:
     pool, started before, is not the test's."""
     before = {p.pid for p in multiprocessing.active_children()}
     return lambda: [p for p in multiprocessing.active_children() if p.pid not in before]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forkserver() -> Iterator[Forkserver]:
+    """The worker's fork server, in the environment the model processes get."""
+    server = Forkserver({**os.environ, **model_process_env(os.environ)}).start()
+    os.environ[FORKSERVER_ENV] = server.path
+    yield server
+    os.environ.pop(FORKSERVER_ENV, None)
+    server.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def actor_start(request: pytest.FixtureRequest, forkserver: Forkserver) -> Iterator[None]:
+    """Forked actors, or executed ones for a module with `EXECUTED_ACTORS = True`."""
+    if not getattr(request.module, "EXECUTED_ACTORS", False):
+        yield
+        return
+    os.environ.pop(FORKSERVER_ENV)
+    yield
+    os.environ[FORKSERVER_ENV] = forkserver.path

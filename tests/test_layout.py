@@ -40,6 +40,8 @@ DOORS = {"actors/core/executor.py", "fuzz/harnesses/kv_server.py"}
 # runs, so every one is listed here and checked to resolve.
 STRING_IMPORTS = {
     "triode.actors",
+    "triode.actors.child",
+    "triode.actors.core.main",
     "triode.actors.core.main:serve_engine_core",
     "triode.edge.api_servers:serve_api_server",
     "triode.edge.bench.ab",
@@ -67,6 +69,7 @@ STRING_IMPORTS = {
     "triode.gpu.lora.random_adapter",
     "triode.gpu.checks.device",
     "triode.gpu.checks.model",
+    "triode.gpu.worker",
     "triode.gpu.worker:serve_worker",
     "triode.wire.bench",
 }

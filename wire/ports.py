@@ -6,11 +6,13 @@ bind, a gloo rank's, a ZMQ peer's or an HTTP client's connection can take it, an
 fails with "address already in use". A port below that range is never handed out that way, so
 only another explicit bind can take it. The candidates come from a generator of this module's
 own, seeded by the OS: two processes whose global `random` an application (or a test runner)
-seeded alike would otherwise try the same ports in the same order.
+seeded alike would otherwise try the same ports in the same order; a forked child seeds it anew,
+as `random` does its own (processes forked from one fork server would share its sequence).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from pathlib import Path
@@ -19,6 +21,7 @@ _PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST = 10000  # below: the well-known services' neighbourhood
 TRIES = 64
 _candidates = random.Random()
+os.register_at_fork(after_in_child=_candidates.seed)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -70,3 +70,26 @@ async def ignore_sigterm(ctx: ChildContext) -> None:
 
 async def never_ready(ctx: ChildContext) -> None:
     await trio.sleep_forever()
+
+
+async def report_facts(ctx: ChildContext) -> None:
+    """Writes what this process is to `ctx.options["path"]` (JSON), then serves until stopped."""
+    import json
+    import os
+    import random
+    from pathlib import Path
+
+    stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()  # noqa: ASYNC240
+    facts = {
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "session": int(stat[3]),
+        "cwd": os.getcwd(),
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "mark": os.environ.get("TRIODE_TEST_MARK"),
+        "random": random.random(),
+        "numpy_random": float(np.random.random()),
+    }
+    Path(ctx.options["path"]).write_text(json.dumps(facts))  # noqa: ASYNC240
+    await ctx.ready()
+    await trio.sleep_forever()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,9 +28,9 @@ class Server:
     log: Path
 
     def engine_pid(self) -> int:
-        """The engine core: the server's only child process (started by any of its threads)."""
-        tasks = Path(f"/proc/{self.process.pid}/task")
-        [pid] = [p for task in tasks.iterdir() for p in (task / "children").read_text().split()]
+        """The engine core, as the server's log names it once ready (a fork server's child, or
+        the server's only child process)."""
+        [pid] = re.findall(r"\(engine core pid (\d+)\)", self.output())
         return int(pid)
 
     def output(self) -> str:

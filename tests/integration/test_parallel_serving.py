@@ -29,6 +29,9 @@ from server import free_port, running_server, stream_and_kill
 from triode.actors import SamplingParams, open_engine
 
 pytestmark = pytest.mark.slow
+# these tests read the servers' process trees: each actor a child of its starter, with its
+# command line (a fork server's children are neither)
+EXECUTED_ACTORS = True
 
 PROMPTS = [
     "The capital of France is",

@@ -21,6 +21,9 @@ from triode.actors.wire_replay import UntrustedRecordingError, _replay_args, rep
 from triode.wire import Encoder, OutputDecoder, Recorder, encode_output, read_records
 
 pytestmark = pytest.mark.slow
+# these tests read the servers' process trees: each actor a child of its starter, with its
+# command line (a fork server's children are neither)
+EXECUTED_ACTORS = True
 
 ENGINE_ARGS = {"dtype": "float32", "kv_cache_memory": "16MiB", "max_model_len": 512}
 PROMPT = [5, 17, 42, 9, 100, 3]

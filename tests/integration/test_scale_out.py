@@ -22,6 +22,9 @@ from processes import alive, established_to
 from server import Server, running_server
 
 pytestmark = pytest.mark.slow
+# these tests read the servers' process trees: each actor a child of its starter, with its
+# command line (a fork server's children are neither)
+EXECUTED_ACTORS = True
 
 MODEL = "smol"
 PROMPTS = [f"Write one sentence about the number {i}." for i in range(16)]

@@ -3,6 +3,7 @@ them between the pick and the bind."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
@@ -46,4 +47,21 @@ def test_a_global_random_seed_does_not_choose_the_ports() -> None:
     for _ in range(2):
         random.seed(1234)
         picks.append([ports.free_port() for _ in range(4)])
+    assert picks[0] != picks[1]
+
+
+def test_forked_children_draw_ports_of_their_own() -> None:
+    picks = []
+    for _ in range(2):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child leaves through os._exit
+            try:
+                os.write(write, repr([ports.free_port() for _ in range(4)]).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            picks.append(pipe.read())
+        os.waitpid(pid, 0)
     assert picks[0] != picks[1]
