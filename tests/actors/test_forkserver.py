@@ -158,15 +158,15 @@ def _raw_request(path: str, head: bytes, body: bytes = b"", *, fds: bool = True)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(10)
         s.connect(path)
-        if fds:
-            socket.send_fds(s, [head], [0, 1, 2])
-        else:
-            s.sendall(head)
         try:
+            if fds:
+                socket.send_fds(s, [head], [0, 1, 2])
+            else:
+                s.sendall(head)
             s.sendall(body)
             s.shutdown(socket.SHUT_WR)
             return s.recv(1 << 16)
-        except ConnectionResetError:  # closed with the request unread
+        except (ConnectionResetError, BrokenPipeError):  # closed with the request unread
             return b""
 
 
