@@ -108,8 +108,15 @@ def test_greedy_answers_are_transformers_greedy_with_and_without_hits(
     drafts = after["triode:spec_decode_num_drafts_total"] - before.get(
         "triode:spec_decode_num_drafts_total", 0
     )
-    assert accepted >= NEW_TOKENS // 3  # the copy's proposals hit
-    assert after["triode:spec_decode_num_accepted_tokens_per_pos_total[0]"] >= drafts / 2
+    # the copy's proposals hit. How many a step verifies the drafter chooses from this machine's
+    # measured step times (drafter.py), so their count is no fixed number: what the module's
+    # other tests ran first, and the load, move it. Each new request probes its first
+    # proposals whatever the cost, so there are some, and most of the copy's first ones hit.
+    first = after["triode:spec_decode_num_accepted_tokens_per_pos_total[0]"] - before.get(
+        "triode:spec_decode_num_accepted_tokens_per_pos_total[0]", 0
+    )
+    assert drafts > 0 and accepted > 0
+    assert first >= drafts / 2
 
 
 def test_a_stop_string_inside_an_accepted_run_ends_the_answer_there(server: Server) -> None:
