@@ -53,7 +53,7 @@ $(MODEL): | $(INSTALLED)
 	@echo "default model: $(MODEL)"
 
 test: setup
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadgroup --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope --durations=15 $(PYTEST_ARGS)
 
 serve: setup
 	$(VENV)/bin/triode serve --host 127.0.0.1 --port 8000

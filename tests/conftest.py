@@ -1,7 +1,7 @@
-"""How the suite is spread over pytest-xdist's workers (`make test` runs `-n 2 --dist
-loadgroup`): a module runs whole on one worker, so its module-scoped servers start once; modules
-that share a session-scoped fixture, or whose checks see a machine-wide resource, form one group
-and run on one worker.
+"""How the suite is spread over pytest-xdist's workers (`make test` runs `-n 2`, scheduled by
+`pytest_xdist_make_scheduler` below): a module runs whole on one worker, so its module-scoped
+servers start once; modules whose checks see a machine-wide resource form one group and run on
+one worker.
 
 Each worker, and every process it starts, runs on a share of the machine's CPUs of its own:
 the model processes size their thread pools to the CPUs they may use, so that two workers'
@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from processes import RankPool
@@ -74,11 +75,17 @@ def _group(module: str) -> str:
     return module
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_group(item.nodeid.split("::", 1)[0])))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scheduler, handing each worker a whole group at a time. (Its `loadgroup` mode
+    names groups by a suffix it writes into each item's node id, which pytest 9's node ids no
+    longer take: the groups were silently ignored, modules split over both workers.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid.split("::", 1)[0])
+
+    return ModuleGroups(config, log)
 
 
 @pytest.fixture(scope="session")
