@@ -177,11 +177,13 @@ def test_a_starlette_app_generates_with_the_asyncio_engine(
     assert not alive(pid)
 
 
-def test_lifespan_shutdown_stops_the_engine(triode_app: tuple[Uvicorn, AsyncioASGI]) -> None:
-    server, app = triode_app
-    assert app.trio_app is not None
-    pid = app.trio_app.engine.pid  # type: ignore[attr-defined]
-    assert alive(pid)
-    server.stop()
-    assert app.trio_app is None
-    assert not alive(pid)
+def test_lifespan_shutdown_stops_the_engine() -> None:
+    # a server of its own: stopping the module's would leave the other tests none
+    app = create_app("tiny-random", settings=Settings(served_model_names=[NAME]), **ENGINE_ARGS)
+    with serving(app) as server:
+        assert app.trio_app is not None
+        pid = app.trio_app.engine.pid  # type: ignore[attr-defined]
+        assert alive(pid)
+        server.stop()
+        assert app.trio_app is None
+        assert not alive(pid)
