@@ -164,9 +164,12 @@ class _Server:
         except OSError:
             return None
         try:
-            if len(head) != _LEN.size or len(fds) != 3 or _LEN.unpack(head)[0] > MAX_REQUEST:
+            if len(head) != _LEN.size or len(fds) != 3:
                 return None
-            body = _recv_exactly(conn, _LEN.unpack(head)[0])
+            (size,) = _LEN.unpack(head)
+            if size > MAX_REQUEST:
+                return None
+            body = _recv_exactly(conn, size)
             request = msgspec.msgpack.decode(body, type=Request)
             refused = self.refuse_all or ", ".join(mismatch(self.env, request.env))
             if refused:
@@ -330,9 +333,7 @@ class ForkedProcess:
         if self._reader is None:
             self._reader = trio.lowlevel.current_task()
             try:
-                head = await _trio_recv_exactly(self._conn, _LEN.size)
-                size = _LEN.unpack(head)[0] if head else 0
-                body = await _trio_recv_exactly(self._conn, size) if size <= MAX_REQUEST else b""
+                body = await _trio_recv_frame(self._conn)
             except BaseException:
                 self._reader = None
                 raise
@@ -386,12 +387,10 @@ async def fork_child(
         finally:
             os.close(devnull)
         await _trio_sendall(conn, body)
-        head = await _trio_recv_exactly(conn, _LEN.size)
-        if not head:
+        body = await _trio_recv_frame(conn)
+        if not body:
             raise OSError("the fork server closed the connection")
-        reply = msgspec.msgpack.decode(
-            await _trio_recv_exactly(conn, _LEN.unpack(head)[0]), type=Reply
-        )
+        reply = msgspec.msgpack.decode(body, type=Reply)
         if reply.refused:
             log.debug("the fork server refused: %s differ", reply.refused)
             conn.close()
@@ -410,6 +409,15 @@ async def _trio_sendall(conn: trio.socket.SocketType, data: bytes) -> None:
     while view:
         sent = await conn.send(view)
         view = view[sent:]
+
+
+async def _trio_recv_frame(conn: trio.socket.SocketType) -> bytes:
+    """One length-prefixed frame's body; b"" when the connection closed first, or the frame
+    would be over `MAX_REQUEST`."""
+    head = await _trio_recv_exactly(conn, _LEN.size)
+    if not head or (size := _LEN.unpack(head)[0]) > MAX_REQUEST:
+        return b""
+    return await _trio_recv_exactly(conn, size)
 
 
 async def _trio_recv_exactly(conn: trio.socket.SocketType, size: int) -> bytes:
