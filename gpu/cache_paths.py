@@ -2,14 +2,14 @@
 (default `~/.cache/triode`).
 
 - `models/`: the default GGUF file, where `make model` downloads it;
-- `converted/`: GGUF files converted to Hugging Face directories (`loader.convert_gguf`), one
-  directory per file, keyed by its path, size and mtime and the layout version of the
-  directory; each keeps the file's 4-bit projections in `int4/` (`int4.load_int4_weights`) and
-  its Q8_0 tensors beside them (`int8.load_int8_weights`);
+- `converted/`: what a GGUF file needs beside its weights (`loader.convert_gguf`): config,
+  tokenizer, the few dense tensors and the manifest of the weights read from the file in place
+  (`gguf_file`); one directory per file, keyed by its path, size and mtime and the layout
+  version of the directory;
 - `tiny-random/`: the random-weight tiny model (`loader.tiny_random`);
 - `kernels/`: the CPU kernels' shared library (`cpu_kernels`).
 
-Paths only, no I/O: the loader, the int4 and int8 weights and the CPU kernels all need them, and
+Paths only, no I/O: the loader, the GGUF file's weights and the CPU kernels all need them, and
 none of those needs the others to find them.
 """
 
@@ -21,11 +21,9 @@ from pathlib import Path
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_RANDOM = "tiny-random"  # the model's name, and its directory's under the cache
-# 2: with int4/; 3: families' config fixes, GGUF sampling defaults; 4: Q8_0 tensors as stored
-_CONVERTED_LAYOUT = 4
-INT4_DIR = "int4"  # under a converted model directory: the codes the file stored
-INT4_FILE = "weights.safetensors"  # Q4_0 and Q4_1
-Q8_FILE = "q8_0.safetensors"
+# 2: with int4/; 3: families' config fixes, GGUF sampling defaults; 4: Q8_0 tensors as stored;
+# 5, 6: the weights served from the file in place (gguf.json), no int4/
+_CONVERTED_LAYOUT = 6
 
 
 def cache_dir() -> Path:

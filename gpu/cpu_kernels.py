@@ -38,12 +38,17 @@ SOURCES = tuple(
     KERNELS / name
     for name in (
         "paged_attention.c", "paged_attention_avx512.c", "fused_ops.c", "int4_amx.c",
-        "quant_matmul.c", "quant_paired.c", "decode_stack.c",
+        "quant_matmul.c", "quant_paired.c", "decode_stack.c", "gguf_decode.c",
+        "gguf_decode_avx2.c", "gguf_dequant.c", "gguf_matmul.c", "gguf_fused_avx2.c",
     )
 )  # fmt: skip
 HEADERS = tuple(
-    KERNELS / name for name in ("simd.h", "bf16.h", "elements.h", "group_sum.h", "kernels.h")
-)
+    KERNELS / name
+    for name in (
+        "simd.h", "bf16.h", "elements.h", "group_sum.h", "kernels.h", "gguf_blocks.h",
+        "gguf_simd.h", "gguf_avx2.h", "gguf_product.h",
+    )
+)  # fmt: skip
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 Kernel = Callable[..., torch.Tensor]
@@ -257,7 +262,8 @@ class QuantCall(ctypes.Structure):
     _fields_ = [
         ("x", _P), ("x_stride", _I), ("rows", _I), ("cols", _I), ("w", _P), ("bias", _P),
         ("outputs", _I), ("y", _P), ("y_stride", _I), ("bits", ctypes.c_int32),
-        ("bf16", ctypes.c_int32), ("paired", ctypes.c_int32),
+        ("bf16", ctypes.c_int32), ("paired", ctypes.c_int32), ("gguf_type", ctypes.c_int32),
+        ("w_stride", _I), ("next", _P),
     ]  # fmt: skip
 
 
@@ -316,9 +322,11 @@ def _build() -> Path:
     if compiler is None:
         raise FileNotFoundError("no C compiler (cc) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    # TRIODE_KERNEL_FLAGS: more flags after FLAGS, e.g. a test's build without AVX2
+    flags = [*FLAGS, *os.environ.get("TRIODE_KERNEL_FLAGS", "").split()]
     key = hashlib.sha256()
     parts = [*(path.read_bytes() for path in (*SOURCES, *HEADERS)), version.encode()]
-    for part in (*parts, " ".join(FLAGS).encode(), _cpu_flags()):
+    for part in (*parts, " ".join(flags).encode(), _cpu_flags()):
         key.update(part)
         key.update(b"\0")
     out = kernels_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
@@ -329,7 +337,7 @@ def _build() -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
+            [compiler, *flags, *map(str, SOURCES), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             text=True,

@@ -51,6 +51,8 @@ def row_invariant_from(model: nn.Module, most: int) -> int:
     shapes: dict[tuple[int, int], Any] = {}
     for module in model.modules():
         if isinstance(getattr(type(module), "rows", None), RowPaths):  # `layers.LinearBase`
+            if module.packed_only:  # only the file's blocks: no dense product to run
+                continue
             shapes.setdefault((module.input_size, module.output_size), module)
     generator = torch.Generator().manual_seed(0)
     least = 0

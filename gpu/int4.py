@@ -22,22 +22,12 @@ Without either, or for steps with many prompt rows, the dense weights.
 
 from __future__ import annotations
 
-import functools
-import logging
-from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import NamedTuple
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from . import cpu_kernels
-from .cache_paths import INT4_DIR, INT4_FILE
-
-log = logging.getLogger(__name__)
-
-Stored = TypeVar("Stored", bound=tuple)  # a weight as stored: a NamedTuple of tensors
 
 GROUP = 32  # inputs per block: GGUF's Q4 block and the kernel's group size
 # the most decode rows torch's kernel takes: up to 8 without AMX; beside AMX, which is faster
@@ -91,6 +81,27 @@ class Int4Weight(NamedTuple):
     def cat(parts: list[Int4Weight]) -> Int4Weight:
         """Row blocks stacked, as merged projections (q, k, v; gate, up) stack them."""
         return Int4Weight(*(torch.cat(tensors) for tensors in zip(*parts, strict=True)))
+
+    @staticmethod
+    def from_blocks(data: np.ndarray, with_minimum: bool) -> Int4Weight:
+        """GGUF Q4 rows -> Int4Weight. A Q4_1 block is d (f16), m (f16) and 16 bytes holding codes
+        0..15 in the low nibbles and 16..31 in the high ones; Q4_0 has no m and means m = -8 d."""
+        rows = data.shape[0]
+        size = 20 if with_minimum else 18
+        blocks = data.reshape(rows, -1, size)
+        scale = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
+        if with_minimum:
+            minimum = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
+        else:
+            minimum = -8 * scale
+        packed = blocks[..., size - 16 :]
+        codes = np.concatenate((packed & 15, packed >> 4), axis=-1).reshape(rows, -1)  # in order
+        pairs = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        return Int4Weight(
+            torch.from_numpy(np.ascontiguousarray(pairs, dtype=np.uint8)),
+            torch.from_numpy(np.ascontiguousarray(scale)),
+            torch.from_numpy(np.ascontiguousarray(minimum)),
+        )
 
 
 def torch_kernel_available(dtype: torch.dtype) -> bool:
@@ -165,119 +176,3 @@ class Int4Linear:
         if done != 0:
             raise ValueError(f"the AMX kernel refused a {list(self.shape)} weight")
         return y
-
-
-def load_int4_weights(model_dir: Path) -> dict[str, Int4Weight]:
-    """The int4 weights written beside a converted checkpoint, by Hugging Face weight name;
-    empty when there are none (a checkpoint that was not a GGUF file, or had no Q4 tensors)."""
-    return load_stored(model_dir / INT4_DIR / INT4_FILE, Int4Weight)
-
-
-def load_stored(path: Path, kind: type[Stored]) -> dict[str, Stored]:
-    """The weights of kind `kind` (a NamedTuple of tensors, `Int4Weight` or `int8.Int8Weight`)
-    in the safetensors file `path`, by Hugging Face weight name: entry `<name>.<field>` holds
-    each field; empty when there is no such file."""
-    if not path.is_file():
-        return {}
-    tensors = load_file(path)
-    names = {key.rsplit(".", 1)[0] for key in tensors}
-    return {name: kind(*(tensors[f"{name}.{f}"] for f in kind._fields)) for name in names}
-
-
-# --- conversion -------------------------------------------------------------------------------
-
-
-def extract_gguf_int4(
-    reader: Any, processor: Any, names: dict[str, str], dense: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """The Q4_0/Q4_1 projections of the GGUF file `reader` reads as safetensors entries
-    (`<hf name>.codes`, `.scale`, `.minimum`), each kept only if it dequantizes to exactly
-    `dense[hf name]`.
-
-    Names and row order come from the conversion's own mapping (`processor`, transformers'
-    tensor processor, which un-permutes llama.cpp's rotary layout of Q and K by whole rows;
-    `names`, GGUF name -> Hugging Face name), applied to row indices instead of values. A
-    tensor that mapping does not move by whole rows stays dense-only, as do 3-D tensors (a MoE
-    layer's stacked experts) and tensors of other formats.
-    """
-    # only a conversion reads GGUF: the model runner imports this module and would otherwise
-    # pay about 0.3 s more for gguf
-    from gguf import GGMLQuantizationType
-
-    parsers = {
-        GGMLQuantizationType.Q4_0: functools.partial(_from_blocks, with_minimum=False),
-        GGMLQuantizationType.Q4_1: functools.partial(_from_blocks, with_minimum=True),
-    }
-    return extract_stored(reader, processor, names, dense, parsers)
-
-
-def extract_stored(
-    reader: Any,
-    processor: Any,
-    names: dict[str, str],
-    dense: dict[str, torch.Tensor],
-    parsers: Mapping[Any, Callable[[np.ndarray], Any]],
-) -> dict[str, torch.Tensor]:
-    """The 2-D tensors of the GGUF file `reader` reads whose format `parsers` names, each
-    parsed from its blocks (into a NamedTuple of tensors with a `dequantize()`) as safetensors
-    entries `<hf name>.<field>`, kept only if it dequantizes to exactly `dense[hf name]`; rows
-    in the order `_row_order` finds."""
-    out: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        parse = parsers.get(tensor.tensor_type)
-        if parse is None or tensor.data.ndim != 2:
-            continue
-        found = _row_order(processor, names, tensor.name, tensor.data.shape[0])
-        if found is None:
-            continue
-        name, order = found
-        weight = parse(np.asarray(tensor.data)[order])
-        reference = dense.get(name)
-        if reference is None or not torch.equal(weight.dequantize(), reference.float()):
-            log.warning("%s: its codes do not reproduce %s; it stays dense", tensor.name, name)
-            continue
-        out |= {f"{name}.{field}": t for field, t in zip(weight._fields, weight, strict=True)}
-    return out
-
-
-def _row_order(
-    processor: Any, names: dict[str, str], gguf_name: str, rows: int
-) -> tuple[str, np.ndarray] | None:
-    """(Hugging Face name, GGUF row of each Hugging Face row) or None when the mapping does more
-    than reorder rows."""
-    index = np.arange(rows, dtype=np.float64)[:, None]
-    try:
-        result = processor.process(
-            weights=index, name=gguf_name, tensor_key_mapping=names, parsed_parameters={}
-        )
-    except Exception:  # a processor that needs more than rows to work on: not ours to move
-        return None
-    name = names.get(result.name)
-    moved = np.asarray(result.weights)
-    if name is None or moved.shape != (rows, 1):
-        return None
-    order = moved[:, 0].astype(np.int64)
-    if not np.array_equal(np.sort(order), np.arange(rows)):
-        return None
-    return name, order
-
-
-def _from_blocks(data: np.ndarray, with_minimum: bool) -> Int4Weight:
-    """GGUF Q4 rows -> Int4Weight. A Q4_1 block is d (f16), m (f16) and 16 bytes holding codes
-    0..15 in the low nibbles and 16..31 in the high ones; Q4_0 has no m and means m = -8 d."""
-    rows = data.shape[0]
-    size = 20 if with_minimum else 18
-    blocks = data.reshape(rows, -1, size)
-    scale = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
-    if with_minimum:
-        minimum = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0]
-    else:
-        minimum = -8 * scale
-    packed = blocks[..., size - 16 :]
-    codes = np.concatenate((packed & 15, packed >> 4), axis=-1).reshape(rows, -1)  # in order
-    pairs = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return Int4Weight(
-        torch.from_numpy(np.ascontiguousarray(pairs, dtype=np.uint8)),
-        torch.from_numpy(np.ascontiguousarray(scale)),
-        torch.from_numpy(np.ascontiguousarray(minimum)),
-    )

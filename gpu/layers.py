@@ -8,7 +8,6 @@ per process, in one tensor-parallel group per pipeline stage); elsewhere this is
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -74,6 +73,7 @@ class LinearBase(nn.Module):
     packed: torch.Tensor | None = None  # W in oneDNN's layout once `pack_for_cpu` ran
     int4: Int4Linear | None = None  # W's 4-bit codes for torch's and AMX's kernels (`int4.py`)
     quant: QuantRows | None = None  # W's GGUF blocks for the decode rows (`quant_matmul.py`)
+    stored: Quantized | None = None  # W as the GGUF file stores it, where a kernel took it
     rows: RowPaths = RowPaths()  # the model's, once the runner shares it (`share_row_paths`)
     lora: LoraRuns = LoraRuns()  # the step's adapter runs, once shared (`LoraStore.share`)
     lora_slot: int = -1  # this projection's index in each adapter's weights
@@ -157,17 +157,26 @@ class LinearBase(nn.Module):
         rest = x[n:]
         if four_bit.amx is not None and self.rows.wide:
             rest = four_bit.wide(rest, bias)
+        elif self.packed_only:
+            rest = four_bit(rest, bias)
         else:
             rest = self._dense(rest, bias)
         return torch.cat([four_bit(x[:n], bias), rest]) if n else rest
+
+    @property
+    def packed_only(self) -> bool:
+        """Whether W lives only as the file stores it (no dense copy: every row takes it)."""
+        return self.weight.numel() == 0 and self.packed is None
 
     def _quantized(
         self, quant: QuantRows, x: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """Rows from W's GGUF blocks, `max_rows` at a time (a row's result is the same at any
         count): all of a float32 step's (faster than MKL's float32 product at any row count
-        measured), a bfloat16 step's decodes (`rows.decodes`; the rest oneDNN's bfloat16)."""
-        n = x.shape[0] if x.dtype == torch.float32 else self.rows.decodes
+        measured) and of a weight kept only as stored, a bfloat16 step's decodes
+        (`rows.decodes`; the rest oneDNN's bfloat16)."""
+        every = x.dtype == torch.float32 or self.packed_only
+        n = x.shape[0] if every else self.rows.decodes
         if n == x.shape[0]:
             return quant.in_turns(x, bias)
         rest = self._dense(x[n:], bias)
@@ -189,7 +198,10 @@ class LinearBase(nn.Module):
         return y if bias is None else y.add_(bias)
 
     def pack_for_cpu(self) -> None:
-        """Keep W only in oneDNN's blocked layout (see `pack_cpu_weights`)."""
+        """Keep W only in oneDNN's blocked layout (see `pack_cpu_weights`); nothing where W is
+        kept only as the file stores it."""
+        if self.weight.numel() == 0:
+            return
         self.packed = pack_cpu_weight(self.weight)
         self.weight.data = self.weight.data.new_empty(0)  # the packed copy replaces it
 
@@ -211,12 +223,16 @@ class LinearBase(nn.Module):
             self.int4 = kernel
         else:
             self.quant = kernel
+        self.stored = weight if kernel is not None else None
         return kernel is not None
 
     def detach_quantized(self) -> bool:
-        """Drop the quantized weight (the dense one takes new values); whether there was one."""
+        """Drop the quantized weight (the dense one takes new values, dequantized from it first
+        where it was the only copy); whether there was one."""
         had = self.int4 is not None or self.quant is not None
-        self.int4 = self.quant = None
+        if had and self.packed_only and self.stored is not None:
+            self.weight.data = self.stored.dequantize().to(self.weight.dtype)
+        self.int4 = self.quant = self.stored = None
         return had
 
 
@@ -352,97 +368,6 @@ class RowParallelLinear(LinearBase):
         if self.tp_size > 1:
             parallel_state.tp_all_reduce(y)
         return y
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Embedding rows split across ranks by contiguous vocabulary ranges.
-
-    Each rank looks up the ids in its range, zeroes the rest, and an all-reduce assembles the rows.
-    """
-
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        super().__init__()
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
-        self.num_embeddings = num_embeddings
-        self.shard_size = math.ceil(num_embeddings / self.tp_size)
-        self.vocab_start = self.tp_rank * self.shard_size
-        self.vocab_end = min(self.vocab_start + self.shard_size, num_embeddings)
-        self.weight = _parameter((self.shard_size, embedding_dim), self.weight_loader)
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        shard = loaded_weight[self.vocab_start : self.vocab_end]
-        param.data.zero_()  # rows past the vocabulary on the last rank stay zero
-        default_weight_loader(param.data[: len(shard)], shard)  # type: ignore[arg-type]
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
-        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        y = F.embedding((input_ids - self.vocab_start) * mine, self.weight) * mine.unsqueeze(-1)
-        parallel_state.tp_all_reduce(y)
-        return y
-
-
-class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection; with tied embeddings its weight is the embedding's parameter."""
-
-    packed: torch.Tensor | None = None
-    quant: QuantRows | None = None  # the GGUF file's own blocks of the weight (`quant_matmul`)
-
-    def pack_for_cpu(self) -> None:
-        """A oneDNN-blocked copy for the projection; the plain weight stays for the embedding
-        it is tied to."""
-        self.packed = pack_cpu_weight(self.weight)
-
-    def unpack(self) -> None:
-        """Drop the oneDNN copy, so the plain weight (kept) can take new values."""
-        self.packed = None
-
-    def attach_quantized(self, weight: Quantized) -> bool:
-        """Project from `weight`, the whole checkpoint tensor as the GGUF file stores it (this
-        rank's vocabulary rows of it; past the vocabulary, zero rows as the dense weight has);
-        returns whether a kernel took it. The embedding keeps reading the dense weight."""
-        rows = weight.rows(self.vocab_start, self.vocab_end - self.vocab_start)
-        if missing := self.shard_size - rows.shape[0]:
-            zeros = type(rows)(*(t.new_zeros(missing, *t.shape[1:]) for t in rows))
-            rows = type(rows).cat([rows, zeros])
-        kernel = quantized_kernel(rows, self.weight.dtype)
-        self.quant = kernel if isinstance(kernel, QuantRows) else None
-        return self.quant is not None
-
-    def detach_quantized(self) -> bool:
-        had, self.quant = self.quant is not None, None
-        return had
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits over the whole vocabulary on TP rank 0; None on the other ranks."""
-        if self.quant is not None:
-            logits = self.quant.in_turns(hidden)
-        elif self.packed is not None:
-            logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed, None, "none", [], "")
-        elif (few := few_rows_product(hidden, self.weight)) is not None:
-            logits = few
-        elif hidden.device.type == "cpu" and hidden.shape[0] > 1:
-            # MKL blocks a vocabulary-wide output badly: 1024-row slices of the weight measured
-            # 1.4x faster at 8-64 rows (a single row is memory-bound either way)
-            parts = [F.linear(hidden, w) for w in self.weight.split(1024)]
-            logits = torch.cat(parts, dim=-1)
-        else:
-            logits = F.linear(hidden, self.weight)
-        if self.tp_size > 1:
-            # only the sampling rank (TP rank 0) needs the whole vocabulary: a gather, not an
-            # all-gather
-            group = tp_group()
-            dst = dist.get_global_rank(group, 0) if group is not None else 0
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            dist.gather(logits, parts if self.tp_rank == 0 else None, dst=dst, group=group)
-            if self.tp_rank != 0:
-                return None
-            logits = torch.cat(parts, dim=-1)
-        return logits[..., : self.num_embeddings]
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        raise TypeError("ParallelLMHead projects hidden states: call compute_logits")
 
 
 class RMSNorm(nn.Module):

@@ -1,12 +1,13 @@
-"""Where a model's weights come from: a Hugging Face directory, a GGUF file converted once, or
+"""Where a model's weights come from: a Hugging Face directory, a GGUF file served in place, or
 the random-weight `tiny-random` model built once.
 
-The model runner reads only Hugging Face directories (config.json, *.safetensors, tokenizer
-files). A GGUF file is dequantized through transformers into such a directory under
-`$TRIODE_CACHE/converted/` (`cache_paths`), keyed by the file's path, size and mtime (and the
-layout version of the directory), so a replaced file converts again and an unchanged one
-resolves in milliseconds. The directory also keeps the file's 4-bit projections and its Q8_0
-tensors as they were stored (`int4/`, see `int4.py` and `int8.py`). The name `tiny-random` is
+The model runner reads Hugging Face directories (config.json, *.safetensors, tokenizer
+files). For a GGUF file such a directory under `$TRIODE_CACHE/converted/` (`cache_paths`),
+keyed by the file's path, size and mtime (and the layout version of the directory), holds what
+transformers makes of the file's metadata (config, tokenizer, sampling defaults), the few
+tensors the model keeps dense, and the manifest of the weights read from the file itself where
+they lie (`gguf_file`), so a replaced file converts again and an unchanged one resolves in
+milliseconds. The name `tiny-random` is
 a two-layer Llama with random weights under `$TRIODE_CACHE/tiny-random/`: the model costs next
 to nothing, so a benchmark of it measures everything around the model. Both are written into a
 temporary directory renamed into place at the end: concurrent starts never see half a model,
@@ -24,15 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .cache_paths import (
-    INT4_DIR,
-    INT4_FILE,
-    Q8_FILE,
-    TINY_RANDOM,
-    converted_dir,
-    default_gguf,
-    tiny_random_dir,
-)
+from .cache_paths import TINY_RANDOM, converted_dir, default_gguf, tiny_random_dir
 from .models.architectures import CheckpointMismatch
 from .tiny_model import build_tiny_model
 
@@ -70,6 +63,30 @@ def convert_gguf(gguf: Path) -> Path:
     return build_once(converted_dir(gguf), lambda tmp: _write_hf_dir(gguf, tmp))
 
 
+def transformers_directory(model_dir: Path) -> Path:
+    """`model_dir` as transformers reads a checkpoint: itself, or for a GGUF file's converted
+    directory a sibling holding every weight of the file dequantized to float32 (written once,
+    the size of a dense copy: for references and tools, never for serving)."""
+    # torch (through gguf_file) only for a GGUF file's directory, as in `_write_hf_dir`
+    from .gguf_file import MANIFEST, ORDERS
+
+    if not (model_dir / MANIFEST).is_file():
+        return model_dir
+
+    def write(tmp: Path) -> None:
+        from safetensors.torch import save_file  # a conversion's import, as in `_write_hf_dir`
+
+        from .model_files import checkpoint_weights
+
+        for path in model_dir.iterdir():
+            if path.is_file() and path.name not in (MANIFEST, ORDERS, "model.safetensors"):
+                shutil.copy2(path, tmp / path.name)
+        tensors = {name: t.contiguous() for name, t in checkpoint_weights(model_dir)}
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+
+    return build_once(model_dir.with_name(model_dir.name + "-dense"), write)
+
+
 def tiny_random() -> Path:
     """Build the `tiny-random` model unless that was done before; return its directory.
 
@@ -104,18 +121,20 @@ def build_once(out: Path, write: Callable[[Path], None]) -> Path:
 
 
 def _write_hf_dir(gguf: Path, out: Path) -> None:
-    """Dequantize to float32 safetensors plus config and tokenizer, and keep the 4-bit
-    projections and the Q8_0 tensors as stored in `int4/`.
+    """Write config, tokenizer and the manifest of the file's weights (`gguf_file`): the
+    weights stay in the file, read in place at load, but for the few the model keeps dense
+    (float32 norms, tensors whose values the mapping changes, stacked experts), which go to
+    `model.safetensors` dequantized to float32.
 
-    transformers' own GGUF mapping does the names, the dequantization and each architecture's
-    fix-ups (llama's rotary row order, Gemma's norms, stacked experts); it is driven with a
-    meta-device skeleton of the model instead of `from_pretrained(gguf_file=...)`, which would
-    need `accelerate`, materialise the model twice and refuse to save it. The weights are saved
-    as the model's `save_pretrained` lays them out (experts one tensor each, by their checkpoint
-    names), as a Hugging Face directory of the family holds them.
+    transformers' own GGUF mapping does the names, each architecture's fix-ups (llama's rotary
+    row order, Gemma's norms, stacked experts) and the dense tensors' dequantization; it is
+    driven with a meta-device skeleton of the model instead of `from_pretrained(gguf_file=...)`,
+    which would need `accelerate`, materialise the model twice and refuse to save it. The dense
+    weights are saved as the model's `save_pretrained` lays them out (experts one tensor each,
+    by their checkpoint names), as a Hugging Face directory of the family holds them.
 
-    torch and transformers (and int4 and int8, which import torch) are imported here, only for a
-    conversion: resolving a model converted before takes milliseconds, without them.
+    torch and transformers are imported here, only for a conversion: resolving a model
+    converted before takes milliseconds, without them.
     """
     import torch
     from gguf import GGUFReader
@@ -123,28 +142,20 @@ def _write_hf_dir(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
 
-    from .int4 import extract_gguf_int4
-    from .int8 import extract_gguf_q8_0
+    from .gguf_file import write_manifest
 
     # gguf's reader parses every metadata array on opening (a large vocabulary takes seconds):
-    # one reader serves the config's fixes, the tensors and the 4- and 8-bit codes
+    # one reader serves the config's fixes and the tensors
     reader = GGUFReader(gguf)
     config = _complete_config(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name), reader)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(skeleton).__name__]
     processor, names = _tensor_mapping(reader, skeleton)
-    tensors = _dequantized(reader, processor, names, skeleton)
-    stored = {
-        INT4_FILE: extract_gguf_int4(reader, processor, names, tensors),
-        Q8_FILE: extract_gguf_q8_0(reader, processor, names, tensors),
-    }
+    entries, orders, tensors = _split_tensors(reader, processor, names, skeleton)
     tensors = {k: t.contiguous() for k, t in revert_weight_conversion(skeleton, tensors).items()}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    for file, codes in stored.items():
-        if codes:
-            (out / INT4_DIR).mkdir(exist_ok=True)
-            save_file(codes, out / INT4_DIR / file, metadata={"format": "pt"})
+    write_manifest(gguf, entries, orders, out)
     config.save_pretrained(out)
     _tokenizer(gguf, reader).save_pretrained(out)
     defaults = _sampling_defaults(reader)
@@ -295,19 +306,38 @@ def _tensor_mapping(reader: Any, skeleton: Any) -> tuple[Any, dict[str, str]]:
     return processor, get_gguf_hf_weights_map(skeleton, processor)
 
 
-def _dequantized(
+def _split_tensors(
     reader: Any, processor: Any, names: dict[str, str], skeleton: Any
-) -> dict[str, Any]:
-    """The file's tensors dequantized to float32 under the skeleton's names (what
-    transformers' `load_gguf_checkpoint` does, with this file's mapping); CheckpointMismatch
-    when a parameter of the model gets no tensor (a tied LM head excepted)."""
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    """The file's tensors under the skeleton's names, split: (manifest entries of the weights
+    kept packed in the file, their row orders where the mapping moves rows, the dense tensors
+    dequantized to float32 as transformers' `load_gguf_checkpoint` makes them).
+    CheckpointMismatch when a parameter of the model gets no tensor (a tied LM head excepted)."""
     # a conversion's imports, as in `_write_hf_dir`
     import numpy as np
     import torch
     from gguf import dequantize
 
+    # a conversion's import, as in `_write_hf_dir`
+    from .gguf_file import keeps_packed
+
+    entries: list[dict[str, Any]] = []
+    orders: dict[str, Any] = {}
     parsed: dict[str, Any] = {"tensors": {}}
     for tensor in reader.tensors:
+        kind, dims = int(tensor.tensor_type), [int(d) for d in tensor.shape]
+        found = None
+        if keeps_packed(kind, len(dims)):
+            found = _row_order(processor, names, tensor.name, dims[1])
+        if found is not None:
+            name, order = found
+            entries.append(
+                {"name": name, "kind": kind, "offset": int(tensor.data_offset),
+                 "rows": dims[1], "cols": dims[0]}
+            )  # fmt: skip
+            if not np.array_equal(order, np.arange(dims[1])):
+                orders[name] = torch.from_numpy(order)
+            continue
         result = processor.process(
             weights=dequantize(tensor.data, tensor.tensor_type),
             name=tensor.name,
@@ -319,10 +349,33 @@ def _dequantized(
             parsed["tensors"][names[result.name]] = torch.from_numpy(np.copy(weights))
     tensors: dict[str, Any] = parsed["tensors"]
     tied = "lm_head.weight" if skeleton.config.tie_word_embeddings else None
-    missing = sorted(set(skeleton.state_dict()) - set(tensors) - {tied})
+    present = set(tensors) | {entry["name"] for entry in entries}
+    missing = sorted(set(skeleton.state_dict()) - present - {tied})
     if missing:
         raise CheckpointMismatch(
             f"the GGUF file has no tensor for {len(missing)} parameters of "
             f"{type(skeleton).__name__}: {', '.join(missing[:4])}"
         )
-    return tensors
+    return entries, orders, tensors
+
+
+def _row_order(processor: Any, names: dict[str, str], gguf_name: str, rows: int) -> Any:
+    """(Hugging Face name, GGUF row of each Hugging Face row) or None when the mapping does more
+    than reorder rows: the processor runs on the row indices instead of the values."""
+    import numpy as np  # a conversion's import, as in `_write_hf_dir`
+
+    index = np.arange(rows, dtype=np.float64)[:, None]
+    try:
+        result = processor.process(
+            weights=index, name=gguf_name, tensor_key_mapping=names, parsed_parameters={}
+        )
+    except Exception:  # a processor that needs more than rows to work on: not ours to move
+        return None
+    name = names.get(result.name)
+    moved = np.asarray(result.weights)
+    if name is None or moved.shape != (rows, 1):
+        return None
+    order = moved[:, 0].astype(np.int64)
+    if not np.array_equal(np.sort(order), np.arange(rows)):
+        return None
+    return name, order

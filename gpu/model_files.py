@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .gguf_file import has_manifest, packed_weights
+
 
 def context_limit(config: object, requested: int | None) -> int:
     """The context limit: the model's, capped by the request. A sliding window does not cap
@@ -45,3 +47,12 @@ def safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def checkpoint_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a model directory, by name, one at a time: its safetensors files' and,
+    for a GGUF file's directory, the file's own weights dequantized to float32."""
+    yield from safetensors_weights(model_dir)
+    if has_manifest(model_dir):
+        for name, weight in packed_weights(model_dir):
+            yield name, weight.dequantize()

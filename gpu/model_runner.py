@@ -7,6 +7,7 @@ projects to logits only the rows that sample or want prompt logprobs, and sample
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from triode.wire import (
     SchedulerOutput,
 )
 
-from . import cpu_kernels, int4, int8, parallel_state
+from . import cpu_kernels, int4, parallel_state
 from .batch import Batch, flatten, prompt_embeds
 from .cpu_paths import (
     cpu_weight_packing_supported,
@@ -41,13 +42,15 @@ from .kv.connector import FinishedTransfers, KVConnectorWorker
 from .loader import resolve_model
 from .lora.config import lora_config_of
 from .lora.store import LoraStore, start_lora_step
-from .model_files import context_limit, eos_token_ids, safetensors_weights
+from .model_files import context_limit, eos_token_ids
 from .models.llama import head_dim, parameter_defaults
 from .models.registry import model_class
-from .quant_matmul import Quantized
 from .sampler import Sampler, compute_logprobs
 from .sampling_state import SamplingState
 from .step_sampling import Drawn, draw, logit_rows
+from .stored_weights import attach_stored, load_checkpoint
+
+log = logging.getLogger(__name__)
 
 # the most rows steps with prompt tokens pad their dense products to (see
 # cpu_paths.RowPaths.dense_min and row_invariant_from)
@@ -80,7 +83,7 @@ class ModelRunner:
     as `kv_cache_memory` bytes hold over all layers), `max_model_len`, `eos_token_id` (and
     `extra_eos_token_ids`, the model's other end-of-sequence ids), `vocab_size`; and `dtype`,
     `device` as resolved. `quantization` "auto" runs the projections and the LM head a
-    converted GGUF file kept as stored (`int4.py`, `int8.py`) where this device has a kernel
+    GGUF file as it stores them (`gguf_file`, `quant_matmul`) where this device has a kernel
     for them; "dense-head" the projections only; "none" runs the dequantized weights only.
     `device` None means CUDA when present; `num_threads` None means every CPU this process may
     run on (CPU only). `lora_config` (None: LoRA off) sets the limits of the LoRA adapters
@@ -171,10 +174,11 @@ class ModelRunner:
             torch.no_grad(),
         ):
             model = model_class(self.config)(self.config, max_position=self.max_model_len)
-            model.load_weights(safetensors_weights(weights_dir))  # raising, it keeps the old
+            # raising, it keeps the old model
+            count = load_checkpoint(model, weights_dir, self.dtype, self._stored_kernels())
             self.model = model
             self.pack_weights()
-            self.quantized_projections = self.attach_quantized(weights_dir)
+            self.quantized_projections = count
         self._row_paths = share_row_paths(self.model)
         if self._dense_min is None:
             self._dense_min = row_invariant_from(self.model, DENSE_MIN_ROWS)
@@ -213,16 +217,15 @@ class ModelRunner:
         return 0
 
     def attach_quantized(self, weights_dir: Path) -> int:
-        """Attach the weights `weights_dir` keeps as the GGUF file stored them (`int4.py`,
-        `int8.py`) where this device has a kernel for them and the quantization allows;
-        returns how many projections took them."""
+        """`stored_weights.attach_stored` for this runner's model (an update from disk)."""
+        return attach_stored(self.model, weights_dir, self.dtype, self._stored_kernels())
+
+    def _stored_kernels(self) -> str | None:
+        """The quantization stored weights run under on this device ("auto", "dense-head"), or
+        None where they do not (asked for "none", or no kernel for this dtype and device)."""
         if self.quantization == "none" or not int4.kernel_available(self.dtype, self.device):
-            return 0
-        weights: dict[str, Quantized] = {**int4.load_int4_weights(weights_dir)}
-        weights |= int8.load_int8_weights(weights_dir)
-        if self.quantization == "dense-head" and self.model.lm_head is not None:
-            weights.pop(self.model.lm_head_source(), None)
-        return self.model.load_quantized_weights(weights)
+            return None
+        return self.quantization
 
     @classmethod
     def from_engine_args(cls, engine_args: Mapping[str, Any], **placement: Any) -> ModelRunner:

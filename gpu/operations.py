@@ -23,7 +23,7 @@ from triode.wire import OperationError
 
 from .lora.store import LoraStore
 from .memory import free_model, memory_report, model_tensors, release_memory, tensor_bytes
-from .model_files import safetensors_weights
+from .model_files import checkpoint_weights
 from .model_runner import ModelRunner
 from .profiling import Profiler
 from .weight_transfer import WeightTransfer
@@ -179,7 +179,7 @@ class Operations:
         if "weights" in runner.sleeping:
             self.source = path
             return self._report(**result, int4_detached=0, int4_attached=0)
-        written, detached = write_weights(runner.model, safetensors_weights(path), names)
+        written, detached = write_weights(runner.model, checkpoint_weights(path), names)
         runner.quantized_projections -= detached
         runner.pack_weights()
         with torch.no_grad():

@@ -1,4 +1,8 @@
-"""Projections of a few rows from a GGUF file's own 4- and 8-bit weights, on any CPU.
+"""Projections of a few rows from a GGUF file's own weights, on any CPU.
+
+Every type a GGUF file stores its weights in runs from its blocks as they lie (`GgufRows`,
+`gguf_matmul.c`); Q4_0, Q4_1 and Q8_0 weights take the older kernels below over a layout of
+their codes repacked at load.
 
 `quant_matmul.c` reads Q4_0 / Q4_1 (`int4.Int4Weight`) and Q8_0 (`int8.Int8Weight`) blocks as
 stored, widens the codes in registers and applies each group's scale and minimum once per
@@ -16,11 +20,14 @@ import ctypes
 
 import torch
 
-from . import cpu_kernels
+from . import cpu_kernels, gguf_kernels
+from .gguf_weight import Q4_0, Q4_1, Q8_0, GgufStack, GgufWeight, Packed
 from .int4 import GROUP, Int4Linear, Int4Weight, torch_kernel_available
 from .int8 import Int8Weight
 
-Quantized = Int4Weight | Int8Weight  # a weight as a GGUF file stores it
+# a weight as a GGUF file stores it: its blocks as they lie (`gguf_weight`), or Q4_0 / Q4_1 /
+# Q8_0 codes repacked for `quant_matmul.c`'s own layout
+Quantized = Int4Weight | Int8Weight | GgufWeight | GgufStack
 
 
 class QuantRows:
@@ -125,14 +132,76 @@ class QuantRows:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+class GgufRows(QuantRows):
+    """y = x W^T + bias for 1 to `max_rows` rows of x (float32 or bfloat16, y the same), W the
+    GGUF file's blocks as they lie (`gguf_matmul.c` through `quant_matmul.c`'s entry, which
+    `decode_stack.c` calls too), a stack's parts one after the other."""
+
+    def __init__(self, weight: Packed) -> None:
+        kernel = cpu_kernels.quant_matmul()
+        assert kernel is not None
+        self.parts = weight.parts if isinstance(weight, GgufStack) else (weight,)
+        for part in self.parts:
+            if part.kind not in gguf_kernels.SUPPORTED or part.data.stride(1) != 1:
+                raise ValueError(f"no kernel for a weight of GGML type {part.kind}")
+        self.kernel, self.max_rows = kernel, min(kernel.max_rows, gguf_kernels.max_rows())
+        self.packed, self.bits, self.paired = self.parts[0].data, 0, False
+        self.shape = weight.shape
+        # each part after the first as the C side follows it from the one before
+        self._rest = [self._part_call(part) for part in self.parts[1:]]
+        for call, after in zip(self._rest, self._rest[1:], strict=False):
+            call.next = ctypes.addressof(after)
+        self._call = self.weight_call()
+        self._call_ref = ctypes.byref(self._call)
+
+    @staticmethod
+    def _part_call(part: GgufWeight) -> cpu_kernels.QuantCall:
+        return cpu_kernels.QuantCall(
+            cols=part.cols, w=part.data.data_ptr(), outputs=part.shape[0], bits=0,
+            gguf_type=part.kind, w_stride=part.data.stride(0),
+        )  # fmt: skip
+
+    def weight_call(self) -> cpu_kernels.QuantCall:
+        call = self._part_call(self.parts[0])
+        if self._rest:
+            call.next = ctypes.addressof(self._rest[0])
+        return call
+
+
+def as_repacked(weight: GgufWeight) -> Int4Weight | Int8Weight | None:
+    """A Q4_0 / Q4_1 / Q8_0 weight's codes for `quant_matmul.c`'s own layout (and torch's and
+    AMX's 4-bit kernels), tuned for those types before the GGUF kernels read every type as it
+    lies; None for other types."""
+    if weight.kind in (Q4_0, Q4_1):
+        return Int4Weight.from_blocks(weight.data.numpy(), with_minimum=weight.kind == Q4_1)
+    if weight.kind == Q8_0:
+        return Int8Weight.from_blocks(weight.data.numpy())
+    return None
+
+
 def quantized_kernel(weight: Quantized, dtype: torch.dtype) -> Int4Linear | QuantRows | None:
     """The kernel a CPU projection of `dtype` runs `weight` with, or None (dense only).
+
+    A GGUF weight of Q4_0, Q4_1 or Q8_0 takes the kernels below through its repacked codes;
+    every other type the file's blocks as they lie (`GgufRows`), float32 and bfloat16 rows.
 
     bfloat16 4-bit weights where the CPU has AMX: torch's 4-bit kernel and AMX's
     (`int4.Int4Linear`, faster there past a few rows); else `quant_matmul.c` for float32 and
     bfloat16 rows, 4- and 8-bit (bfloat16 rows on paired codes where the build has
     `quant_paired.c`), or torch's 4-bit kernel for bfloat16 where that is not built.
     """
+    if isinstance(weight, GgufWeight):
+        weight = as_repacked(weight) or weight
+    if isinstance(weight, GgufWeight | GgufStack):
+        parts = weight.parts if isinstance(weight, GgufStack) else (weight,)
+        kernel = cpu_kernels.quant_matmul()
+        if (
+            kernel is None
+            or dtype not in (torch.float32, torch.bfloat16)
+            or any(p.kind not in gguf_kernels.SUPPORTED for p in parts)
+        ):
+            return None
+        return GgufRows(weight)
     four_bit = isinstance(weight, Int4Weight)
     torch_kernel = torch_kernel_available(dtype)
     if four_bit and torch_kernel and cpu_kernels.int4_amx_matmul() is not None:

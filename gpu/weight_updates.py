@@ -21,6 +21,7 @@ from transformers import AutoConfig
 
 from triode.wire import OperationError
 
+from .gguf_file import has_manifest, stored_shapes
 from .layers import LinearBase
 from .models.llama import LlamaForCausalLM, head_dim
 
@@ -161,6 +162,16 @@ class Architecture:
                         self.check_tensor(name, tensor.get_shape(), dtype, dtype in FLOATING)
             except (SafetensorError, OSError) as e:
                 raise invalid(f"{file}: {e}") from None
+        if has_manifest(path):  # a GGUF file's directory: the file's weights, by its manifest
+            try:
+                shapes = stored_shapes(path)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise invalid(f"{path}: its GGUF manifest is unreadable: {e}") from None
+            for name, shape in shapes.items():
+                if name in found:
+                    raise invalid(f"tensor {name!r} is in {found[name]} and the GGUF file")
+                found[name] = "the GGUF file"
+                self.check_tensor(name, list(shape), "F32", True)
         missing = [n for n in self.required if n not in found and model.checkpoint_targets(n)]
         if missing:
             raise invalid(f"{path} lacks {len(missing)} tensors of the model: {missing[:4]}")
@@ -213,7 +224,7 @@ def write_weights(
     touched = _holders(model, targets)
     for module_name, (module, weight) in touched.items():
         if weight and isinstance(module, LinearBase) and module.packed is None:
-            if module.weight.numel() == 0:
+            if module.weight.numel() == 0 and module.stored is None:
                 raise OperationError(
                     "unsupported", f"{module_name} keeps no dense weight to take new values"
                 )

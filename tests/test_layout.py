@@ -46,6 +46,7 @@ STRING_IMPORTS = {
     "triode.edge.api_servers:serve_api_server",
     "triode.edge.bench.ab",
     "triode.edge.bench.frontend",
+    "triode.edge.bench.gguf_models",
     "triode.edge.bench.lora",
     "triode.edge.bench.llamacpp",
     "triode.edge.bench.spec",

@@ -1,81 +1,76 @@
-"""`triode bench llamacpp`: triode and llama.cpp on one GGUF file, one workload, one run.
+"""`triode bench llamacpp`: triode beside llama.cpp's own server on GGUF files, one at a time.
 
-Starts llama-cpp-python's OpenAI-compatible server (`python -m llama_cpp.server`, run by
-`--llamacpp PYTHON`, a virtual environment with `llama-cpp-python[server]`; by default
-`$TRIODE_CACHE/llamacpp-venv`) on the GGUF file (`--model`, by default triode's default model
-file), streams the workload at each of `--concurrencies`, stops it, then does the same with
-`triode serve` on the same file. The two never share the CPUs. `--rounds R` repeats the pair R
-times; the table holds each figure's median over the rounds and the median of the rounds' ratios,
-so that a shared machine's drift over minutes, which moves both servers of a round alike, drops
-out.
+For each `--model` file and each of `--rounds` rounds, starts llama.cpp's C++ server
+`llama-server` (`--llama-server`, by default `$TRIODE_CACHE/llama.cpp-build/bin/llama-server`,
+which `make llama-server` builds), streams the workload at each of `--concurrencies`, stops it,
+then does the same with `triode serve` on the file; the next round starts with triode, and so
+on, alternating. The servers never share the CPUs. llama-server batches continuously over a
+fixed number of slots (`--parallel`): it is started anew for each stream count N with N slots,
+each holding one request's context. triode takes any number of streams, so one start serves all
+stream counts of a round.
 
-The workload is `bench serve`'s: greedy completions of exactly `--output-len` tokens. triode gets
-it as `bench serve` sends it (`ignore_eos`). llama-cpp-python's server has no `ignore_eos`; it is
-asked for `min_tokens` = `max_tokens` (its end-of-sequence token masked until then) and no
-repetition penalty (its default is 1.1). Its stream carries no usage, so its tokens are counted
-from the stream: one chunk per token, but for tokens that only together make a UTF-8 character.
-The table's last lines give each server's tokens per request, which show that both did the same
-work.
+The workload is `bench serve`'s: greedy completions of exactly `--output-len` tokens
+(`ignore_eos`) for `--prompts-per-stream` prompts per stream. Both servers get the same request
+and report the same usage, which is what is counted.
+
+Each server is measured from outside: its start time (from starting the process to its first
+`GET /health` 200; triode's first start on a file may include converting it), and the peak of its
+process tree's resident memory while the workload runs (the sum of `VmRSS` over the server and
+all its descendants, whichever session they run in, sampled every 0.25 s; pages that processes
+share count once per process). The machine's CPU time that other processes used meanwhile
+(neither the server's tree nor this client) is printed below each table: on a shared machine,
+a figure taken while others were busy is not comparable, llama.cpp's least (its threads wait for
+each other at every step).
 
 llama.cpp runs `--llamacpp-threads` threads, by default every CPU of this process's affinity.
-They wait for each other at every step: on 2 CPUs with one busy with other work, 2 threads decoded
-SmolLM2-135M at 3 tokens per second and 1 thread at 32, so on a shared machine fewer threads can
-be llama.cpp's fairer figure.
 
-llama-cpp-python's server runs one request at a time: at 8 streams the other seven wait in its
-queue, so its TTFT grows with the streams and its tokens per second do not; triode batches them.
+`--llamacpp-python PYTHON` adds llama-cpp-python's OpenAI server (run by PYTHON, a virtual
+environment with `llama-cpp-python[server]`), started once per round like triode; it runs one
+request at a time, so at N streams N - 1 wait in its queue. It gets a table of its own.
 
-Prints one row per concurrency: output tokens per second (all streams together), each request's
-decode speed (1 / TPOT), TTFT and TPOT medians, for each server, and triode's ratio to llama.cpp's
-(TPOT's is the inverse of the decode speed's). Absolute figures move with the machine and the
-hour; the ratios of one run are what compare.
+Prints, per file and per stream count, each server's output tokens per second (all streams
+together), each request's decode speed (1 / TPOT), TTFT p50 and p99, peak memory and start time,
+and triode's ratio to llama.cpp for the speeds. With `--rounds R` each figure is the median over
+the rounds and each ratio the median of the rounds' ratios, so that a shared machine's drift over
+minutes, which moves both servers of a round alike, drops out. Absolute figures move with the
+machine and the hour; the ratios of one run are what compare.
+
+`llamacpp_server` starts and measures the servers, `llamacpp_report` writes the tables, and
+`gguf_models` writes the files that `make bench-models` serves.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import trio
 
 from triode.wire.ports import free_port
 
-from .completion_stream import RequestResult, stream_completion
-from .frontend import cpu_model
-from .serve import (
-    KEEPALIVE_EXPIRY,
-    WARMUP_PROMPT,
-    _drive,
-    concurrency_list,
-    first_model_id,
-    run_benchmark,
-    summarize,
-    synthetic_prompts,
+from .llamacpp_report import format_report
+from .llamacpp_server import (
+    LLAMA_SERVER,
+    LLAMACPP_PYTHON,
+    TRIODE,
+    completion_body,
+    llama_server_command,
+    llamacpp_python_body,
+    llamacpp_python_command,
+    open_measured_server,
+    run_workload,
+    slot_context,
+    triode_command,
 )
-from .server_process import open_server, serve_command
+from .process_tree import ProcessTree, cpu_ticks, machine_cpu_ticks
+from .serve import concurrency_list, synthetic_prompts
 
-SERVERS = ("llamacpp", "triode")
-LABELS = {"llamacpp": "llama.cpp", "triode": "triode"}
-
-# llama-cpp-python's server with the `GET /health` that `open_server` waits for: it loads the
-# model before it listens, so a server that answers at all is ready
-LLAMACPP_SERVE = """
-import runpy, sys
-from llama_cpp.server.app import router
-router.add_api_route("/health", lambda: {}, methods=["GET"])
-sys.argv[0] = "llama_cpp.server"
-runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
-"""
+MIB = 1 << 20
 
 
 def triode_paths() -> tuple[Path, Path]:
@@ -90,166 +85,109 @@ def triode_paths() -> tuple[Path, Path]:
     return Path(cache), Path(gguf)
 
 
-def command_for(server: str, args: argparse.Namespace, port: int) -> list[str]:
-    """The command line that starts `server` on `port`, serving `args.model`."""
-    if server == "triode":
-        return serve_command(str(args.model), port)
-    threads = str(args.llamacpp_threads)
-    return [args.llamacpp, "-c", LLAMACPP_SERVE, "--model", str(args.model),
-            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048",
-            "--n_threads", threads, "--n_threads_batch", threads,
-            # by default a request arriving ends the one streaming, and each prints its timings
-            "--interrupt_requests", "False", "--verbose", "False"]  # fmt: skip
+def command_for(
+    server: str, model: Path, args: argparse.Namespace, port: int, streams: int
+) -> list[str]:
+    """The command line that starts `server` on `port`, serving `model` to `streams` streams."""
+    if server == LLAMA_SERVER:
+        slot_ctx = slot_context(args.input_len, args.output_len)
+        return llama_server_command(args.llama_server, model, port, streams=streams,
+                                    threads=args.llamacpp_threads, slot_ctx=slot_ctx)  # fmt: skip
+    if server == LLAMACPP_PYTHON:
+        return llamacpp_python_command(
+            args.llamacpp_python, model, port, threads=args.llamacpp_threads
+        )
+    return triode_command(model, port)
 
 
-def llamacpp_body(model: str, prompt: str, output_len: int) -> dict[str, Any]:
-    """A greedy completion of exactly `output_len` tokens, as llama-cpp-python's server takes
-    one (`min_tokens` in place of `ignore_eos`, the repetition penalty off as triode's is)."""
-    return {"model": model, "prompt": prompt, "max_tokens": output_len, "min_tokens": output_len,
-            "temperature": 0, "repeat_penalty": 1.0, "stream": True}  # fmt: skip
-
-
-async def run_llamacpp(
-    base_url: str, *, prompts: list[str], output_len: int, max_concurrency: int
-) -> dict[str, Any]:
-    """`run_benchmark`'s workload and summary for llama-cpp-python's server: every prompt
-    streamed, `max_concurrency` at a time, after one unmeasured warm-up request. Raises
-    `RuntimeError` if the warm-up fails and `httpx.HTTPError` if the server cannot be
-    reached."""
-    limits = httpx.Limits(
-        max_connections=max_concurrency + 1,
-        max_keepalive_connections=None,
-        keepalive_expiry=KEEPALIVE_EXPIRY,
-    )
-    timeout = httpx.Timeout(30.0, read=None, pool=None)
-    async with httpx.AsyncClient(base_url=base_url, limits=limits, timeout=timeout) as client:
-        model = await first_model_id(client)
-
-        def one(prompt: str, max_tokens: int = output_len) -> Awaitable[RequestResult]:
-            return stream_completion(client, llamacpp_body(model, prompt, max_tokens), counted=True)
-
-        warmup = await one(WARMUP_PROMPT, min(output_len, 4))
-        if not warmup.ok:
-            raise RuntimeError(f"the warm-up request failed: {warmup.error}")
-        results, duration = await _drive(prompts, one, max_concurrency, math.inf, 0)
-    return {"base_url": base_url, "model": model, **summarize(results, duration)}
-
-
-async def measure(server: str, args: argparse.Namespace, round_: int) -> list[dict[str, Any]]:
-    """`server` started once and measured at every concurrency; one row each."""
+async def measure(
+    server: str, model: Path, concurrencies: list[int], args: argparse.Namespace, round_: int
+) -> list[dict[str, Any]]:
+    """`server` started once on `model` and measured at each of `concurrencies`; a row each."""
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    print(f"round {round_}: starting {server}", file=sys.stderr)
-    started = time.perf_counter()
+    command = command_for(server, model, args, port, max(concurrencies))
+    print(f"round {round_}: starting {server} on {model.name}", file=sys.stderr)
     rows = []
-    async with open_server(command_for(server, args, port), base_url, ready_timeout=900.0):
-        start_s = time.perf_counter() - started
-        for concurrency in args.concurrency_list:
+    async with open_measured_server(command, base_url, ready_timeout=args.ready_timeout) as started:
+        memory = started.memory
+        for concurrency in concurrencies:
             prompts = synthetic_prompts(
                 max(args.min_prompts, args.prompts_per_stream * concurrency),
                 args.input_len,
                 args.seed + concurrency,
             )
             print(f"{server}: {len(prompts)} requests at {concurrency} streams", file=sys.stderr)
+            memory.phase = f"{concurrency} streams"
+            memory.sample()
+            before = cpu_snapshot(memory.tree)
             workload: dict[str, Any] = {
                 "prompts": prompts,
                 "output_len": args.output_len,
                 "max_concurrency": concurrency,
             }
-            if server == "triode":
-                result = await run_benchmark(base_url, model=None, **workload)
-                result.pop("requests")
+            if server == LLAMACPP_PYTHON:
+                result = await run_workload(
+                    base_url, llamacpp_python_body, counted=True, **workload
+                )
             else:
-                result = await run_llamacpp(base_url, **workload)
-            result.update(server=server, concurrency=concurrency, round=round_, start_s=start_s)
+                result = await run_workload(base_url, completion_body, **workload)
+            others = others_cpu_pct(before, cpu_snapshot(memory.tree))
+            memory.sample()
+            result.update(server=server, file=model.name, concurrency=concurrency, round=round_,
+                          start_s=started.start_s, start_rss_mib=memory.peaks["start"] / MIB,
+                          peak_rss_mib=memory.peaks[memory.phase] / MIB,
+                          others_cpu_pct=others)  # fmt: skip
             rows.append(result)
     return rows
 
 
-def decode_speed(row: dict[str, Any]) -> float:
-    """One request's tokens per second after its first: 1 / TPOT."""
-    tpot = row["median_tpot_ms"]
-    return 1000.0 / tpot if tpot > 0 else 0.0
+def cpu_snapshot(tree: ProcessTree) -> tuple[int, int, int]:
+    """(the machine's busy CPU ticks, all its CPU ticks, the ticks that the server's tree and
+    this process used)."""
+    busy, total = machine_cpu_ticks()
+    return busy, total, tree.cpu_ticks() + cpu_ticks(os.getpid())
 
 
-def tokens_per_request(row: dict[str, Any]) -> float:
-    return row["total_output_tokens"] / row["completed"] if row["completed"] else 0.0
+def others_cpu_pct(before: tuple[int, int, int], after: tuple[int, int, int]) -> float:
+    """The share of the machine's CPU time between two `cpu_snapshot`s that neither the server
+    nor this client used, in percent."""
+    busy, total, ours = (b - a for a, b in zip(before, after, strict=True))
+    return 100.0 * max(0, busy - ours) / total if total > 0 else 0.0
 
 
-FIGURES = {
-    "tok/s": lambda r: r["output_throughput"],
-    "decode tok/s": decode_speed,
-    "TTFT p50 ms": lambda r: r["median_ttft_ms"],
-    "TPOT p50 ms": lambda r: r["median_tpot_ms"],
-}
-RATIOS = ("tok/s", "decode tok/s", "TTFT p50 ms")
+def servers_of(args: argparse.Namespace) -> list[str]:
+    return [LLAMA_SERVER, TRIODE] + ([LLAMACPP_PYTHON] if args.llamacpp_python else [])
 
 
-def summarize_rounds(rows: list[dict[str, Any]], concurrency: int) -> dict[str, Any] | None:
-    """For one concurrency, each server's figures as medians over the rounds and triode's
-    ratio to llama.cpp's as the median of the rounds' ratios; None unless both ran."""
-    rounds: dict[int, dict[str, dict[str, Any]]] = {}
-    for r in rows:
-        if r["concurrency"] == concurrency:
-            rounds.setdefault(r["round"], {})[r["server"]] = r
-    pairs = [pair for pair in rounds.values() if len(pair) == len(SERVERS)]
-    if not pairs:
-        return None
-    cell: dict[str, Any] = {}
-    for name, figure in FIGURES.items():
-        for server in SERVERS:
-            cell[server, name] = statistics.median(figure(p[server]) for p in pairs)
-    for name in RATIOS:
-        figure = FIGURES[name]
-        cell["ratio", name] = statistics.median(
-            figure(p["triode"]) / figure(p["llamacpp"]) if figure(p["llamacpp"]) else 0.0
-            for p in pairs
+async def run_round(model: Path, args: argparse.Namespace, round_: int) -> list[dict[str, Any]]:
+    """One round on `model`: each server in turn, the order rotated by the round; llama-server
+    once per stream count, with that many slots."""
+    servers = servers_of(args)
+    shift = round_ % len(servers)
+    rows: list[dict[str, Any]] = []
+    for server in servers[shift:] + servers[:shift]:
+        starts = (
+            [[c] for c in args.concurrency_list]
+            if server == LLAMA_SERVER
+            else [args.concurrency_list]
         )
-    for server in SERVERS:
-        cell[server, "failed"] = sum(p[server]["failed"] for p in pairs)
-        cell[server, "tokens"] = statistics.median(tokens_per_request(p[server]) for p in pairs)
-    return cell
+        for concurrencies in starts:
+            # a server that does not start or fails its warm-up is reported, and the run goes on
+            try:
+                rows += await measure(server, model, concurrencies, args, round_)
+            except* (RuntimeError, TimeoutError) as group:
+                error = "\n".join(str(e) for e in _leaves(group))
+                print(f"{server} on {model.name}: {error}", file=sys.stderr)
+                rows.append({"server": server, "file": model.name, "round": round_,
+                             "concurrency": None, "error": error})  # fmt: skip
+    return rows
 
 
-def format_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    rounds = len({r["round"] for r in rows})
-    lines = [
-        f"triode vs llama.cpp (llama-cpp-python's server): {Path(args.model).name}, "
-        f"{args.output_len} output tokens per request, ~{args.input_len}-word prompts, "
-        f"medians of {rounds} round(s)",
-        "",
-        "| streams | llama.cpp tok/s | triode tok/s | ratio | llama.cpp decode tok/s "
-        "| triode decode tok/s | ratio | llama.cpp TTFT p50 ms | triode TTFT p50 ms | ratio "
-        "| llama.cpp TPOT p50 ms | triode TPOT p50 ms | failed (llama.cpp/triode) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    tokens = {server: [] for server in SERVERS}
-    for c in args.concurrency_list:
-        cell = summarize_rounds(rows, c)
-        if cell is None:
-            continue
-        row = [str(c)]
-        for name, spec in (("tok/s", ",.1f"), ("decode tok/s", ",.1f"), ("TTFT p50 ms", ",.0f")):
-            row += [f"{cell['llamacpp', name]:{spec}}", f"{cell['triode', name]:{spec}}"]
-            row.append(f"{cell['ratio', name]:.2f}x")
-        row += [f"{cell['llamacpp', 'TPOT p50 ms']:,.1f}", f"{cell['triode', 'TPOT p50 ms']:,.1f}"]
-        row.append(f"{cell['llamacpp', 'failed']}/{cell['triode', 'failed']}")
-        lines.append("| " + " | ".join(row) + " |")
-        for server in SERVERS:
-            tokens[server].append(f"{cell[server, 'tokens']:.1f}")
-    lines.append("")
-    lines += [
-        f"{LABELS[s]}: {', '.join(tokens[s])} tokens per request, start to ready "
-        f"{statistics.median(r['start_s'] for r in rows if r['server'] == s):.0f} s"
-        for s in SERVERS
-        if tokens[s]
-    ]
-    lines.append(
-        f"llama.cpp runs one request at a time (at N streams, N - 1 wait in its queue), "
-        f"on {args.llamacpp_threads} thread(s)"
-    )
-    lines.append(f"CPUs: {len(os.sched_getaffinity(0))} ({cpu_model()})")
-    return "\n".join(lines)
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for e in error.exceptions for leaf in _leaves(e)]
+    return [error]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -259,11 +197,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--llamacpp",
-        metavar="PYTHON",
-        help="a Python with llama-cpp-python[server] (default: $TRIODE_CACHE/llamacpp-venv's)",
+        "--model",
+        dest="models",
+        action="append",
+        type=Path,
+        help="a GGUF file; may be given several times (default: the default model's)",
     )
-    parser.add_argument("--model", type=Path, help="a GGUF file (default: the default model's)")
+    parser.add_argument(
+        "--llama-server",
+        metavar="PATH",
+        help="llama.cpp's server (default: $TRIODE_CACHE/llama.cpp-build/bin/llama-server)",
+    )
+    parser.add_argument(
+        "--llamacpp-python",
+        metavar="PYTHON",
+        help="also run llama-cpp-python's server, by this Python with llama-cpp-python[server]",
+    )
     parser.add_argument(
         "--llamacpp-threads",
         type=int,
@@ -271,23 +220,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="llama.cpp's threads (default: every CPU of this process's affinity); its threads "
         "wait for each other at every step, so on CPUs that others use too, fewer run faster",
     )
-    parser.add_argument("--concurrencies", default="1,8", help="comma-separated")
-    parser.add_argument("--rounds", type=int, default=1, help="llama.cpp then triode, R times")
+    parser.add_argument("--concurrencies", default="1,8,32", help="comma-separated")
+    parser.add_argument("--rounds", type=int, default=1, help="each server in turn, R times")
     parser.add_argument("--prompts-per-stream", type=int, default=2)
     parser.add_argument("--min-prompts", type=int, default=4)
     parser.add_argument("--input-len", type=int, default=36, help="prompt length in words")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds a server may take to start (triode converts a GGUF file on its first start)",
+    )
     parser.add_argument("--json", type=Path, help="also write every round's rows here")
     args = parser.parse_args(argv)
     args.concurrency_list = concurrency_list(parser, args.concurrencies)
-    for name in ("rounds", "output_len", "input_len", "llamacpp_threads"):
+    for name in ("rounds", "output_len", "input_len", "llamacpp_threads", "prompts_per_stream"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.llamacpp is None or args.model is None:
+    if args.llama_server is None or args.models is None:
         cache, gguf = triode_paths()
-        args.llamacpp = args.llamacpp or str(cache / "llamacpp-venv" / "bin" / "python")
-        args.model = args.model or gguf
+        server = cache / "llama.cpp-build" / "bin" / "llama-server"
+        args.llama_server = args.llama_server or str(server)
+        args.models = args.models or [gguf]
     return args
 
 
@@ -295,11 +251,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     rows = [
         row
+        for model in args.models
         for round_ in range(args.rounds)
-        for server in SERVERS
-        for row in trio.run(measure, server, args, round_)
+        for row in trio.run(run_round, model, args, round_)
     ]
-    print(format_table(rows, args))
+    print(format_report(rows, args))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

@@ -36,10 +36,10 @@ from transformers import AutoConfig
 
 from triode.wire import NewRequestData, SamplingParams, ScheduledRequest, SchedulerOutput
 
-from ..layers import VocabParallelEmbedding
 from ..loader import resolve_model
 from ..lora.random_adapter import write_random_adapter
 from ..model_runner import ModelRunner
+from ..vocab_layers import VocabParallelEmbedding
 
 GREEDY = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
 

@@ -7,7 +7,7 @@
 
 /* one call's arguments to `quant_matmul.c`, as `quant_matmul.py` keeps them (a call passes one
  * pointer) */
-typedef struct {
+typedef struct quant_call {
     const void *x;
     int64_t x_stride, rows, cols;
     const uint8_t *w;
@@ -17,9 +17,22 @@ typedef struct {
     int64_t y_stride;
     int32_t bits, bf16; /* bf16: x and y are bfloat16, else float32 */
     int32_t paired;     /* codes paired for `quant_paired.c` (bfloat16 x and y) */
+    /* bits 0: w is `outputs` rows of GGUF blocks of GGML type `gguf_type` as the file stores
+     * them, row r at w + r * w_stride (`gguf_matmul.c`); `next`, where not NULL, the weight
+     * whose rows follow (a merged projection of parts of different types): it takes this
+     * call's x, rows and element type and writes the next columns of y (and reads the next
+     * stretch of the bias) */
+    int32_t gguf_type;
+    int64_t w_stride;
+    const struct quant_call *next;
 } quant_call;
 
 int triode_quant_matmul_call(const quant_call *c);
+/* `gguf_matmul.c`: y = x W^T (+ bias) for 1 to `triode_gguf_max_rows()` rows from W's GGUF
+ * blocks as stored; 0, or -1 for arguments it does not take */
+int triode_gguf_matmul(int type, const void *x, int64_t x_stride, int64_t rows, int64_t cols,
+                       const uint8_t *w, int64_t w_stride, int64_t outputs, const float *bias,
+                       void *y, int64_t y_stride, int bf16);
 int triode_quant_paired_rows(const uint16_t *x, int64_t x_stride, float *xsums,
                              int64_t rows, int64_t cols, const uint8_t *w, int bits,
                              const float *bias, int64_t outputs, uint16_t *y, int64_t y_stride);

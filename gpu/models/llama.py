@@ -21,16 +21,15 @@ from ..cpu_kernels import FUSED_DTYPES
 from ..layers import (
     LinearBase,
     MergedColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
     SiluAndMul,
-    VocabParallelEmbedding,
     default_weight_loader,
 )
 from ..quant_matmul import Quantized
 from ..rotary import Rope, RotaryEmbedding
+from ..vocab_layers import ParallelLMHead, VocabParallelEmbedding
 from .architectures import CheckpointMismatch
 
 if TYPE_CHECKING:
@@ -322,17 +321,22 @@ class LlamaForCausalLM(nn.Module):
         return targets
 
     def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, partial: bool = False
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        partial: bool = False,
+        held: Iterable[str] = (),
     ) -> set[str]:
         """Copy Hugging Face checkpoint tensors into our (merged, sharded) parameters; returns
         the names of the parameters written.
 
         Raises if a tensor has no home or, unless `partial` (new values for some of the
         weights), a parameter stays unloaded, so a wrong mapping fails at start-up instead of
-        generating garbage.
+        generating garbage. `held`: parameters whose modules run the GGUF file's blocks alone
+        (`hold_stored_weights`), loaded already.
         """
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        loaded: set[str] = set(held)
         for name, tensor in weights:
             for target, shard_id in self.checkpoint_targets(name):
                 param = self._param(params, target)
@@ -352,20 +356,29 @@ class LlamaForCausalLM(nn.Module):
         own (a tied one: the embedding's); returns how many projections took them.
 
         At tensor-parallel sizes above 1 each rank takes its part of every shard, cut as the
-        dense weights are; a projection whose cut would split a block of 32 inputs stays dense.
+        dense weights are; a projection whose cut would split a block stays dense.
         """
+        return self.attach_quantized_weights(weights)[0]
+
+    def attach_quantized_weights(self, weights: Mapping[str, Quantized]) -> tuple[int, set[str]]:
+        """`load_quantized_weights`, also returning the names of the checkpoint tensors taken."""
         modules = dict(self.named_modules())
         merged: dict[str, dict[str | int, Quantized]] = {}
+        sources: dict[str, dict[str | int, str]] = {}
         attached = 0
+        taken: set[str] = set()
         for name, weight in weights.items():
             if self.lm_head is not None and name == self.lm_head_source():
-                attached += self.lm_head.attach_quantized(weight)
+                if self.lm_head.attach_quantized(weight):
+                    attached += 1
+                    taken.add(name)
                 continue
             parts = name.removesuffix(".weight").split(".")
             shard: str | int = ""
             if parts[-1] in self.packed_modules:
                 parts[-1], shard = self.packed_modules[parts[-1]]
             merged.setdefault(".".join(parts), {})[shard] = weight
+            sources.setdefault(".".join(parts), {})[shard] = name
         for name, shards in merged.items():
             module = modules.get(name)
             if not isinstance(module, LinearBase):
@@ -375,10 +388,13 @@ class LlamaForCausalLM(nn.Module):
                 continue  # a shard stayed dense: so does the whole projection
             try:
                 parts = [module.quantized_part(shards[s], s) for s in order]
-            except ValueError:
+                whole = parts[0] if len(parts) == 1 else type(parts[0]).cat(parts)
+            except (ValueError, TypeError):  # a cut inside a block; repacked codes of two kinds
                 continue
-            attached += module.attach_quantized(type(parts[0]).cat(parts))
-        return attached
+            if module.attach_quantized(whole):
+                attached += 1
+                taken |= set(sources[name].values())
+        return attached, taken
 
     def lm_head_source(self) -> str:
         """The checkpoint tensor the LM head projects with."""

@@ -321,7 +321,11 @@ class MoeForCausalLM(LlamaForCausalLM):
         return None if part is None else (int(parts[5]), part)
 
     def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], *, partial: bool = False
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        partial: bool = False,
+        held: Iterable[str] = (),
     ) -> set[str]:
         """`LlamaForCausalLM.load_weights`, which also raises, unless `partial`, where an
         expert's projection that this rank holds has no tensor."""
@@ -332,7 +336,7 @@ class MoeForCausalLM(LlamaForCausalLM):
                 filled.update(t for t in self.checkpoint_targets(name) if isinstance(t[1], tuple))
                 yield name, tensor
 
-        loaded = super().load_weights(noting(), partial=partial)
+        loaded = super().load_weights(noting(), partial=partial, held=held)
         if not partial:
             missing = [slot for slot in self._expert_slots() if slot not in filled]
             if missing:

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 from runner_driver import teacher_forced
-from safetensors.torch import load_file
 
 from triode.gpu import cpu_kernels, int4
 from triode.gpu.cpu_paths import (
@@ -25,7 +24,6 @@ from triode.gpu.int4 import (
     INT4_MAX_ROWS_BESIDE_AMX,
     Int4Linear,
     Int4Weight,
-    _from_blocks,
 )
 from triode.gpu.layers import (
     ColumnParallelLinear,
@@ -52,7 +50,7 @@ def test_gguf_blocks_dequantize_to_the_same_bits_as_gguf(fmt: GGMLQuantizationTy
     rng = np.random.default_rng(0)
     dense = rng.standard_normal((6, 96)).astype(np.float32) * rng.uniform(0.01, 3, (6, 1))
     blocks = quantize(dense, fmt)
-    weight = _from_blocks(blocks, with_minimum=fmt == GGMLQuantizationType.Q4_1)
+    weight = Int4Weight.from_blocks(blocks, with_minimum=fmt == GGMLQuantizationType.Q4_1)
     assert weight.shape == (6, 96)
     assert weight.unpacked_codes().min() >= 0 and weight.unpacked_codes().max() <= 15
     expected = torch.from_numpy(dequantize(blocks, fmt))
@@ -225,19 +223,37 @@ def test_residual_stream_stays_float32_and_the_norm_returns_the_model_dtype() ->
 # --- the real default model -------------------------------------------------------------------
 
 
-def test_converted_default_model_keeps_every_projection_in_exact_4_bit_codes(
+def test_default_models_projections_are_its_files_4_bit_blocks_in_transformers_row_order(
     smollm2: Path,
 ) -> None:
-    weights = int4.load_int4_weights(smollm2)
-    dense = load_file(smollm2 / "model.safetensors")
+    import json
+
+    from gguf import GGUFReader
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    from triode.gpu.cache_paths import default_gguf
+    from triode.gpu.gguf_file import packed_weights
+
+    stored = dict(packed_weights(smollm2))
     projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    expected = {
-        name for name in dense if name.endswith(".weight") and name.split(".")[-2] in projections
-    }
-    assert set(weights) == expected and len(expected) == 30 * 7
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.mlp.down_proj.weight"):
-        # Q and K rows were un-permuted from llama.cpp's rotary layout like the dense tensors
-        assert torch.equal(weights[name].dequantize(), dense[name])
+    names = {name for name in stored if name.split(".")[-2] in projections}
+    assert len(names) == 30 * 7
+    assert {stored[name].kind for name in names} == {GGMLQuantizationType.Q4_1}
+    assert stored["model.embed_tokens.weight"].kind == GGMLQuantizationType.Q8_0
+    # Q and K rows un-permuted from llama.cpp's rotary layout as transformers does the values
+    config = json.loads((smollm2 / "config.json").read_text())
+    processor = LlamaTensorProcessor(config=config)
+    tensors = {t.name: t for t in GGUFReader(default_gguf()).tensors}
+    for gguf_name, name in (
+        ("blk.0.attn_q.weight", "model.layers.0.self_attn.q_proj.weight"),
+        ("blk.3.attn_k.weight", "model.layers.3.self_attn.k_proj.weight"),
+        ("blk.29.ffn_down.weight", "model.layers.29.mlp.down_proj.weight"),
+    ):
+        tensor = tensors[gguf_name]
+        values = dequantize(tensor.data, tensor.tensor_type)
+        expected = processor.process(weights=values, name=gguf_name).weights
+        weight = Int4Weight.from_blocks(stored[name].data.numpy(), with_minimum=True)
+        assert torch.equal(weight.dequantize(), torch.from_numpy(np.asarray(expected)))
 
 
 @needs_kernel

@@ -18,9 +18,9 @@ from triode.gpu.layers import (
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
-    VocabParallelEmbedding,
 )
 from triode.gpu.rotary import RotaryEmbedding
+from triode.gpu.vocab_layers import VocabParallelEmbedding
 
 
 def _on_ranks(

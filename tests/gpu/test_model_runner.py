@@ -14,6 +14,7 @@ from runner_driver import Driver, Seq
 
 from triode.gpu import model_runner
 from triode.gpu.attention import AttentionMetadata, PrefillChunk
+from triode.gpu.loader import transformers_directory
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.tiny_model import build_tiny_model
 from triode.wire import (
@@ -80,7 +81,9 @@ def _generate(runner: ModelRunner, prompt: list[int], n: int, **driver: object) 
 def _hf(model_dir: Path):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        transformers_directory(model_dir), dtype=torch.float32
+    ).eval()
 
 
 def _logprob_rows(seq: Seq) -> np.ndarray:

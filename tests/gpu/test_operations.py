@@ -15,12 +15,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from gguf_families import write_gguf
 from kv_secret import secret_file
 from safetensors.torch import load_file, save_file
 
 from triode.gpu import int4, memory, model_runner
-from triode.gpu.cache_paths import INT4_DIR, INT4_FILE
 from triode.gpu.layers import LinearBase
+from triode.gpu.loader import convert_gguf
+from triode.gpu.model_files import checkpoint_weights
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.operations import Operations
 from triode.gpu.tiny_model import build_tiny_model
@@ -518,28 +520,10 @@ def test_a_push_into_packed_projections_unpacks_them_and_packs_them_again(
     _assert_same(_greedy(runner), _greedy(_runner(tiny)))
 
 
-def _with_int4_codes(tiny: Path, root: Path) -> Path:
-    """`tiny` with every projection replaced by the dequantized values of random 4-bit codes,
-    which it keeps in int4/, as a converted GGUF file does."""
-    dense, codes = {}, {}
-    g = torch.Generator().manual_seed(3)
-    for name, t in load_file(tiny / "model.safetensors").items():
-        if not name.endswith("proj.weight"):
-            continue
-        rows, cols = t.shape
-        scale = (torch.rand(rows, cols // 32, generator=g) * 0.01 + 0.001).half().float()
-        minimum = -8 * scale
-        weight = int4.Int4Weight(
-            torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=g),
-            scale,
-            minimum,
-        )
-        dense[name] = weight.dequantize()
-        codes |= {f"{name}.codes": weight.codes, f"{name}.scale": scale, f"{name}.minimum": minimum}
-    path = _copy_checkpoint(tiny, root / "int4", dense)
-    (path / INT4_DIR).mkdir()
-    save_file(codes, path / INT4_DIR / INT4_FILE)
-    return path
+def _as_gguf(tiny: Path, root: Path) -> Path:
+    """`tiny` written as a GGUF file with 4-bit projections and an 8-bit embedding (as
+    llama.cpp's converter writes one), served from its converted directory."""
+    return convert_gguf(write_gguf(tiny, root / "tiny-q4_0.gguf"))
 
 
 @pytest.mark.skipif(
@@ -547,12 +531,19 @@ def _with_int4_codes(tiny: Path, root: Path) -> Path:
     reason="this torch has no int4 CPU kernel",
 )
 def test_new_weights_detach_the_4_bit_codes_they_replace(tiny: Path, tmp_path: Path) -> None:
-    quantized = _with_int4_codes(tiny, tmp_path)
-    change = _perturbed(quantized)
-    changed = _copy_checkpoint(tiny, tmp_path / "changed", change)  # no int4/: runs dense
-    runner = _runner(quantized, dtype="bfloat16")
+    quantized = _as_gguf(tiny, tmp_path)
+    change = {n: t + 0.01 for n, t in checkpoint_weights(quantized) if n.endswith("proj.weight")}
+    # the same weights as a plain checkpoint, which runs dense
+    changed = _copy_checkpoint(
+        tiny, tmp_path / "changed", dict(checkpoint_weights(quantized)) | change
+    )
+    # the LM head dense, as the plain checkpoint's: the projections run the file's blocks,
+    # with no dense copy
+    options = {"dtype": "bfloat16", "quantization": "dense-head"}
+    runner = _runner(quantized, **options)
     projections = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
     assert runner.quantized_projections == len(projections) == 8
+    assert all(m.packed_only for m in projections)
     ops = Operations(runner)
     ops.start_weight_update()
     first = ops.apply_weights([(n, t) for n, t in change.items() if ".0." in n])
@@ -560,12 +551,13 @@ def test_new_weights_detach_the_4_bit_codes_they_replace(tiny: Path, tmp_path: P
     result = ops.apply_weights([(n, t) for n, t in change.items() if ".0." not in n])
     assert result["tensors"] > 0
     assert ops.finish_weight_update()["int4_detached"] == 8
-    assert runner.quantized_projections == 0 and all(m.int4 is m.quant is None for m in projections)
-    _assert_same(_greedy(runner), _greedy(_runner(changed, dtype="bfloat16")))
-    # from disk: the old codes go, the new checkpoint's own come, as a start on it takes them
+    assert runner.quantized_projections == 0
+    assert all(m.int4 is m.quant is None and not m.packed_only for m in projections)
+    _assert_same(_greedy(runner), _greedy(_runner(changed, **options)))
+    # from disk: the old weights go, the file's own come back, as a start on it takes them
     result = ops.update_weights_from_disk(str(quantized))
     assert (result["int4_detached"], result["int4_attached"]) == (0, 8)
-    _assert_same(_greedy(runner), _greedy(_runner(quantized, dtype="bfloat16")))
+    _assert_same(_greedy(runner), _greedy(_runner(quantized, **options)))
 
 
 # --- profiling ------------------------------------------------------------------------------------

@@ -13,9 +13,10 @@ from triode.gpu import cpu_kernels
 from triode.gpu.cpu_paths import share_row_paths
 from triode.gpu.int4 import Int4Weight
 from triode.gpu.int8 import Int8Weight
-from triode.gpu.layers import ColumnParallelLinear, ParallelLMHead
+from triode.gpu.layers import ColumnParallelLinear
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.quant_matmul import QuantRows, quantized_kernel
+from triode.gpu.vocab_layers import ParallelLMHead
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.quant_matmul() is None, reason="no C compiler: the CPU kernels are not built"

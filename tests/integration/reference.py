@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from triode.gpu.loader import transformers_directory
+
 
 @functools.cache
 def _hf(model_dir: Path):  # type: ignore[no-untyped-def]
@@ -12,7 +14,9 @@ def _hf(model_dir: Path):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        transformers_directory(model_dir), dtype=torch.float32
+    ).eval()
     return model, AutoTokenizer.from_pretrained(model_dir)
 
 

@@ -19,6 +19,8 @@ import openai
 import pytest
 from server import Server, running_server
 
+from triode.gpu.loader import transformers_directory
+
 pytestmark = pytest.mark.slow
 
 KEY = "lora-key"
@@ -58,7 +60,7 @@ def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     that the outputs move but stay text."""
     peft, torch, auto = _peft()
     root = tmp_path_factory.mktemp("adapters")
-    base = auto.from_pretrained(model_dir, dtype=torch.float32)
+    base = auto.from_pretrained(transformers_directory(model_dir), dtype=torch.float32)
     paths = {}
     for name, (rank, targets, rslora, seed) in ADAPTERS.items():
         config = peft.LoraConfig(
@@ -87,7 +89,9 @@ class PeftReference:
 
     def __init__(self, model_dir: Path, adapters: dict[str, Path]) -> None:
         peft, self.torch, auto = _peft()
-        base = auto.from_pretrained(model_dir, dtype=self.torch.float32).eval()
+        base = auto.from_pretrained(
+            transformers_directory(model_dir), dtype=self.torch.float32
+        ).eval()
         first, *rest = (n for n in ADAPTERS if n not in ("rank32", "head"))
         self.model = peft.PeftModel.from_pretrained(base, adapters[first], adapter_name=first)
         for name in rest:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from triode.edge.bench.lora import format_table, parse_args
+from triode.gpu.loader import transformers_directory
 from triode.gpu.lora.random_adapter import ALL_TARGETS, write_random_adapter
 from triode.gpu.tiny_model import build_tiny_model
 
@@ -23,7 +24,9 @@ def test_a_random_adapter_loads_into_peft_and_changes_the_logits(tmp_path: Path)
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["r"] == 8 and set(config["target_modules"]) == set(ALL_TARGETS)
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(
+        transformers_directory(model_dir), dtype=torch.float32
+    ).eval()
     ids = torch.tensor([[1, 5, 9, 13]])
     with torch.inference_mode():
         before = base(ids).logits

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from runner_driver import Seq
 
+from triode.gpu.loader import transformers_directory
 from triode.gpu.model_runner import ModelRunner
 
 ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -18,7 +19,9 @@ ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "do
 def hf_model(model_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        transformers_directory(model_dir), dtype=torch.float32
+    ).eval()
 
 
 def build_adapter(

@@ -16,6 +16,7 @@ import torch
 from runner_driver import Driver, assert_greedy_as_transformers
 
 from triode.gpu.attention import AttentionMetadata, PrefillChunk
+from triode.gpu.loader import transformers_directory
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.models.architectures import UnsupportedArchitecture
 from triode.gpu.models.gemma3 import check_config, layer_type_rope
@@ -85,7 +86,9 @@ def _runner(model_dir: Path) -> ModelRunner:
 def _hf(model_dir: Path):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        transformers_directory(model_dir), dtype=torch.float32
+    ).eval()
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:

@@ -16,8 +16,9 @@ from gguf_families import read_as_hf, storage_types, write_bpe_tokenizer, write_
 from runner_driver import Driver, assert_greedy_as_transformers
 from safetensors.torch import load_file
 
-from triode.gpu.int4 import load_int4_weights
-from triode.gpu.loader import convert_gguf
+from triode.gpu.gguf_file import ORDERS, mapped_span, packed_weights
+from triode.gpu.gguf_weight import GgufWeight
+from triode.gpu.loader import convert_gguf, transformers_directory
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.models.architectures import CheckpointMismatch
 from triode.gpu.models.registry import MODELS
@@ -88,7 +89,10 @@ class Family:
         self.source_config = json.loads((source / "config.json").read_text())
         self.config = json.loads((converted / "config.json").read_text())
         self.source_weights = load_file(source / "model.safetensors")
-        self.weights = load_file(converted / "model.safetensors")
+        self.dense = load_file(converted / "model.safetensors")
+        self.stored = dict(packed_weights(converted))
+        # every weight as the directory serves it: the file's blocks dequantized, the rest dense
+        self.weights = self.dense | {k: w.dequantize() for k, w in self.stored.items()}
 
 
 @pytest.fixture(scope="module")
@@ -179,21 +183,35 @@ def test_converted_config_names_the_family_and_its_fields(
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_kept_4_bit_codes_are_the_dense_projections(families: dict[str, Family], name: str) -> None:
+def test_projections_are_read_from_the_file_where_they_lie(
+    families: dict[str, Family], name: str
+) -> None:
     family = families[name]
-    int4 = load_int4_weights(family.converted)
     layers = family.source_config["num_hidden_layers"]
     attention = {
         f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(layers) for p in "qkvo"
     }
-    # every 2-D 4-bit projection: attention in all, the MLP in the dense families; a MoE layer's
-    # stacked experts (3-D) stay dense-only
-    assert attention <= set(int4)
-    assert all(".experts." not in key for key in int4)
+    # every 2-D projection and the embedding stay in the file; a MoE layer's stacked experts
+    # (3-D) and the float32 norms are the dense file's
+    assert attention | {"model.embed_tokens.weight"} <= set(family.stored)
+    assert all(".experts." not in key for key in family.stored)
+    assert not set(family.stored) & set(family.dense)
     if "num_local_experts" not in family.config:
-        assert f"model.layers.{layers - 1}.mlp.down_proj.weight" in int4
-    for key, weight in int4.items():
-        assert torch.equal(weight.dequantize(), family.weights[key]), key
+        assert f"model.layers.{layers - 1}.mlp.down_proj.weight" in family.stored
+    span = mapped_span(family.converted)
+    reordered = set()
+    if (family.converted / ORDERS).is_file():
+        reordered = set(load_file(family.converted / ORDERS))
+    for key, weight in family.stored.items():
+        assert isinstance(weight, GgufWeight)
+        assert weight.kind != GGMLQuantizationType.F32
+        inside = weight.data.data_ptr() in span
+        assert inside == (key not in reordered), key  # a view of the mapped file, not a copy
+    # llama.cpp's rotary row order of Q and K is the only copy made (llama, mixtral)
+    assert all("q_proj" in key or "k_proj" in key for key in reordered)
+    written = sum(p.stat().st_size for p in family.converted.rglob("*") if p.is_file())
+    dense = sum(t.numel() * 4 for t in family.dense.values())
+    assert written <= dense + 200_000  # config, tokenizer, manifest: no copy of the file's blocks
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -267,5 +285,68 @@ def test_runner_on_the_converted_file_decodes_as_transformers(
     d.add("r", prompt)
     d.run(NEW_TOKENS)
     seq = d.seqs["r"]
-    hf = AutoModelForCausalLM.from_pretrained(family.converted, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        transformers_directory(family.converted), dtype=torch.float32
+    ).eval()
     assert_greedy_as_transformers(seq, hf, NEW_TOKENS)
+
+
+# --- every type a GGUF file stores weights in ----------------------------------------------
+
+T = GGMLQuantizationType
+# the quantized types llama-quantize writes for its presets, and 16-bit floats, each run from
+# its blocks as they lie (Q4_0, Q4_1 and Q8_0 above, repacked for their own kernel)
+STORED_TYPES = [
+    T.Q5_0,
+    T.Q5_1,
+    T.Q2_K,
+    T.Q3_K,
+    T.Q4_K,
+    T.Q5_K,
+    T.Q6_K,
+    T.IQ4_NL,
+    T.IQ4_XS,
+    T.F16,
+    T.BF16,
+]
+
+
+@pytest.fixture(scope="module")
+def wide_llama(root: Path, tokenizer: Path) -> Path:
+    """A llama whose rows are whole blocks of 256 (the K-quants' and IQ4_XS' size)."""
+    return build_tiny_model(
+        root / "wide-llama", tokenizer_from=tokenizer, hidden_size=256, intermediate_size=512,
+        num_heads=4, num_kv_heads=2,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", STORED_TYPES, ids=lambda kind: kind.name)
+def test_every_stored_type_runs_from_the_file_and_decodes_as_transformers(
+    root: Path, wide_llama: Path, kind: GGMLQuantizationType
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from triode.gpu.layers import LinearBase
+    from triode.gpu.quant_matmul import GgufRows
+
+    gguf = write_gguf(
+        wide_llama, root / f"llama-{kind.name}.gguf", projection_type=kind, embedding_type=kind
+    )
+    assert set(storage_types(gguf).values()) == {kind, T.F32}
+    converted = convert_gguf(gguf)
+    runner = ModelRunner(
+        converted, dtype="float32", kv_cache_memory=1 << 21, max_model_len=256, num_threads=1
+    )
+    projections = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
+    assert runner.quantized_projections == len(projections) + 1  # and the tied LM head
+    for module in [*projections, runner.model.lm_head]:
+        assert isinstance(module.quant, GgufRows) and module.weight.numel() == 0
+    assert runner.model.model.embed_tokens.stored is not None  # rows gathered from the file
+    prompt = random.Random(kind.name).choices(range(3, 250), k=PROMPT_TOKENS)
+    d = Driver(runner)
+    d.add("r", prompt)
+    d.run(NEW_TOKENS)
+    hf = AutoModelForCausalLM.from_pretrained(
+        transformers_directory(converted), dtype=torch.float32
+    ).eval()
+    assert_greedy_as_transformers(d.seqs["r"], hf, NEW_TOKENS)

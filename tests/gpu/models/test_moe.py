@@ -12,6 +12,7 @@ import torch
 from runner_driver import Driver, assert_greedy_as_transformers
 from safetensors.torch import load_file
 
+from triode.gpu.loader import transformers_directory
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.models.architectures import CheckpointMismatch
 from triode.gpu.models.moe import Experts, SparseMoeBlock
@@ -63,7 +64,9 @@ def test_greedy_tokens_and_logprobs_match_transformers(models: dict[str, Path], 
     d.add("r", prompt)
     d.run(NEW_TOKENS)
     seq = d.seqs["r"]
-    hf = AutoModelForCausalLM.from_pretrained(models[name], dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        transformers_directory(models[name]), dtype=torch.float32
+    ).eval()
     assert_greedy_as_transformers(seq, hf, NEW_TOKENS)
 
 

@@ -15,6 +15,7 @@ import torch
 from runner_driver import Driver, Seq, assert_greedy_as_transformers
 
 from triode.gpu.attention import Attention, AttentionMetadata, DecodeGroup, PrefillChunk
+from triode.gpu.loader import transformers_directory
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.tiny_model import build_tiny_model
 
@@ -180,6 +181,8 @@ def test_decodes_past_the_window_in_one_batch_equal_transformers(gemma: Path) ->
     for i, prompt in enumerate(prompts):
         driver.add(str(i), list(prompt))
     driver.run(steps)
-    hf = AutoModelForCausalLM.from_pretrained(gemma, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        transformers_directory(gemma), dtype=torch.float32
+    ).eval()
     for i in range(len(prompts)):
         assert_greedy_as_transformers(driver.seqs[str(i)], hf, steps)

@@ -119,6 +119,7 @@ def write_gguf(
     out: Path,
     *,
     projection_type: GGMLQuantizationType = GGMLQuantizationType.Q4_0,
+    embedding_type: GGMLQuantizationType = GGMLQuantizationType.Q8_0,
     omit: Collection[str] = (),
     sampling: dict[str, float | int] | None = None,
 ) -> Path:
@@ -146,11 +147,17 @@ def write_gguf(
         if entry.permute_heads is not None:
             data = _permute(data, entry.permute_heads)
         data = data + np.float32(entry.norm_shift) if entry.norm_shift else data
-        kind = _storage(entry.gguf_name, data, projection_type)
+        kind = _storage(entry.gguf_name, data, projection_type, embedding_type)
         if kind == GGMLQuantizationType.F32:
             writer.add_tensor(entry.gguf_name, np.ascontiguousarray(data, dtype=np.float32))
-        else:
+        elif kind in QUANTIZABLE:
             writer.add_tensor(entry.gguf_name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:  # a type gguf cannot quantize to: random blocks of the weights' size
+            rows = int(np.prod(data.shape[:-1]))
+            peak = float(np.abs(data).max())
+            blocks = random_blocks(kind, rows, data.shape[-1], seed=len(entry.gguf_name), peak=peak)
+            shape = (*data.shape[:-1], blocks.shape[-1])
+            writer.add_tensor(entry.gguf_name, blocks.reshape(shape), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -187,13 +194,49 @@ def _arch(name: str) -> gguf.MODEL_ARCH:
 
 
 def _storage(
-    gguf_name: str, data: np.ndarray, projection_type: GGMLQuantizationType
+    gguf_name: str,
+    data: np.ndarray,
+    projection_type: GGMLQuantizationType,
+    embedding_type: GGMLQuantizationType,
 ) -> GGMLQuantizationType:
     if data.ndim < 2 or data.shape[-1] % 32 or ".ffn_gate_inp." in gguf_name:
         return GGMLQuantizationType.F32
-    if gguf_name.startswith(("token_embd.", "output.")):
-        return GGMLQuantizationType.Q8_0
-    return projection_type
+    kind = embedding_type if gguf_name.startswith(("token_embd.", "output.")) else projection_type
+    size, _ = gguf.GGML_QUANT_SIZES[kind]
+    return kind if data.shape[-1] % size == 0 else GGMLQuantizationType.Q8_0
+
+
+T = GGMLQuantizationType
+# the types gguf's numpy code quantizes to
+QUANTIZABLE = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.F16, T.BF16})
+# each block type's float16 scale fields: byte offsets of the fields every weight of the block
+# is proportional to (d, and dmin where it has one)
+SCALE_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
+    T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
+    T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    T.IQ4_NL: (0,), T.IQ4_XS: (0,),
+}  # fmt: skip
+
+
+def random_blocks(
+    kind: GGMLQuantizationType, rows: int, cols: int, seed: int, peak: float = 0.1
+) -> np.ndarray:
+    """`rows` rows of `cols` weights of type `kind` from random bytes (any codes and sub-scales
+    are a valid block), their float16 scale fields set so that the largest weight is about
+    `peak`: uint8 [rows, row bytes]. Every weight is linear in a block's scale fields, so they
+    are set to 1, measured, and scaled."""
+    size, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * cols // size, nbytes), dtype=np.uint8)
+    fields = SCALE_FIELDS[kind]
+    for offset in fields:
+        blocks[:, offset : offset + 2] = np.full(1, 1.0, np.float16).view(np.uint8)
+    largest = float(np.abs(gguf.quants.dequantize(blocks, kind)).max()) or 1.0
+    scale = np.float16(peak / largest)
+    signs = rng.choice(np.array([-1, 1], np.float16), (blocks.shape[0], 1))
+    for offset in fields:
+        blocks[:, offset : offset + 2] = (scale * signs).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 def _permute(weights: np.ndarray, heads: int) -> np.ndarray:

@@ -1,0 +1,140 @@
+"""A GGUF file's weights served in place: the file mapped, its tensors read where they lie.
+
+Converting a GGUF file (`loader.convert_gguf`) writes what the model runner needs besides the
+weights (config, tokenizer, the few small tensors a family's mapping changes in value, such as
+Gemma's norms) and `gguf.json`, this module's manifest: per weight the model keeps packed, its
+Hugging Face name, GGML type, shape and byte offset in the file, and where transformers' mapping
+moves its rows (llama.cpp stores Llama's Q and K rows in its rotary order), the row order, in
+`gguf_orders.st`. Loading maps the file once (a private mapping: pages come from the
+page cache as the kernels read them and are never written) and hands each weight over as a
+`GgufWeight` view of its bytes; only reordered weights are copies.
+
+The manifest names the file's path, size and modification time: a replaced file gets a new
+converted directory (`cache_paths.converted_dir`), and a changed one is refused at load rather
+than read at stale offsets.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .gguf_weight import BF16, F16, GgufWeight, type_name
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "gguf.json"
+ORDERS = "gguf_orders.st"  # safetensors, not named so: no checkpoint file of the model
+_VERSION = 1
+
+# GGML types kept packed in place: every quantized type and float16/bfloat16. float32 tensors
+# (norms, small models' odd tensors) and integer ones go to the dense file.
+_DENSE_TYPES = frozenset({0, 24, 25, 26, 27, 28})  # F32, I8, I16, I32, I64, F64
+
+
+def keeps_packed(kind: int, ndim: int) -> bool:
+    """Whether a tensor of GGML type `kind` and `ndim` dimensions stays packed in the file: a
+    2-D weight of a block type or of 16-bit floats (stacked experts are dense for now)."""
+    return ndim == 2 and kind not in _DENSE_TYPES and (kind in (F16, BF16) or kind > 1)
+
+
+def write_manifest(
+    gguf: Path, entries: list[dict[str, Any]], orders: dict[str, Any], out: Path
+) -> None:
+    """Write the manifest of `gguf`'s packed weights (`entries`: name, kind, offset, rows,
+    cols, reordered) and their row orders (name -> int64 tensor) into directory `out`."""
+    stat = gguf.stat()
+    manifest = {
+        "version": _VERSION,
+        "file": str(gguf),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "tensors": entries,
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    if orders:
+        save_file({k: v.to(torch.int32).contiguous() for k, v in orders.items()}, out / ORDERS)
+
+
+def has_manifest(model_dir: Path) -> bool:
+    return (model_dir / MANIFEST).is_file()
+
+
+def stored_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
+    """Each packed weight's shape, by Hugging Face name, from the manifest alone."""
+    manifest = json.loads((model_dir / MANIFEST).read_text())
+    return {e["name"]: (int(e["rows"]), int(e["cols"])) for e in manifest["tensors"]}
+
+
+def packed_weights(model_dir: Path) -> Iterator[tuple[str, GgufWeight]]:
+    """The packed weights of a converted directory, by Hugging Face name, over the mapped
+    file; OSError where the file is gone or changed since the conversion."""
+    manifest = json.loads((model_dir / MANIFEST).read_text())
+    if manifest.get("version") != _VERSION:
+        raise OSError(f"{model_dir / MANIFEST} is of another layout: convert the file again")
+    path = Path(manifest["file"])
+    mapped = _mapped(path, manifest["size"], manifest["mtime_ns"])
+    orders: dict[str, torch.Tensor] = {}
+    if (model_dir / ORDERS).is_file():
+        orders = load_file(model_dir / ORDERS)
+    for entry in manifest["tensors"]:
+        kind, rows, cols = int(entry["kind"]), int(entry["rows"]), int(entry["cols"])
+        nbytes = rows * GgufWeight.row_bytes(kind, cols)
+        offset = int(entry["offset"])
+        if offset < 0 or offset + nbytes > len(mapped):
+            raise OSError(f"{path}: {entry['name']} lies past the end of the file")
+        data = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset)
+        weight = GgufWeight.over(data, kind, cols)
+        order = orders.get(entry["name"])
+        if order is not None:
+            weight = weight.reordered(order.to(torch.int64))
+        yield entry["name"], weight
+
+
+def mapped_span(model_dir: Path) -> range:
+    """The addresses the file of a converted directory is mapped at in this process: a weight
+    whose bytes lie there is read in place."""
+    manifest = json.loads((model_dir / MANIFEST).read_text())
+    mapped = _mapped(Path(manifest["file"]), manifest["size"], manifest["mtime_ns"])
+    start = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+    return range(start, start + len(mapped))
+
+
+def describe(weight: GgufWeight) -> str:
+    """ "Q6_K [576, 1536] (0.7 MiB)": a weight for a log line."""
+    return f"{type_name(weight.kind)} {list(weight.shape)} ({weight.nbytes / 2**20:.1f} MiB)"
+
+
+_maps: dict[tuple[str, int, int], mmap.mmap] = {}
+_maps_lock = threading.Lock()
+
+
+def _mapped(path: Path, size: int, mtime_ns: int) -> mmap.mmap:
+    """`path` mapped privately (copy on write, never written: pages stay the page cache's),
+    once per process and file version; OSError where its size or time differ from the
+    manifest's."""
+    key = (str(path), size, mtime_ns)
+    with _maps_lock:
+        mapped = _maps.get(key)
+        if mapped is not None:
+            return mapped
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            stat = os.fstat(fd)
+            if (stat.st_size, stat.st_mtime_ns) != (size, mtime_ns):
+                raise OSError(f"{path} changed since it was converted: convert it again")
+            mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
+        _maps[key] = mapped
+        return mapped

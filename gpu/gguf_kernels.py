@@ -1,0 +1,209 @@
+"""GGUF's weight blocks as the file stores them, row-major, on the CPU (`kernels/gguf_*.c`):
+float weights bit for bit as gguf's numpy `dequantize` makes them (`dequantize`, and
+`gather` for an embedding lookup), and the product of a few rows with the weights without
+dequantizing them (`matmul`, a decode step's projections).
+
+`kind` is the tensor's `gguf.GGMLQuantizationType` as an int; the weights are a uint8 tensor
+[rows, row_bytes(kind, cols)], each row's bytes contiguous. Every argument is checked here,
+before the C call, where a wrong shape would be a wrong pointer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any, NamedTuple
+
+import torch
+
+from . import cpu_kernels
+
+# type id: (weights a block, bytes a block), as gguf.GGML_QUANT_SIZES has them
+_BLOCKS = {
+    0: (1, 4),  # F32
+    1: (1, 2),  # F16
+    2: (32, 18),  # Q4_0
+    3: (32, 20),  # Q4_1
+    6: (32, 22),  # Q5_0
+    7: (32, 24),  # Q5_1
+    8: (32, 34),  # Q8_0
+    10: (256, 84),  # Q2_K
+    11: (256, 110),  # Q3_K
+    12: (256, 144),  # Q4_K
+    13: (256, 176),  # Q5_K
+    14: (256, 210),  # Q6_K
+    20: (32, 18),  # IQ4_NL
+    23: (256, 136),  # IQ4_XS
+    30: (1, 2),  # BF16
+}
+SUPPORTED: frozenset[int] = frozenset(_BLOCKS)
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def block_size(kind: int) -> int:
+    """Weights a block of type `kind`."""
+    return _blocks(kind)[0]
+
+
+def block_bytes(kind: int) -> int:
+    """Bytes a block of type `kind`."""
+    return _blocks(kind)[1]
+
+
+def row_bytes(kind: int, cols: int) -> int:
+    """Bytes a row of `cols` weights of type `kind` takes."""
+    size, nbytes = _blocks(kind)
+    if cols < 1 or cols % size:
+        raise ValueError(f"{cols} weights are not whole blocks of {size}")
+    return cols // size * nbytes
+
+
+def available() -> bool:
+    """Whether the CPU kernels' library is built (else every call here raises)."""
+    return _functions() is not None
+
+
+class _Functions(NamedTuple):
+    dequantize: Any
+    gather: Any
+    matmul: Any
+    max_rows: int
+
+
+@functools.cache
+def _functions() -> _Functions | None:
+    if cpu_kernels._library() is None:
+        return None
+    p, i, c_int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    function = functools.partial(cpu_kernels._function, restype=c_int)
+    return _Functions(
+        dequantize=function("triode_gguf_dequantize", c_int, p, i, i, i, p, i, c_int),
+        gather=function("triode_gguf_gather", c_int, p, i, i, p, i, p, i, c_int),
+        matmul=function("triode_gguf_matmul", c_int, p, i, i, i, p, i, i, p, p, i, c_int),
+        max_rows=function("triode_gguf_max_rows")(),
+    )
+
+
+def max_rows() -> int:
+    """The most rows of x one `matmul` takes."""
+    return _library().max_rows
+
+
+def dequantize(
+    data: torch.Tensor, kind: int, cols: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The float weights [rows, cols] (float32 or bfloat16) of `data`'s rows of blocks."""
+    functions = _library()
+    _check_blocks(data, kind, cols)
+    out = torch.empty(data.shape[0], cols, dtype=_out_dtype(dtype))
+    status = functions.dequantize(
+        kind, data.data_ptr(), data.stride(0), data.shape[0], cols, out.data_ptr(), cols,
+        int(dtype == torch.bfloat16),
+    )  # fmt: skip
+    _ok(status)
+    return out
+
+
+def gather(
+    data: torch.Tensor,
+    kind: int,
+    cols: int,
+    ids: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Rows `ids` (int64 [n]) of `dequantize(data, kind, cols, dtype)`, those alone decoded: an
+    embedding lookup."""
+    functions = _library()
+    _check_blocks(data, kind, cols)
+    if ids.dtype != torch.int64 or ids.dim() != 1 or ids.device.type != "cpu":
+        raise ValueError("ids must be a 1-D int64 CPU tensor")
+    ids = ids.contiguous()
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= data.shape[0]):
+        raise IndexError(f"ids outside the {data.shape[0]} rows")
+    out = torch.empty(len(ids), cols, dtype=_out_dtype(dtype))
+    status = functions.gather(
+        kind, data.data_ptr(), data.stride(0), cols, ids.data_ptr(), len(ids), out.data_ptr(),
+        cols, int(dtype == torch.bfloat16),
+    )  # fmt: skip
+    _ok(status)
+    return out
+
+
+def matmul(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    kind: int,
+    outputs: int,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y = x W^T (+ bias): x [n, cols] float32 or bfloat16 (n from 1 to `max_rows()`, each row
+    contiguous), W `outputs` rows of blocks in `data`, bias float32 [outputs]. Returns y
+    [n, outputs] in x's dtype, written into `out` where given (rows contiguous)."""
+    functions = _library()
+    if x.dtype not in _DTYPES or x.dim() != 2 or x.device.type != "cpu":
+        raise ValueError("x must be a 2-D float32 or bfloat16 CPU tensor")
+    rows, cols = x.shape
+    if not 1 <= rows <= functions.max_rows:
+        raise ValueError(f"{rows} rows; the kernel takes 1 to {functions.max_rows}")
+    if x.stride(1) != 1:
+        raise ValueError("x's rows must be contiguous")
+    _check_blocks(data, kind, cols)
+    if data.shape[0] != outputs:
+        raise ValueError(f"{data.shape[0]} rows of weights for {outputs} outputs")
+    if bias is not None and (
+        bias.dtype != torch.float32
+        or bias.shape != (outputs,)
+        or not bias.is_contiguous()
+        or bias.device.type != "cpu"
+    ):
+        raise ValueError(f"bias must be {outputs} contiguous float32 values on the CPU")
+    if out is None:
+        out = x.new_empty(rows, outputs)
+    elif out.dtype != x.dtype or out.shape != (rows, outputs) or out.device.type != "cpu":
+        raise ValueError(f"out must be a {x.dtype} CPU tensor [{rows}, {outputs}]")
+    elif outputs > 1 and out.stride(1) != 1:
+        raise ValueError("out's rows must be contiguous")
+    status = functions.matmul(
+        kind, x.data_ptr(), x.stride(0), rows, cols, data.data_ptr(), data.stride(0), outputs,
+        bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0),
+        int(x.dtype == torch.bfloat16),
+    )  # fmt: skip
+    _ok(status)
+    return out
+
+
+def _blocks(kind: int) -> tuple[int, int]:
+    try:
+        return _BLOCKS[kind]
+    except KeyError:
+        raise ValueError(f"GGML type {kind} is not one these kernels take") from None
+
+
+def _library() -> _Functions:
+    functions = _functions()
+    if functions is None:
+        raise RuntimeError("the CPU kernels are not built (no C compiler, or disabled)")
+    return functions
+
+
+def _check_blocks(data: torch.Tensor, kind: int, cols: int) -> None:
+    """`data`: uint8 CPU rows of `cols` weights of type `kind`, each row's bytes contiguous."""
+    nbytes = row_bytes(kind, cols)
+    if data.dtype != torch.uint8 or data.dim() != 2 or data.device.type != "cpu":
+        raise ValueError("the blocks must be a 2-D uint8 CPU tensor")
+    if data.shape[1] != nbytes:
+        raise ValueError(f"rows of {data.shape[1]} bytes, where {cols} weights take {nbytes}")
+    if data.stride(1) != 1:
+        raise ValueError("each row's bytes must be contiguous")
+
+
+def _out_dtype(dtype: torch.dtype) -> torch.dtype:
+    if dtype not in _DTYPES:
+        raise ValueError(f"weights come as float32 or bfloat16, not {dtype}")
+    return dtype
+
+
+def _ok(status: int) -> None:
+    if status != 0:
+        raise ValueError("the kernel refused its arguments")
