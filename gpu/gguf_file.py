@@ -138,3 +138,11 @@ def _mapped(path: Path, size: int, mtime_ns: int) -> mmap.mmap:
             os.close(fd)
         _maps[key] = mapped
         return mapped
+
+
+def release_mapped_files() -> None:
+    """Give back the pages of every mapped file (a sleep's weights): the mappings stay, and a
+    read after this faults its pages in again from the page cache or the disk."""
+    with _maps_lock:
+        for mapped in _maps.values():
+            mapped.madvise(mmap.MADV_DONTNEED)

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .gguf_file import release_mapped_files
+
 
 def rss_bytes() -> int:
     """This process's resident set (VmRSS of /proc/self/status), in bytes; 0 where there is no
@@ -108,6 +110,9 @@ def free_model(model: nn.Module) -> None:
                 setattr(module, name, buffer.new_empty(0))
             if getattr(module, "packed", None) is not None:
                 module.packed = None
+            if getattr(module, "stored", None) is not None:
+                module.stored = None  # the file's blocks go as they are: nothing to dequantize
             detach = getattr(module, "detach_quantized", None)
             if detach is not None:
                 detach()
+    release_mapped_files()  # and the pages of the GGUF files they were read from

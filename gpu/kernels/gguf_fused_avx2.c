@@ -11,11 +11,9 @@
 #if LANES == 8 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include "gguf_avx2.h"
 
-/* rows in registers at once, each code decoded for all of them; a single row takes
- * FUSED_OUTPUTS outputs at once instead, for more sums in flight (measured a little faster at
- * one row; at four rows, four outputs a tile were slower than one) */
+/* rows in registers at once, each code decoded for all of them (an output row at a time:
+ * tiles of several outputs were faster only while W fit in L2) */
 #define FUSED_TILE 4
-#define FUSED_OUTPUTS 4
 /* the most rows this path takes; more share each decoded chunk (the chunk path) */
 #define FUSED_ROWS 8
 
@@ -49,22 +47,19 @@ INLINE void super_scales(const int type, const uint8_t *w, float *scale, float *
     }
 }
 
-/* sums[r][o] (the even or the odd ones) += one unit of each of no outputs (codes[o], scales
- * scale[o]) for rows 0..mr-1 (x at the unit's first weight, rows `stride` apart) */
-INLINE void unit_tile(const float *x, int64_t stride, const unit_bytes *codes, const __m256 *scale,
-                      __m256 sums[][FUSED_OUTPUTS], const int mr, const int no) {
-    __m256 dot[FUSED_TILE][FUSED_OUTPUTS];
+/* sums (the even or the odd ones) of rows 0..mr-1 += one unit (its codes, its scale): x at
+ * the unit's first weight, rows `stride` apart */
+INLINE void unit_rows(const float *x, int64_t stride, unit_bytes codes, __m256 scale,
+                      __m256 *sums, const int mr) {
+    __m256 dot[FUSED_TILE];
     for (int k = 0; k < 4; k++) {
-        __m256 q[FUSED_OUTPUTS];
-        for (int o = 0; o < no; o++) q[o] = unit_field(codes[o], k);
+        const __m256 q = unit_field(codes, k);
         for (int r = 0; r < mr; r++) {
             const __m256 xk = _mm256_loadu_ps(x + r * stride + 8 * k);
-            for (int o = 0; o < no; o++)
-                dot[r][o] = k ? _mm256_fmadd_ps(xk, q[o], dot[r][o]) : _mm256_mul_ps(xk, q[o]);
+            dot[r] = k ? _mm256_fmadd_ps(xk, q, dot[r]) : _mm256_mul_ps(xk, q);
         }
     }
-    for (int r = 0; r < mr; r++)
-        for (int o = 0; o < no; o++) sums[r][o] = _mm256_fmadd_ps(dot[r][o], scale[o], sums[r][o]);
+    for (int r = 0; r < mr; r++) sums[r] = _mm256_fmadd_ps(dot[r], scale, sums[r]);
 }
 
 /* minimum += 8 groups' minimums times their sums of x, for rows 0..mr-1 */
@@ -80,133 +75,89 @@ static inline int64_t xsum_index(int64_t g, int G) {
     return g / (CHUNK / G) * MAX_GROUPS + g % (CHUNK / G);
 }
 
-/* a tile's even and odd sums in registers, from and back to output o's row_sums (sums +
- * o x rows) */
-typedef struct {
-    __m256 even[FUSED_TILE][FUSED_OUTPUTS], odd[FUSED_TILE][FUSED_OUTPUTS];
-} tile_sums;
-
-INLINE void tile_load(tile_sums *t, const row_sums *sums, int64_t rows, const int mr,
-                      const int no) {
-    for (int r = 0; r < mr; r++)
-        for (int o = 0; o < no; o++) {
-            t->even[r][o] = sums[o * rows + r].even;
-            t->odd[r][o] = sums[o * rows + r].odd;
-        }
-}
-
-INLINE void tile_store(const tile_sums *t, row_sums *sums, int64_t rows, const int mr,
-                       const int no) {
-    for (int r = 0; r < mr; r++)
-        for (int o = 0; o < no; o++) {
-            sums[o * rows + r].even = t->even[r][o];
-            sums[o * rows + r].odd = t->odd[r][o];
-        }
-}
-
-/* rows 0..mr-1 of the call (x, xsum at their first; sums: output o's at sums + o x rows)
- * against no rows of superblocks, w_stride bytes apart */
+/* rows 0..mr-1 of the call (x, xsum, sums at their first) against one row of superblocks */
 INLINE void super_tile(const call *k, const float *x, const float *xsum, const uint8_t *w,
-                       int64_t w_stride, row_sums *sums, const int type, const int mr,
-                       const int no) {
+                       row_sums *sums, const int type, const int mr) {
     const int G = k->f.group, groups = QK_K / G, minimum = k->f.has_minimum;
-    const int64_t blocks = k->cols / QK_K, bytes_per_block = k->f.block_bytes;
-    tile_sums t;
-    tile_load(&t, sums, k->rows, mr, no);
-    float scale[FUSED_OUTPUTS][16] = {{0}}, minimums[FUSED_OUTPUTS][16] = {{0}};
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *block[FUSED_OUTPUTS];
-        for (int o = 0; o < no; o++) {
-            block[o] = w + o * w_stride + b * bytes_per_block;
-            super_scales(type, block[o], scale[o], minimums[o]);
-        }
+    const int64_t blocks = k->cols / QK_K;
+    __m256 even[FUSED_TILE], odd[FUSED_TILE];
+    for (int r = 0; r < mr; r++) {
+        even[r] = sums[r].even;
+        odd[r] = sums[r].odd;
+    }
+    float scale[16] = {0}, minimums[16] = {0};
+    for (int64_t b = 0; b < blocks; b++, w += k->f.block_bytes) {
+        super_scales(type, w, scale, minimums);
         const float *xb = x + b * QK_K;
         for (int u = 0; u < QK_K / UNIT; u += 2) {
-            unit_bytes codes[FUSED_OUTPUTS];
-            __m256 s[FUSED_OUTPUTS];
-            for (int o = 0; o < no; o++) {
-                codes[o] = unit_codes(type, block[o], u);
-                s[o] = unit_scale(scale[o], u, G);
-            }
-            unit_tile(xb + u * UNIT, k->padded, codes, s, t.even, mr, no);
-            for (int o = 0; o < no; o++) {
-                codes[o] = unit_codes(type, block[o], u + 1);
-                s[o] = unit_scale(scale[o], u + 1, G);
-            }
-            unit_tile(xb + (u + 1) * UNIT, k->padded, codes, s, t.odd, mr, no);
+            unit_rows(xb + u * UNIT, k->padded, unit_codes(type, w, u), unit_scale(scale, u, G),
+                      even, mr);
+            unit_rows(xb + (u + 1) * UNIT, k->padded, unit_codes(type, w, u + 1),
+                      unit_scale(scale, u + 1, G), odd, mr);
         }
         if (minimum)
-            for (int o = 0; o < no; o++)
-                for (int j = 0; j < groups; j += 8)
-                    minimum_rows(minimums[o] + j, xsum + xsum_index(b * groups + j, G),
-                                 xsum_stride(k), sums + o * k->rows, mr);
+            for (int j = 0; j < groups; j += 8)
+                minimum_rows(minimums + j, xsum + xsum_index(b * groups + j, G), xsum_stride(k),
+                             sums, mr);
     }
-    tile_store(&t, sums, k->rows, mr, no);
+    for (int r = 0; r < mr; r++) {
+        sums[r].even = even[r];
+        sums[r].odd = odd[r];
+    }
 }
 
 /* as `super_tile` for 32-weight blocks; the minimums go in 8 blocks at a time, as the chunk
  * path reads them */
 INLINE void block_tile(const call *k, const float *x, const float *xsum, const uint8_t *w,
-                       int64_t w_stride, row_sums *sums, const int type, const int mr,
-                       const int no) {
+                       row_sums *sums, const int type, const int mr) {
     const int minimum = k->f.has_minimum;
-    const int64_t blocks = k->cols / UNIT, bytes_per_block = k->f.block_bytes;
-    tile_sums t;
-    tile_load(&t, sums, k->rows, mr, no);
-    float minimums[FUSED_OUTPUTS][8] = {{0}};
-    for (int64_t b = 0; b < blocks; b++) {
-        unit_bytes codes[FUSED_OUTPUTS];
-        __m256 s[FUSED_OUTPUTS];
-        for (int o = 0; o < no; o++) {
-            const uint8_t *block = w + o * w_stride + b * bytes_per_block;
-            codes[o] = unit_codes(type, block, 0);
-            s[o] = _mm256_set1_ps(half_at(block));
-            if (minimum) minimums[o][b % 8] = half_at(block + 2);
-        }
-        unit_tile(x + b * UNIT, k->padded, codes, s, b % 2 ? t.odd : t.even, mr, no);
-        if (minimum && (b % 8 == 7 || b == blocks - 1))
-            for (int o = 0; o < no; o++) {
-                minimum_rows(minimums[o], xsum + xsum_index(b / 8 * 8, UNIT), xsum_stride(k),
-                             sums + o * k->rows, mr);
-                for (int j = 0; j < 8; j++) minimums[o][j] = 0.0f;
-            }
+    const int64_t blocks = k->cols / UNIT;
+    __m256 even[FUSED_TILE], odd[FUSED_TILE];
+    for (int r = 0; r < mr; r++) {
+        even[r] = sums[r].even;
+        odd[r] = sums[r].odd;
     }
-    tile_store(&t, sums, k->rows, mr, no);
+    float minimums[8] = {0};
+    for (int64_t b = 0; b < blocks; b++, w += k->f.block_bytes) {
+        const __m256 scale = _mm256_set1_ps(half_at(w));
+        unit_rows(x + b * UNIT, k->padded, unit_codes(type, w, 0), scale, b % 2 ? odd : even, mr);
+        if (!minimum) continue;
+        minimums[b % 8] = half_at(w + 2);
+        if (b % 8 == 7 || b == blocks - 1) {
+            minimum_rows(minimums, xsum + xsum_index(b / 8 * 8, UNIT), xsum_stride(k), sums, mr);
+            for (int j = 0; j < 8; j++) minimums[j] = 0.0f;
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        sums[r].even = even[r];
+        sums[r].odd = odd[r];
+    }
 }
 
 INLINE void tile(const call *k, const float *x, const float *xsum, const uint8_t *w,
-                 int64_t w_stride, row_sums *sums, const int type, const int mr, const int no) {
+                 row_sums *sums, const int type, const int mr) {
     if (k->f.block_size == QK_K)
-        super_tile(k, x, xsum, w, w_stride, sums, type, mr, no);
+        super_tile(k, x, xsum, w, sums, type, mr);
     else
-        block_tile(k, x, xsum, w, w_stride, sums, type, mr, no);
+        block_tile(k, x, xsum, w, sums, type, mr);
 }
 
-/* n outputs' sums for every row: tiles of up to FUSED_TILE rows by one output; a single row
- * by FUSED_OUTPUTS outputs */
+/* n outputs' sums for every row, in tiles of up to FUSED_TILE rows */
 INLINE void type_sums(const call *k, const uint8_t *w, int64_t w_stride, int n,
                       row_sums *sums, const int type) {
     const int64_t xsums = xsum_stride(k);
-    for (int64_t r0 = 0; r0 < k->rows; r0 += FUSED_TILE) {
-        const int mr = k->rows - r0 < FUSED_TILE ? (int)(k->rows - r0) : FUSED_TILE;
-        const float *x = k->x + r0 * k->padded;
-        const float *xsum = k->xsum != NULL ? k->xsum + r0 * xsums : NULL;
-        row_sums *s = sums + r0;
-        int o = 0;
-        if (mr == 1)
-            for (; o + FUSED_OUTPUTS <= n; o += FUSED_OUTPUTS)
-                tile(k, x, xsum, w + o * w_stride, w_stride, s + o * k->rows, type, 1,
-                     FUSED_OUTPUTS);
-        for (; o < n; o++) {
-            const uint8_t *wo = w + o * w_stride;
+    for (int o = 0; o < n; o++, w += w_stride, sums += k->rows)
+        for (int64_t r0 = 0; r0 < k->rows; r0 += FUSED_TILE) {
+            const int mr = k->rows - r0 < FUSED_TILE ? (int)(k->rows - r0) : FUSED_TILE;
+            const float *x = k->x + r0 * k->padded;
+            const float *xsum = k->xsum != NULL ? k->xsum + r0 * xsums : NULL;
             switch (mr) {
-            case 1: tile(k, x, xsum, wo, w_stride, s + o * k->rows, type, 1, 1); break;
-            case 2: tile(k, x, xsum, wo, w_stride, s + o * k->rows, type, 2, 1); break;
-            case 3: tile(k, x, xsum, wo, w_stride, s + o * k->rows, type, 3, 1); break;
-            default: tile(k, x, xsum, wo, w_stride, s + o * k->rows, type, 4, 1); break;
+            case 1: tile(k, x, xsum, w, sums + r0, type, 1); break;
+            case 2: tile(k, x, xsum, w, sums + r0, type, 2); break;
+            case 3: tile(k, x, xsum, w, sums + r0, type, 3); break;
+            default: tile(k, x, xsum, w, sums + r0, type, 4); break;
             }
         }
-    }
 }
 
 int gguf_fused_sums(const call *k, const uint8_t *w, int64_t w_stride, int n, row_sums *sums) {

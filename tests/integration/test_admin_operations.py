@@ -15,6 +15,7 @@ from engine_calls import final_output, waiting
 from safetensors.torch import load_file, save_file
 
 from triode.actors import OperationError, SamplingParams, open_engine
+from triode.gpu.gguf_file import packed_weights
 from triode.gpu.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.slow
@@ -84,7 +85,9 @@ async def test_sleep_gives_the_kv_cache_and_weights_back_and_wakes_the_same(
         assert results[0].outputs[0].token_ids == before
         assert results[0].num_cached_tokens == 0  # the prefix cache went with the memory
 
+        # the dense file's and the GGUF file's weights, which are read where they lie
         weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))  # noqa: ASYNC240
+        weights += sum(w.nbytes for _, w in packed_weights(model_dir))
         awake = await admin.memory()
         asleep = await admin.sleep(level=2)
         assert asleep["asleep"] == ["kv_cache", "weights"]

@@ -176,12 +176,14 @@ def test_health_answers_on_every_connection(scaled: Server) -> None:
 def test_prompt_embeds_complete_as_the_prompt_s_token_ids_do(
     client: openai.OpenAI, model_dir: Path
 ) -> None:
-    from safetensors import safe_open
     from tokenizers import Tokenizer
 
+    from triode.gpu.gguf_file import packed_weights
+
     ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode("The capital of").ids
-    with safe_open(str(model_dir / "model.safetensors"), "pt") as weights:
-        rows = weights.get_tensor("model.embed_tokens.weight")[ids]
+    # the embedding as the server holds it: the GGUF file's rows, dequantized
+    embedding = dict(packed_weights(model_dir))["model.embed_tokens.weight"]
+    rows = embedding.gather(torch.tensor(ids), torch.float32)
     saved = io.BytesIO()
     torch.save(rows, saved)
     payload = base64.b64encode(saved.getvalue()).decode()
