@@ -14,7 +14,7 @@ PYTEST_WORKERS ?= 2
 FUZZ_SECONDS ?= 120
 FUZZ_ARGS ?=
 
-.PHONY: setup test serve lint format bench-wire bench-vllm bench-llamacpp llama-server bench-models device-check fuzz model clean
+.PHONY: setup test serve lint format bench-wire bench-vllm bench-llamacpp llama-server bench-models check-gguf device-check fuzz model clean
 
 setup: $(INSTALLED) $(MODEL)
 
@@ -152,6 +152,21 @@ BENCH_ARGS ?=
 bench-llamacpp: setup bench-models $(LLAMA_SERVER)
 	$(VENV)/bin/triode bench llamacpp --llama-server $(LLAMA_SERVER) \
 	  $(foreach m,$(LLAMA_1B) $(GEMMA3),--model $(m)) $(BENCH_ARGS)
+
+# The default model requantized by llama.cpp's own llama-quantize to each preset (from its Q4_1
+# file: no Hugging Face checkpoint of it is reachable), and the 1B bench files: greedy decoding
+# by triode from each file's blocks equal to transformers on the same file
+CHECK_GGUF := $(TRIODE_CACHE)/check-gguf
+GGUF_PRESETS := Q2_K Q3_K_M Q4_K_M Q5_K_M Q6_K Q8_0 IQ4_NL IQ4_XS Q4_0 Q5_0 Q5_1
+GGUF_CHECKED := $(GGUF_PRESETS:%=$(CHECK_GGUF)/SmolLM2-135M-Instruct.%.gguf)
+
+$(CHECK_GGUF)/SmolLM2-135M-Instruct.%.gguf: $(MODEL) $(LLAMA_QUANTIZE)
+	@mkdir -p $(CHECK_GGUF)
+	$(LLAMA_QUANTIZE) --allow-requantize $(MODEL) $@.part $* > $@.log 2>&1
+	@mv $@.part $@
+
+check-gguf: setup $(GGUF_CHECKED) $(LLAMA_1B)
+	$(PY) -m triode.gpu.checks.gguf $(GGUF_CHECKED) $(LLAMA_1B)
 
 # NCCL collectives, gloo for comparison, and tensor-parallel greedy decoding on this machine's
 # GPUs; without a GPU it says so and succeeds.

@@ -69,6 +69,7 @@ STRING_IMPORTS = {
     "triode.gpu.bench.weight_push",
     "triode.gpu.lora.random_adapter",
     "triode.gpu.checks.device",
+    "triode.gpu.checks.gguf",
     "triode.gpu.checks.model",
     "triode.gpu.worker",
     "triode.gpu.worker:serve_worker",

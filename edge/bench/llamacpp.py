@@ -89,15 +89,15 @@ def command_for(
     server: str, model: Path, args: argparse.Namespace, port: int, streams: int
 ) -> list[str]:
     """The command line that starts `server` on `port`, serving `model` to `streams` streams."""
+    slot_ctx = slot_context(args.input_len, args.output_len)
     if server == LLAMA_SERVER:
-        slot_ctx = slot_context(args.input_len, args.output_len)
         return llama_server_command(args.llama_server, model, port, streams=streams,
                                     threads=args.llamacpp_threads, slot_ctx=slot_ctx)  # fmt: skip
     if server == LLAMACPP_PYTHON:
         return llamacpp_python_command(
             args.llamacpp_python, model, port, threads=args.llamacpp_threads
         )
-    return triode_command(model, port)
+    return triode_command(model, port, max_model_len=slot_ctx)
 
 
 async def measure(

@@ -53,45 +53,49 @@ def summarize_rounds(
     rows: list[dict[str, Any]], file: str, concurrency: int, baseline: str
 ) -> dict[Any, Any] | None:
     """For one file and stream count, triode's and `baseline`'s figures as medians over the
-    rounds and triode's ratio to `baseline` as the median of the rounds' ratios; None unless
-    both ran in some round."""
+    rounds each ran (None for one that never ran) and triode's ratios to `baseline` as the
+    median of the ratios of the rounds both ran (None if none); None if neither ran."""
     rounds: dict[int, dict[str, dict[str, Any]]] = {}
     for r in rows:
         if r["file"] == file and r["concurrency"] == concurrency and "error" not in r:
             rounds.setdefault(r["round"], {})[r["server"]] = r
-    pairs = [pair for pair in rounds.values() if TRIODE in pair and baseline in pair]
-    if not pairs:
+    ran = {s: [pair[s] for pair in rounds.values() if s in pair] for s in (TRIODE, baseline)}
+    if not ran[TRIODE] and not ran[baseline]:
         return None
     cell: dict[Any, Any] = {}
-    for name, figure in FIGURES.items():
-        for server in (TRIODE, baseline):
-            cell[server, name] = statistics.median(figure(p[server]) for p in pairs)
+    for server, its in ran.items():
+        for name, figure in FIGURES.items():
+            cell[server, name] = statistics.median(figure(r) for r in its) if its else None
+        cell[server, "failed"] = sum(r["failed"] for r in its) if its else None
+    pairs = [pair for pair in rounds.values() if TRIODE in pair and baseline in pair]
     for name in RATIOS:
         figure = FIGURES[name]
         cell["ratio", name] = statistics.median(
             figure(p[TRIODE]) / figure(p[baseline]) if figure(p[baseline]) else 0.0 for p in pairs
-        )
-    for server in (TRIODE, baseline):
-        cell[server, "failed"] = sum(p[server]["failed"] for p in pairs)
+        ) if pairs else None  # fmt: skip
     return cell
+
+
+def _cell(value: float | None, spec: str, unit: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{unit}"
 
 
 def format_table(
     rows: list[dict[str, Any]], file: str, args: argparse.Namespace, baseline: str = LLAMA_SERVER
 ) -> str:
-    """triode beside `baseline` on `file`: a row per stream count that both ran."""
+    """triode beside `baseline` on `file`: a row per stream count that either ran, `-` for the
+    figures of one that did not."""
     other = LABELS[baseline]
     rounds = len({r["round"] for r in rows if r["file"] == file})
-    head, rule = ["streams"], ["---"]
+    head = ["streams"]
     for name, _, ratio in COLUMNS:
         head += [f"triode {name}", f"{other} {name}"] + (["ratio"] if ratio else [])
     head.append(f"failed (triode/{other})")
-    rule = ["---"] * len(head)
     lines = [
         f"{file}: triode vs {other}, medians of {rounds} round(s)",
         "",
         "| " + " | ".join(head) + " |",
-        "|" + "|".join(rule) + "|",
+        "|" + "|".join(["---"] * len(head)) + "|",
     ]
     tokens: dict[str, list[str]] = {TRIODE: [], baseline: []}
     others: dict[str, list[str]] = {TRIODE: [], baseline: []}
@@ -101,19 +105,19 @@ def format_table(
             continue
         row = [str(c)]
         for name, spec, ratio in COLUMNS:
-            row += [f"{cell[TRIODE, name]:{spec}}", f"{cell[baseline, name]:{spec}}"]
-            row += [f"{cell['ratio', name]:.2f}x"] if ratio else []
-        row.append(f"{cell[TRIODE, 'failed']}/{cell[baseline, 'failed']}")
+            row += [_cell(cell[TRIODE, name], spec), _cell(cell[baseline, name], spec)]
+            row += [_cell(cell["ratio", name], ".2f", "x")] if ratio else []
+        row.append(f"{_cell(cell[TRIODE, 'failed'], 'd')}/{_cell(cell[baseline, 'failed'], 'd')}")
         lines.append("| " + " | ".join(row) + " |")
         for server in tokens:
-            tokens[server].append(f"{cell[server, 'tokens']:.1f}")
-            others[server].append(f"{cell[server, 'others CPU %']:.0f}%")
+            tokens[server].append(_cell(cell[server, "tokens"], ".1f"))
+            others[server].append(_cell(cell[server, "others CPU %"], ".0f", "%"))
     lines.append("")
     lines += [
         f"{LABELS[s]}: {', '.join(tokens[s])} tokens per request; other processes used "
         f"{', '.join(others[s])} of the machine's CPU time meanwhile"
         for s in (TRIODE, baseline)
-        if tokens[s]
+        if set(tokens[s]) - {"-"}
     ]
     return "\n".join(lines)
 
@@ -154,7 +158,8 @@ def format_report(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             )
     lines.append(
         f"llama.cpp: {args.llamacpp_threads} thread(s); llama-server restarted per stream count "
-        f"with --parallel N, {slot_context(args.input_len, args.output_len)} tokens per slot"
+        f"with --parallel N, {slot_context(args.input_len, args.output_len)} tokens per slot, "
+        "triode's --max-model-len the same"
     )
     if LLAMACPP_PYTHON in baselines:
         lines.append("llama-cpp-python runs one request at a time (N - 1 wait in its queue)")

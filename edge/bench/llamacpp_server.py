@@ -70,8 +70,11 @@ def llamacpp_python_command(python: str, model: Path, port: int, *, threads: int
             "--interrupt_requests", "False", "--verbose", "False"]  # fmt: skip
 
 
-def triode_command(model: Path, port: int) -> list[str]:
-    return serve_command(str(model), port)
+def triode_command(model: Path, port: int, *, max_model_len: int) -> list[str]:
+    """`triode serve` on `model`, each request's context `max_model_len` tokens at most, as
+    llama-server's slots (triode's default, the model's own, can need more KV cache than its
+    default budget holds)."""
+    return [*serve_command(str(model), port), "--max-model-len", str(max_model_len)]
 
 
 def completion_body(model: str, prompt: str, output_len: int) -> dict[str, Any]:

@@ -85,12 +85,18 @@ def test_rounds_give_median_figures_and_the_median_of_the_rounds_ratios() -> Non
     assert "medians of 3 round(s)" in table
 
 
-def test_a_stream_count_or_file_without_both_servers_has_no_row() -> None:
-    args = parse_args([*ARGS, "--concurrencies", "1,8"])
+def test_a_stream_count_that_one_server_ran_shows_its_figures_and_dashes_for_the_other() -> None:
+    args = parse_args([*ARGS, "--concurrencies", "1,8,32"])
     rows = [_row(LLAMA_SERVER, 1, 0, 100.0, 20.0), _row(TRIODE, 1, 0, 50.0, 40.0)]
     rows.append(_row(LLAMA_SERVER, 8, 0, 100.0, 20.0))
-    rows.append(_row(TRIODE, 8, 0, 100.0, 20.0, file="other.gguf"))
-    assert [r[0] for r in _body(format_table(rows, "model.gguf", args))] == ["1"]
+    rows.append(_row(TRIODE, 32, 0, 100.0, 20.0, file="other.gguf"))
+
+    table = format_table(rows, "model.gguf", args)
+
+    assert [r[:4] for r in _body(table)] == [["1", "50.0", "100.0", "0.50x"],
+                                             ["8", "-", "100.0", "-"]]  # fmt: skip
+    assert _body(table)[1][-1] == "-/0"
+    assert "triode: 128.0, - tokens per request" in table
 
 
 def test_the_report_names_the_cpu_gives_a_table_per_file_and_baseline_and_the_failures() -> None:
@@ -109,6 +115,7 @@ def test_the_report_names_the_cpu_gives_a_table_per_file_and_baseline_and_the_fa
     assert "model.gguf: triode vs llama-cpp-python," in report
     assert "triode failed on b.gguf (round 0): ValueError: no gemma3" in report
     assert len(_body(report)) == 2  # b.gguf has no row
+    assert "b.gguf: triode vs llama.cpp" in report
 
 
 async def test_a_server_that_does_not_start_is_reported_and_the_run_goes_on(
@@ -155,6 +162,8 @@ def test_the_other_servers_commands() -> None:
     assert flags["--interrupt_requests"] == "False"
     command = command_for(TRIODE, Path("/m/model.gguf"), args, 8000, 8)
     assert "serve" in command and "/m/model.gguf" in command
+    # each request's context as long as a llama-server slot's
+    assert command[command.index("--max-model-len") + 1] == str(slot_context(36, 128))
 
 
 @pytest.mark.parametrize(
