@@ -26,7 +26,7 @@ BENCHMARKS = {
     "ab": Benchmark("triode.edge.bench.ab", "this tree against a baseline checkout, served"),
     "vllm": Benchmark("triode.edge.bench.vllm", "triode beside vLLM's CPU build, 1 to 64 streams"),
     "llamacpp": Benchmark(
-        "triode.edge.bench.llamacpp", "triode beside llama.cpp's server on one GGUF file"
+        "triode.edge.bench.llamacpp", "triode beside llama.cpp's llama-server on GGUF files"
     ),
     "frontend": Benchmark(
         "triode.edge.bench.frontend", "the API servers alone, 1, 2, 4 ... processes"

@@ -135,12 +135,13 @@ async def measure(
 
 
 def model_dir(model: str | None) -> Path:
-    """The directory `triode serve MODEL` loads (None: the default model; tiny-random is built
-    and a GGUF file converted on first use), found by the model process's side of triode, which
-    the edge does not import."""
+    """The directory `triode serve MODEL` loads, as transformers and vLLM read it (None: the
+    default model; tiny-random is built on first use, and a GGUF file, which triode serves in
+    place, gets a dense copy of its weights beside its converted directory, once), found by the
+    model process's side of triode, which the edge does not import."""
     code = (
-        "import sys; from triode.gpu.loader import resolve_model as r; "
-        "print(r(sys.argv[1] if len(sys.argv) > 1 else None))"
+        "import sys; from triode.gpu.loader import resolve_model, transformers_directory; "
+        "print(transformers_directory(resolve_model(sys.argv[1] if len(sys.argv) > 1 else None)))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code, *([] if model is None else [model])],

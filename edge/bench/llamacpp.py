@@ -210,6 +210,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--llamacpp-python",
+        "--llamacpp",  # its name when llama-cpp-python's was the only llama.cpp server here
         metavar="PYTHON",
         help="also run llama-cpp-python's server, by this Python with llama-cpp-python[server]",
     )

@@ -139,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    # vLLM loads triode's float32 conversion of the same checkpoint
+    # vLLM loads the same file's weights dequantized to float32 (`model_dir`)
     args.vllm_model = model_dir(args.model)
     rows = [row for server in args.server_list for row in trio.run(measure, server, args)]
     print(format_table(rows, args))

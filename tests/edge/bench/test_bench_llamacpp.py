@@ -189,6 +189,7 @@ def test_models_repeat_and_default_to_triode_s_cache(
     [model] = args.models
     assert model.parent == tmp_path / "models" and model.suffix == ".gguf"
     assert args.llamacpp_python is None
+    assert parse_args([*ARGS, "--llamacpp", "/v/python"]).llamacpp_python == "/v/python"
 
 
 def test_each_request_asks_for_exactly_the_output_length_greedily() -> None:
