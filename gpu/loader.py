@@ -146,17 +146,20 @@ def _write_hf_dir(gguf: Path, out: Path) -> None:
 
     # gguf's reader parses every metadata array on opening (a large vocabulary takes seconds):
     # one reader serves the config's fixes and the tensors
+    log.info("%s: reading its metadata (once for this file)", gguf.name)
     reader = GGUFReader(gguf)
     config = _complete_config(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name), reader)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     config.architectures = [type(skeleton).__name__]
     processor, names = _tensor_mapping(reader, skeleton)
+    log.info("%s: mapping its %d tensors", gguf.name, len(reader.tensors))
     entries, orders, tensors = _split_tensors(reader, processor, names, skeleton)
     tensors = {k: t.contiguous() for k, t in revert_weight_conversion(skeleton, tensors).items()}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     write_manifest(gguf, entries, orders, out)
     config.save_pretrained(out)
+    log.info("%s: %d weights served from the file; building the tokenizer", gguf.name, len(entries))
     _tokenizer(gguf, reader).save_pretrained(out)
     defaults = _sampling_defaults(reader)
     if defaults:
