@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import httpx
 import trio
@@ -28,7 +28,7 @@ import trio
 from .completion_stream import RequestResult, stream_completion
 from .process_tree import PeakMemory, ProcessTree
 from .serve import WARMUP_PROMPT, _drive, first_model_id, summarize
-from .server_process import _stop, _tail, serve_command
+from .server_process import _stop, serve_command, wait_until_healthy
 
 LLAMA_SERVER = "llama-server"
 LLAMACPP_PYTHON = "llama-cpp-python"
@@ -155,7 +155,8 @@ async def open_measured_server(
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(memory.run)
                 try:
-                    await _wait_until_ready(process, base_url, ready_timeout, log)
+                    # polled often: llama-server loads a small file in well under a second
+                    await wait_until_healthy(process, base_url, ready_timeout, log, poll=0.05)
                     yield MeasuredServer(process, memory, time.perf_counter() - started)
                 finally:
                     nursery.cancel_scope.cancel()
@@ -163,23 +164,3 @@ async def open_measured_server(
             with trio.CancelScope(shield=True):
                 await _stop(process, stop_timeout)
                 memory.tree.end()
-
-
-async def _wait_until_ready(
-    process: trio.Process, base_url: str, within: float, log: IO[bytes]
-) -> None:
-    # polled often: llama-server loads a small file in well under a second
-    async with httpx.AsyncClient(base_url=base_url, timeout=5.0) as client:
-        with trio.move_on_after(within):
-            while process.returncode is None:
-                try:
-                    if (await client.get("/health")).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass  # not listening yet
-                await trio.sleep(0.05)
-            raise RuntimeError(
-                f"the server exited with status {process.returncode} before it was ready:\n"
-                + _tail(log)
-            )
-    raise TimeoutError(f"the server was not ready after {within:g} s:\n" + _tail(log))

@@ -58,16 +58,18 @@ async def open_server(
             env={**os.environ, **(env or {})},
         )
         try:
-            await _wait_until_healthy(process, base_url, ready_timeout, log)
+            await wait_until_healthy(process, base_url, ready_timeout, log)
             yield process
         finally:
             with trio.CancelScope(shield=True):
                 await _stop(process, stop_timeout)
 
 
-async def _wait_until_healthy(
-    process: trio.Process, base_url: str, within: float, log: IO[bytes]
+async def wait_until_healthy(
+    process: trio.Process, base_url: str, within: float, log: IO[bytes], poll: float = 0.5
 ) -> None:
+    """Until `/health` answers 200, polled every `poll` seconds; RuntimeError with the log's
+    tail where the process exits first, TimeoutError after `within` seconds."""
     async with httpx.AsyncClient(base_url=base_url, timeout=5.0) as client:
         with trio.move_on_after(within):
             while process.returncode is None:
@@ -76,7 +78,7 @@ async def _wait_until_healthy(
                         return
                 except httpx.TransportError:
                     pass  # not listening yet
-                await trio.sleep(0.5)
+                await trio.sleep(poll)
             raise RuntimeError(
                 f"the server exited with status {process.returncode} before it was ready:\n"
                 + _tail(log)

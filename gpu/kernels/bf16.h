@@ -1,4 +1,5 @@
-/* Scalar helpers shared by the CPU kernels: bfloat16 to and from float32, and e^x. */
+/* Scalar helpers shared by the CPU kernels: bfloat16 to and from float32, float16 to float32,
+ * and e^x. */
 #ifndef TRIODE_BF16_H
 #define TRIODE_BF16_H
 
@@ -10,6 +11,18 @@ typedef union {
 } word;
 
 static inline float bf16_f32(uint16_t v) { return ((word){.bits = (uint32_t)v << 16}).value; }
+
+/* a float16 as float32, exactly (normal, subnormal, zero, infinity, NaN) */
+static inline float half_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 31u;
+    const uint32_t mantissa = h & 0x3ffu;
+    if (exponent == 31) return ((word){.bits = sign | 0x7f800000u | mantissa << 13}).value;
+    if (exponent == 0) {
+        const float f = (float)mantissa * 5.9604644775390625e-8f; /* m x 2^-24, exact */
+        return sign ? -f : f;
+    }
+    return ((word){.bits = sign | (exponent + 112u) << 23 | mantissa << 13}).value;
+}
 
 /* rounded to the nearest bfloat16, ties to even; a NaN stays a NaN */
 static inline uint16_t f32_bf16(float f) {

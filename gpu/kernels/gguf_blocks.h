@@ -104,18 +104,6 @@ static inline uint32_t u32_at(const uint8_t *p) {
     return v;
 }
 
-/* a float16 as float32, exactly (normal, subnormal, zero, infinity, NaN) */
-static inline float half_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 31u;
-    const uint32_t mantissa = h & 0x3ffu;
-    if (exponent == 31) return ((word){.bits = sign | 0x7f800000u | mantissa << 13}).value;
-    if (exponent == 0) {
-        const float f = (float)mantissa * 5.9604644775390625e-8f; /* m x 2^-24, exact */
-        return sign ? -f : f;
-    }
-    return ((word){.bits = sign | (exponent + 112u) << 23 | mantissa << 13}).value;
-}
-
 static inline float half_at(const uint8_t *p) {
 #if defined(__F16C__)
     return _cvtsh_ss(u16_at(p));

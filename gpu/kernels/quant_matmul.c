@@ -110,16 +110,6 @@ static inline vf vf_mul(vf a, vf b) {
     for (int i = 0; i < LANES; i++) a.v[i] *= b.v[i];
     return a;
 }
-/* a float16 as float32, exactly (normal, subnormal, zero, infinity, NaN) */
-static inline float half_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 31u, m = h & 0x3ffu;
-    if (exponent == 31) return ((word){.bits = sign | 0x7f800000u | m << 13}).value;
-    if (exponent == 0) {
-        const float f = (float)m * 5.9604644775390625e-8f; /* m x 2^-24, exact */
-        return sign ? -f : f;
-    }
-    return ((word){.bits = sign | (exponent + 112u) << 23 | m << 13}).value;
-}
 static inline vf vf_half(const uint16_t *p) {
     vf r;
     for (int i = 0; i < LANES; i++) r.v[i] = half_f32(p[i]);
