@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from .gguf_weight import BF16, F16, GgufWeight, type_name
+from .gguf_weight import GgufWeight, type_name
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +37,15 @@ MANIFEST = "gguf.json"
 ORDERS = "gguf_orders.st"  # safetensors, not named so: no checkpoint file of the model
 _VERSION = 1
 
-# GGML types kept packed in place: every quantized type and float16/bfloat16. float32 tensors
-# (norms, small models' odd tensors) and integer ones go to the dense file.
+# GGML types of the dense file: float32 tensors (norms, small models' odd tensors) and integer
+# ones; every quantized type and float16/bfloat16 stays packed in place
 _DENSE_TYPES = frozenset({0, 24, 25, 26, 27, 28})  # F32, I8, I16, I32, I64, F64
 
 
 def keeps_packed(kind: int, ndim: int) -> bool:
     """Whether a tensor of GGML type `kind` and `ndim` dimensions stays packed in the file: a
     2-D weight of a block type or of 16-bit floats (stacked experts are dense for now)."""
-    return ndim == 2 and kind not in _DENSE_TYPES and (kind in (F16, BF16) or kind > 1)
+    return ndim == 2 and kind not in _DENSE_TYPES
 
 
 def write_manifest(

@@ -20,23 +20,14 @@ import torch
 
 from . import gguf_kernels
 
-# GGML's type ids (gguf.GGMLQuantizationType) of the types named in messages and checks here
-F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
-
-# weights and bytes per block, by GGML type id (gguf.GGML_QUANT_SIZES), for the types a
-# GGUF file commonly holds; `block_shape` asks gguf for any other
-_BLOCKS: dict[int, tuple[int, int]] = {
-    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210),
-    20: (32, 18), 23: (256, 136), 30: (1, 2),
-}  # fmt: skip
+# GGML's type ids (gguf.GGMLQuantizationType) of the types repacked at load
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
 
 
 def block_shape(kind: int) -> tuple[int, int]:
     """(weights, bytes) of one block of GGML type `kind`."""
-    known = _BLOCKS.get(kind)
-    if known is not None:
-        return known
+    if kind in gguf_kernels.SUPPORTED:
+        return gguf_kernels.block_size(kind), gguf_kernels.block_bytes(kind)
     # a rare type, which gguf knows: gguf is imported only then (a third of a second)
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 

@@ -7,7 +7,6 @@ projects to logits only the rows that sample or want prompt logprobs, and sample
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -49,8 +48,6 @@ from .sampler import Sampler, compute_logprobs
 from .sampling_state import SamplingState
 from .step_sampling import Drawn, draw, logit_rows
 from .stored_weights import attach_stored, load_checkpoint
-
-log = logging.getLogger(__name__)
 
 # the most rows steps with prompt tokens pad their dense products to (see
 # cpu_paths.RowPaths.dense_min and row_invariant_from)

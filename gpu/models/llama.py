@@ -363,8 +363,8 @@ class LlamaForCausalLM(nn.Module):
     def attach_quantized_weights(self, weights: Mapping[str, Quantized]) -> tuple[int, set[str]]:
         """`load_quantized_weights`, also returning the names of the checkpoint tensors taken."""
         modules = dict(self.named_modules())
-        merged: dict[str, dict[str | int, Quantized]] = {}
-        sources: dict[str, dict[str | int, str]] = {}
+        # our projection -> its shards: (checkpoint name, weight)
+        merged: dict[str, dict[str | int, tuple[str, Quantized]]] = {}
         attached = 0
         taken: set[str] = set()
         for name, weight in weights.items():
@@ -377,8 +377,7 @@ class LlamaForCausalLM(nn.Module):
             shard: str | int = ""
             if parts[-1] in self.packed_modules:
                 parts[-1], shard = self.packed_modules[parts[-1]]
-            merged.setdefault(".".join(parts), {})[shard] = weight
-            sources.setdefault(".".join(parts), {})[shard] = name
+            merged.setdefault(".".join(parts), {})[shard] = (name, weight)
         for name, shards in merged.items():
             module = modules.get(name)
             if not isinstance(module, LinearBase):
@@ -387,13 +386,13 @@ class LlamaForCausalLM(nn.Module):
             if set(shards) != set(order):
                 continue  # a shard stayed dense: so does the whole projection
             try:
-                parts = [module.quantized_part(shards[s], s) for s in order]
+                parts = [module.quantized_part(shards[s][1], s) for s in order]
                 whole = parts[0] if len(parts) == 1 else type(parts[0]).cat(parts)
             except (ValueError, TypeError):  # a cut inside a block; repacked codes of two kinds
                 continue
             if module.attach_quantized(whole):
                 attached += 1
-                taken |= set(sources[name].values())
+                taken |= {source for source, _ in shards.values()}
         return attached, taken
 
     def lm_head_source(self) -> str:
