@@ -122,17 +122,17 @@ _maps_lock = threading.Lock()
 def _mapped(path: Path, size: int, mtime_ns: int) -> mmap.mmap:
     """`path` mapped privately (copy on write, never written: pages stay the page cache's),
     once per process and file version; OSError where its size or time differ from the
-    manifest's."""
+    manifest's, checked at every call (a file written over since it was mapped, too)."""
     key = (str(path), size, mtime_ns)
     with _maps_lock:
-        mapped = _maps.get(key)
-        if mapped is not None:
-            return mapped
         fd = os.open(path, os.O_RDONLY)
         try:
             stat = os.fstat(fd)
             if (stat.st_size, stat.st_mtime_ns) != (size, mtime_ns):
                 raise OSError(f"{path} changed since it was converted: convert it again")
+            mapped = _maps.get(key)
+            if mapped is not None:
+                return mapped
             mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
         finally:
             os.close(fd)
