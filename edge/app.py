@@ -105,8 +105,8 @@ class App:
             headers = UNAUTHORIZED_HEADERS if e.status == 401 else None
             if e.status == 405:
                 headers = [(b"allow", allow(match_route(scope, path, self._routes) or {}))]
-            if e.status == 413:  # hypercorn closes a connection whose body was left unread
-                headers = [(b"connection", b"close")]
+            if request.body_left_unread:
+                headers = [*(headers or ()), (b"connection", b"close")]
             if request.started:  # mid-response: nothing better to do than to end it
                 raise
             await respond_error(send, e, [*(headers or ()), *e.headers])

@@ -25,8 +25,8 @@ class Request:
     """What a handler sees of an HTTP request: method, the routed path, headers, body."""
 
     __slots__ = (
-        "body", "disconnected", "headers", "key_digest", "method", "path", "query", "receive",
-        "scope", "send", "started",
+        "body", "body_read", "disconnected", "headers", "key_digest", "method", "path", "query",
+        "receive", "scope", "send", "started",
     )  # fmt: skip
 
     def __init__(self, scope: Scope, path: str, receive: Receive, send: Send) -> None:
@@ -41,6 +41,7 @@ class Request:
         self.receive = receive
         self.send = send
         self.body = b""
+        self.body_read = False
         self.started = False  # a response has begun: errors can no longer change its status
         self.disconnected = False  # seen by `cancel_on_disconnect`
         # SHA-256 of the API key the request was authenticated with; None without one
@@ -65,7 +66,18 @@ class Request:
             if not message.get("more_body", False):
                 break
         self.body = b"".join(chunks)
+        self.body_read = True
         return self.body
+
+    @property
+    def body_left_unread(self) -> bool:
+        """The client sends (or sent) a body that no handler read: hypercorn closes such a
+        connection once the response is out, so the response must say so, or the client would
+        send its next request into a connection nobody reads."""
+        if self.body_read:
+            return False
+        length = self.headers.get(b"content-length")
+        return b"transfer-encoding" in self.headers or (length is not None and length != b"0")
 
     async def cancel_on_disconnect(self, scope: trio.CancelScope) -> None:
         """Once the body is read: wait for the client to disconnect, then note it

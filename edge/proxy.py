@@ -195,8 +195,8 @@ class Proxy:
                 headers = UNAUTHORIZED_HEADERS
             elif e.status == 405 and methods is not None:
                 headers = [(b"allow", allow(methods))]
-            elif e.status == 413:  # hypercorn closes a connection whose body was left unread
-                headers = [(b"connection", b"close")]
+            if request.body_left_unread:
+                headers = [*(headers or ()), (b"connection", b"close")]
             await respond_error(request.send, e, headers)
         except ClientDisconnected:
             pass

@@ -31,7 +31,7 @@ def build_tiny_model(
     rope_scaling: dict[str, Any] | None = None,
     tie_word_embeddings: bool = True,
     initializer_range: float = 0.05,
-    tokenizer_from: Path | None = None,
+    tokenizer_from: Path | Literal["bytes"] | None = None,
     seed: int = 0,
     **family: Any,
 ) -> Path:
@@ -40,7 +40,8 @@ def build_tiny_model(
     `family` passes the architecture's own config fields (a sliding window, `layer_types`,
     expert counts, Gemma's soft-capping...) to its transformers config class.
     The tokenizer (and so the vocabulary) is `tokenizer_from`'s, else the default model's when it
-    was converted already, else a 259-token byte-level one, so a tiny model needs no download.
+    was converted already, else a 259-token byte-level one, so a tiny model needs no download;
+    `tokenizer_from="bytes"` asks for the byte-level one whatever the cache holds.
     """
     # torch and transformers only for a build: the loader imports this module, and resolving
     # `tiny-random` once it is built needs neither
@@ -53,7 +54,7 @@ def build_tiny_model(
     if tokenizer_from is None and default_gguf().is_file():
         default = converted_dir(default_gguf())
         tokenizer_from = default if default.is_dir() else None
-    if tokenizer_from is not None:
+    if tokenizer_from not in (None, "bytes"):
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
     else:
         tokenizer = _byte_tokenizer()

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from importlib.metadata import version
@@ -450,6 +451,24 @@ def test_tokenize_and_detokenize_need_the_key(
     expect_error(response, 401, param=None)
     assert response.headers["www-authenticate"] == "Bearer"
     assert anonymous.post(f"{ROOT_PATH}{path}", json=body).status_code == 401
+
+
+def test_a_refusal_before_the_body_arrived_closes_the_connection(server: Server) -> None:
+    # The 401 goes out while the body is still on its way: the server leaves that body unread
+    # and closes the connection, so the response must say so, or a keep-alive client sends its
+    # next request into a connection nobody reads ("server disconnected", seen once per suite).
+    url = urlsplit(server.url)
+    with socket.create_connection((url.hostname or "", url.port or 80), timeout=30) as sock:
+        sock.sendall(
+            b"POST /tokenize HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+            b"content-length: 16\r\n\r\n"
+        )
+        received = b""
+        while chunk := sock.recv(65536):  # the server closes it: no second request is read
+            received += chunk
+    head = received.split(b"\r\n\r\n", 1)[0].lower()
+    assert head.startswith(b"http/1.1 401"), received
+    assert b"\r\nconnection: close" in head, received
 
 
 def test_metrics_show_nothing_a_client_sent(client: httpx.Client) -> None:
