@@ -1,9 +1,11 @@
-"""What the tests ask of processes they started: whether one still runs, and what sockets it
-holds; and a pool of rank processes that runs one world after another."""
+"""What the tests ask of processes they started: whether one still runs, which actors run
+below it, and what sockets it holds; and a pool of rank processes that runs one world after
+another."""
 
 from __future__ import annotations
 
 import multiprocessing
+import re
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, wait
 from pathlib import Path
@@ -63,6 +65,43 @@ def alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, children found through each of its threads."""
+    found: list[int] = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except FileNotFoundError:
+        return found
+    for task in tasks:
+        try:
+            children = (task / "children").read_text().split()
+        except FileNotFoundError:
+            continue
+        for child in map(int, children):
+            found += [child, *descendants(child)]
+    return found
+
+
+def actor_processes(*roots: int) -> dict[str, int]:
+    """The live triode actors below `roots`, by actor name (`engine-core`, `worker-1`,
+    `api-server-0`: each names its process so, `/proc/PID/comm`). An actor forked by the
+    worker's fork server is that server's child, not its starter's: a test passes the fork
+    server among `roots` (each worker runs one test at a time, so its fork server's actors are
+    the test's). Not, say, multiprocessing's resource tracker, which a server starts too."""
+    found = {}
+    for pid in {p for root in roots for p in descendants(root)}:
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if _ACTOR_NAME.fullmatch(name) and alive(pid):
+            found[name] = pid
+    return found
+
+
+_ACTOR_NAME = re.compile(r"(engine-core|worker|api-server)(-\d+)?")
 
 
 def _socket_inodes(pid: int) -> set[str]:

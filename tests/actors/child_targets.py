@@ -89,6 +89,7 @@ async def report_facts(ctx: ChildContext) -> None:
         "mark": os.environ.get("TRIODE_TEST_MARK"),
         "random": random.random(),
         "numpy_random": float(np.random.random()),
+        "comm": Path("/proc/self/comm").read_text().strip(),  # noqa: ASYNC240
     }
     Path(ctx.options["path"]).write_text(json.dumps(facts))  # noqa: ASYNC240
     await ctx.ready()

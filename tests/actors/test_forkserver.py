@@ -79,9 +79,15 @@ async def test_a_forked_actor_runs_as_the_requesters_child_would(
     cpus = sorted(os.sched_getaffinity(0))
     async with (
         open_child("child_targets:report_facts", options={"path": str(tmp_path / "a.json")}) as a,
-        open_child("child_targets:report_facts", options={"path": str(tmp_path / "b.json")}) as b,
+        open_child(
+            "child_targets:report_facts",
+            name="a-long-actor-name-9",
+            options={"path": str(tmp_path / "b.json")},
+        ) as b,
     ):
         first, second = _facts(tmp_path / "a.json"), _facts(tmp_path / "b.json")
+        # each named as its actor (what ps and top show), cut to the kernel's 15 bytes
+        assert (first["comm"], second["comm"]) == ("report_facts", "a-long-actor-na")
         assert first["pid"] == a.pid and second["pid"] == b.pid
         assert first["ppid"] == second["ppid"] == forked.pid  # forked, not executed
         assert first["session"] == a.pid  # a session of its own, as an executed actor
@@ -100,8 +106,12 @@ async def test_another_environment_is_executed_instead(
     forked: Forkserver, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # read by OpenMP at load: the server's differs
-    async with open_child("child_targets:report_facts", options={"path": str(tmp_path / "f")}):
-        assert _facts(tmp_path / "f")["ppid"] == os.getpid()
+    async with open_child(
+        "child_targets:report_facts", name="executed", options={"path": str(tmp_path / "f")}
+    ):
+        facts = _facts(tmp_path / "f")
+        assert facts["ppid"] == os.getpid()
+        assert facts["comm"] == "executed"
 
 
 async def test_the_exit_status_of_a_forked_actor_reaches_its_requester(forked: Forkserver) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,16 +23,15 @@ import httpx
 import openai
 import pytest
 import trio
-from processes import alive, on_every_interface
+from processes import actor_processes, alive, descendants, on_every_interface
 from reference import Reference
 from server import free_port, running_server, stream_and_kill
 
 from triode.actors import SamplingParams, open_engine
+from triode.actors.forkserver import ENV as FORKSERVER_ENV
+from triode.actors.forkserver import Forkserver
 
 pytestmark = pytest.mark.slow
-# these tests read the servers' process trees: each actor a child of its starter, with its
-# command line (a fork server's children are neither)
-EXECUTED_ACTORS = True
 
 PROMPTS = [
     "The capital of France is",
@@ -41,38 +41,6 @@ PROMPTS = [
 NEW_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 F32 = ["--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", "256MiB"]
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, children found through each of its threads."""
-    found: list[int] = []
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except FileNotFoundError:
-        return found
-    for task in tasks:
-        try:
-            children = (task / "children").read_text().split()
-        except FileNotFoundError:
-            continue
-        for child in map(int, children):
-            found += [child, *descendants(child)]
-    return found
-
-
-def actors(pids: list[int]) -> dict[str, int]:
-    """The triode actor processes among `pids` by actor name (not, say, multiprocessing's
-    resource tracker, which unlinks the broadcast ring's shared memory should its creator be
-    killed). An actor runs as `python -m triode.actors UP DOWN TARGET NAME PPID`."""
-    found = {}
-    for pid in pids:
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except FileNotFoundError:
-            continue
-        if b"triode.actors" in argv:
-            found[argv[argv.index(b"triode.actors") + 4].decode()] = pid
-    return found
 
 
 def alive_of(pids: list[int]) -> list[int]:
@@ -141,12 +109,18 @@ def _completions(url: str, reference: Reference) -> list[str]:
 
 
 def test_serve_with_tp2_x_pp2_matches_and_leaves_no_process(
-    model_dir: Path, reference: Reference, expected: list[list[int]], tmp_path: Path
+    model_dir: Path,
+    reference: Reference,
+    expected: list[list[int]],
+    tmp_path: Path,
+    forkserver: Forkserver,
 ) -> None:
     args = [*F32, "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2"]
     with running_server(args, tmp_path / "serve.log") as server:
-        processes = descendants(server.process.pid)
-        assert len(actors(processes)) == 1 + 4  # the engine core and its four ranks
+        found = actor_processes(server.process.pid, forkserver.pid)
+        # the engine core and its four ranks
+        assert sorted(found) == ["engine-core", "worker-0", "worker-1", "worker-2", "worker-3"]
+        processes = [*descendants(server.process.pid), *found.values()]
         # the API, the rendezvous store, gloo and the ring's wake-ups: loopback only
         assert on_every_interface([server.process.pid, *processes]) == []
         texts = _completions(server.url, reference)
@@ -156,11 +130,14 @@ def test_serve_with_tp2_x_pp2_matches_and_leaves_no_process(
     assert not wait_gone(processes, 2.0)
 
 
-def test_a_killed_worker_ends_the_stream_with_an_error_fast(tmp_path: Path) -> None:
+def test_a_killed_worker_ends_the_stream_with_an_error_fast(
+    tmp_path: Path, forkserver: Forkserver
+) -> None:
     args = ["--tensor-parallel-size", "2", "--max-model-len", "2048"]
     with running_server(args, tmp_path / "serve.log") as server:
         engine = server.engine_pid()
-        workers = actors(descendants(engine))
+        workers = actor_processes(engine, forkserver.pid)
+        assert workers.pop("engine-core") == engine
         assert sorted(workers) == ["worker-0", "worker-1"]
         events, ended = stream_and_kill(server, workers["worker-1"])
         assert ended < 2.0
@@ -170,7 +147,9 @@ def test_a_killed_worker_ends_the_stream_with_an_error_fast(tmp_path: Path) -> N
         # the engine core took the other rank down with it, and is gone itself
         assert not wait_gone([engine, *workers.values()], 2.0)
         assert httpx.get(f"{server.url}/health", timeout=2).status_code == 503
-        assert "worker rank 1 died" in server.output()
+        # the log names the dead rank: as the engine core saw it die, or as rank 0 saw it gone
+        # from the collective first (a fork server reports its child's death a little later)
+        assert re.search(r"worker rank 1 died|rank 1 \(pid \d+\) is gone", server.output())
 
 
 @pytest.fixture(scope="module")
@@ -192,11 +171,14 @@ def two_nodes(key: Path, *args: str) -> list[str]:
 
 @contextlib.contextmanager
 def headless_node(world: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """`triode serve --headless` as node 1 of `world`; killed on the way out if still up."""
+    """`triode serve --headless` as node 1 of `world`; killed on the way out if still up. Its
+    rank runs below it (executed, not forked by the worker's fork server), as on a host of its
+    own."""
     command = [sys.executable, "-m", "triode.edge.cli", "serve", "--headless", *world]
+    env = {k: v for k, v in os.environ.items() if k != FORKSERVER_ENV}
     with log.open("wb") as out:
         node = subprocess.Popen(
-            [*command, "--node-rank", "1"], stdout=out, stderr=subprocess.STDOUT
+            [*command, "--node-rank", "1"], stdout=out, stderr=subprocess.STDOUT, env=env
         )
     try:
         yield node
@@ -228,6 +210,7 @@ def test_two_nodes_on_loopback_match_a_world_of_one(
     expected: list[list[int]],
     tmp_path: Path,
     cluster_key: Path,
+    forkserver: Forkserver,
 ) -> None:
     import zmq
 
@@ -236,9 +219,13 @@ def test_two_nodes_on_loopback_match_a_world_of_one(
         node0 = [*world, "--node-rank", "0", "--enable-admin-api"]
         with running_server(node0, tmp_path / "node0.log") as server:
             remote = descendants(node1.pid)
-            assert len(actors(remote)) == 1  # node 1 hosts rank 1
-            assert len(actors(descendants(server.engine_pid()))) == 1  # node 0 hosts rank 0
-            everyone = [server.process.pid, *descendants(server.process.pid), node1.pid, *remote]
+            assert sorted(actor_processes(node1.pid)) == ["worker-1"]  # node 1 hosts rank 1
+            local = actor_processes(server.process.pid, forkserver.pid)
+            assert sorted(local) == ["engine-core", "worker-0"]  # node 0: the core and rank 0
+            everyone = [
+                server.process.pid, *descendants(server.process.pid), *local.values(),
+                node1.pid, *remote,
+            ]  # fmt: skip
             assert on_every_interface(everyone) == []  # the master address (here loopback) only
             # a host without the cluster key that found the executor's sockets: it hears no
             # step, and its garbage never reaches the engine core (whose driver's answers are
@@ -274,7 +261,7 @@ def test_a_headless_node_ends_when_node_0_dies(tmp_path: Path, cluster_key: Path
     world = two_nodes(cluster_key, "tiny-random")
     with headless_node(world, tmp_path / "node1.log") as node1:
         with running_server([*world, "--node-rank", "0"], tmp_path / "node0.log") as server:
-            remote = list(actors(descendants(node1.pid)).values())
+            remote = list(actor_processes(node1.pid).values())
             os.kill(server.engine_pid(), signal.SIGKILL)
             killed = time.monotonic()
             # rank 0 goes with its engine core, and with it the rendezvous store: node 1's

@@ -13,35 +13,20 @@ from pathlib import Path
 
 import pytest
 import trio
-from processes import alive
+from processes import actor_processes, alive
 
 from triode.actors import Engine, SamplingParams, open_engine
 from triode.actors.config import EngineArgs
+from triode.actors.forkserver import Forkserver
 from triode.actors.wire_replay import UntrustedRecordingError, _replay_args, replay
 from triode.wire import Encoder, OutputDecoder, Recorder, encode_output, read_records
 
 pytestmark = pytest.mark.slow
-# these tests read the servers' process trees: each actor a child of its starter, with its
-# command line (a fork server's children are neither)
-EXECUTED_ACTORS = True
 
 ENGINE_ARGS = {"dtype": "float32", "kv_cache_memory": "16MiB", "max_model_len": 512}
 PROMPT = [5, 17, 42, 9, 100, 3]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 TAMPERED = ("plain-0", 3)  # the request and token index the tampered recording changes
-
-
-def _engine_cores_of(parent: int) -> list[int]:
-    """Live engine-core processes started by `parent` (its pid ends their command line)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
-            continue
-        if b"triode.actors" in argv and str(parent).encode() in argv and alive(int(entry.name)):
-            found.append(int(entry.name))
-    return found
 
 
 async def _tokens(engine: Engine, request_id: str, params: SamplingParams) -> list[int]:
@@ -122,7 +107,7 @@ def _run(command: list[str]) -> tuple[int, int, bytes, bytes]:
 
 
 async def test_a_replay_agrees_with_its_recording_and_finds_a_tampered_token(
-    tmp_path: Path,
+    tmp_path: Path, forkserver: Forkserver
 ) -> None:
     recording = tmp_path / "recording"
     with trio.fail_after(60):
@@ -130,7 +115,8 @@ async def test_a_replay_agrees_with_its_recording_and_finds_a_tampered_token(
         report = await replay(recording)
     assert report.ok and report.differences == []
     assert report.identical == 5 and report.skipped == 0 and report.protocol_errors == 0
-    assert not _engine_cores_of(os.getpid())
+    # no engine core outlives a replay (forked ones stay the fork server's children)
+    assert "engine-core" not in actor_processes(os.getpid(), forkserver.pid)
 
     recorded, tampered_to = _tamper(recording, tmp_path / "tampered")
     cli = [sys.executable, "-m", "triode.edge.cli", "replay", str(tmp_path / "tampered"), "--json"]
@@ -142,7 +128,7 @@ async def test_a_replay_agrees_with_its_recording_and_finds_a_tampered_token(
     assert report_json["differences"] == [
         {"request_id": request_id, "index": index, "recorded": tampered_to, "replayed": recorded}
     ]
-    assert not _engine_cores_of(pid)
+    assert "engine-core" not in actor_processes(pid, forkserver.pid)
 
 
 # What a recording may ask for

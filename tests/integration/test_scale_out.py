@@ -10,7 +10,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,26 +18,15 @@ import httpx
 import openai
 import pytest
 import torch
-from processes import alive, established_to
+from processes import actor_processes, alive, established_to
 from server import Server, running_server
 
+from triode.actors.forkserver import Forkserver
+
 pytestmark = pytest.mark.slow
-# these tests read the servers' process trees: each actor a child of its starter, with its
-# command line (a fork server's children are neither)
-EXECUTED_ACTORS = True
 
 MODEL = "smol"
 PROMPTS = [f"Write one sentence about the number {i}." for i in range(16)]
-
-
-def _children(pid: int) -> dict[str, int]:
-    """The server's child processes by actor name (`api-server-0`, `engine-core-1`, ...)."""
-    found = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
-            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            found[argv[6].decode()] = int(child)
-    return found
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -62,9 +51,15 @@ def scaled(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 @pytest.fixture
-def client(scaled: Server) -> Iterator[openai.OpenAI]:
+def children(scaled: Server, forkserver: Forkserver) -> Callable[[], dict[str, int]]:
+    """The server's actors by name (`api-server-0`, `engine-core-1`, ...), as they are now."""
+    return lambda: actor_processes(scaled.process.pid, forkserver.pid)
+
+
+@pytest.fixture
+def client(scaled: Server, children: Callable[[], dict[str, int]]) -> Iterator[openai.OpenAI]:
     scaled.children_seen = getattr(scaled, "children_seen", set()) | set(  # type: ignore[attr-defined]
-        _children(scaled.process.pid).values()
+        children().values()
     )
     with openai.OpenAI(base_url=f"{scaled.url}/v1", api_key="none", max_retries=0) as client:
         yield client
@@ -81,10 +76,11 @@ def _streamed(server: Server, prompt: str) -> tuple[str, str | None]:
 
 
 def test_both_api_servers_serve_and_each_stream_gets_only_its_own_tokens(
-    scaled: Server, client: openai.OpenAI
+    scaled: Server, client: openai.OpenAI, children: Callable[[], dict[str, int]]
 ) -> None:
-    children = _children(scaled.process.pid)
-    edges = [children["api-server-0"], children["api-server-1"]]
+    found = children()
+    assert sorted(found) == ["api-server-0", "api-server-1", "engine-core-0", "engine-core-1"]
+    edges = [found["api-server-0"], found["api-server-1"]]
     before = [_cpu_seconds(pid) for pid in edges]
     served = _metric(scaled, "triode:request_success_total")
     model = MODEL
@@ -115,9 +111,9 @@ def _fresh(server: Server) -> openai.OpenAI:
 
 
 def test_a_killed_api_server_is_replaced_and_its_requests_freed(
-    scaled: Server, client: openai.OpenAI
+    scaled: Server, client: openai.OpenAI, children: Callable[[], dict[str, int]]
 ) -> None:
-    victim = _children(scaled.process.pid)["api-server-1"]
+    victim = children()["api-server-1"]
 
     def long_stream(first_chunk: threading.Event) -> str:
         try:
@@ -139,7 +135,7 @@ def test_a_killed_api_server_is_replaced_and_its_requests_freed(
     # The kernel hands each connection to either API server: streams are opened until each
     # server holds at least one (six at least, 24 at most), so that some survive the kill.
     port = int(scaled.url.rsplit(":", 1)[1])
-    servers = [_children(scaled.process.pid)[f"api-server-{i}"] for i in (0, 1)]
+    servers = [children()[f"api-server-{i}"] for i in (0, 1)]
     with ThreadPoolExecutor(24) as pool:
         futures = []
         deadline = time.monotonic() + 60
@@ -152,7 +148,7 @@ def test_a_killed_api_server_is_replaced_and_its_requests_freed(
         outcomes = [f.result() for f in futures]
     assert "done" in outcomes and set(outcomes) <= {"done", "failed", "short"}, outcomes
     deadline = time.monotonic() + 30
-    while (new := _children(scaled.process.pid).get("api-server-1")) in (None, victim):
+    while (new := children().get("api-server-1")) in (None, victim):
         assert time.monotonic() < deadline, scaled.output()
         time.sleep(0.2)
     # the dead edge's requests were aborted in the engines: nothing is left running
