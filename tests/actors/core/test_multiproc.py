@@ -17,6 +17,7 @@ import trio
 from processes import alive, listening_sockets
 
 from triode.actors.config import EngineArgs
+from triode.actors.model_env import model_process_env
 from triode.actors.core.multiproc import WorkerDied, open_multiproc_executor
 from triode.wire import (
     NewRequestData,
@@ -29,6 +30,14 @@ from triode.wire import (
 pytestmark = pytest.mark.slow
 
 PROMPT = [5, 17, 42, 9, 100, 3, 77]
+
+
+@pytest.fixture(autouse=True)
+def engine_core_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process plays the engine core, in an engine core's environment: its workers are
+    then forked by the worker's fork server, as a real engine core's are, not executed."""
+    for name, value in model_process_env(os.environ).items():
+        monkeypatch.setenv(name, value)
 
 
 @pytest.fixture(scope="module")
