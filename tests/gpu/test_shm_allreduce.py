@@ -1,6 +1,6 @@
 """The shared-memory all-reduce between real rank processes joined by gloo over 127.0.0.1.
 
-Each test spawns a world of rank processes (one torch thread each) that run one scenario and
+Each test starts a world of rank processes (one torch thread each) that run one scenario and
 pickle what they saw; the assertions run here, in the parent, which also checks that no rank
 outlives the test and nothing stays in /dev/shm.
 """
@@ -228,7 +228,10 @@ def _run(
     expect_killed: frozenset[int] = frozenset(),
 ) -> list[Any]:
     """Every rank's result (None for a rank that was killed), once every rank is gone."""
-    ctx = multiprocessing.get_context("spawn")
+    # forked by multiprocessing's fork server, which imported torch once (effective at the
+    # call that starts it, in this worker or in gpu.local_group's `run_ranks`)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch.distributed", __name__])
     port = free_port()
     out = str(tmp_path)
     procs = [
