@@ -1,7 +1,8 @@
 """GGUF's weight blocks as the file stores them, row-major, on the CPU (`kernels/gguf_*.c`):
 float weights bit for bit as gguf's numpy `dequantize` makes them (`dequantize`, and
 `gather` for an embedding lookup), and the product of a few rows with the weights without
-dequantizing them (`matmul`, a decode step's projections).
+dequantizing them (`matmul`, a decode step's projections; `matmul_int8`, the same in integer
+arithmetic over x rounded to 8 bits, llama.cpp's way, for the types in `INT8_TYPES`).
 
 `kind` is the tensor's `gguf.GGMLQuantizationType` as an int; the weights are a uint8 tensor
 [rows, row_bytes(kind, cols)], each row's bytes contiguous. Every argument is checked here,
@@ -37,6 +38,7 @@ _BLOCKS = {
     30: (1, 2),  # BF16
 }
 SUPPORTED: frozenset[int] = frozenset(_BLOCKS)
+INT8_TYPES: frozenset[int] = frozenset({8, 12, 14})  # Q8_0, Q4_K, Q6_K
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -67,6 +69,8 @@ class _Functions(NamedTuple):
     dequantize: Any
     gather: Any
     matmul: Any
+    matmul_int8: Any
+    quantize_int8: Any
     max_rows: int
 
 
@@ -80,6 +84,8 @@ def _functions() -> _Functions | None:
         dequantize=function("triode_gguf_dequantize", c_int, p, i, i, i, p, i, c_int),
         gather=function("triode_gguf_gather", c_int, p, i, i, p, i, p, i, c_int),
         matmul=function("triode_gguf_matmul", c_int, p, i, i, i, p, i, i, p, p, i, c_int),
+        matmul_int8=function("triode_gguf_matmul_int8", c_int, p, i, i, i, p, i, i, p, p, i, c_int),
+        quantize_int8=function("triode_gguf_quantize_int8", p, i, i, i, c_int, p, p, p),
         max_rows=function("triode_gguf_max_rows")(),
     )
 
@@ -140,6 +146,56 @@ def matmul(
     """y = x W^T (+ bias): x [n, cols] float32 or bfloat16 (n from 1 to `max_rows()`, each row
     contiguous), W `outputs` rows of blocks in `data`, bias float32 [outputs]. Returns y
     [n, outputs] in x's dtype, written into `out` where given (rows contiguous)."""
+    return _product(_library().matmul, x, data, kind, outputs, bias, out)
+
+
+def matmul_int8(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    kind: int,
+    outputs: int,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`matmul` in integer arithmetic (`kind` in `INT8_TYPES`): each unit of 32 values of x
+    rounded to 8 bits with a scale of its own (`quantize_int8`), multiplied by the weights'
+    codes in integers; the float terms added in one order on every build."""
+    if kind not in INT8_TYPES:
+        raise ValueError(f"GGML type {kind} has no integer kernel")
+    return _product(_library().matmul_int8, x, data, kind, outputs, bias, out)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [n, cols] (float32 or bfloat16, cols whole units of 32) as `matmul_int8` rounds it:
+    codes int8 [n, cols], each unit's scale float32 [n, cols / 32] (its largest magnitude over
+    127) and each 16 codes' sum int32 [n, cols / 16]."""
+    functions = _library()
+    if x.dtype not in _DTYPES or x.dim() != 2 or x.device.type != "cpu" or x.stride(1) != 1:
+        raise ValueError("x must be a 2-D float32 or bfloat16 CPU tensor, rows contiguous")
+    rows, cols = x.shape
+    if rows < 1 or cols < 32 or cols % 32:
+        raise ValueError(f"x [{rows}, {cols}]: cols must be whole units of 32")
+    q = torch.empty(rows, cols, dtype=torch.int8)
+    dx = torch.empty(rows, cols // 32)
+    s = torch.empty(rows, cols // 16, dtype=torch.int32)
+    status = functions.quantize_int8(
+        x.data_ptr(), x.stride(0), rows, cols, int(x.dtype == torch.bfloat16), q.data_ptr(),
+        dx.data_ptr(), s.data_ptr(),
+    )  # fmt: skip
+    _ok(status)
+    return q, dx, s
+
+
+def _product(
+    function: Any,
+    x: torch.Tensor,
+    data: torch.Tensor,
+    kind: int,
+    outputs: int,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """`function` (a product's C entry) called on arguments checked as `matmul` documents."""
     functions = _library()
     if x.dtype not in _DTYPES or x.dim() != 2 or x.device.type != "cpu":
         raise ValueError("x must be a 2-D float32 or bfloat16 CPU tensor")
@@ -164,7 +220,7 @@ def matmul(
         raise ValueError(f"out must be a {x.dtype} CPU tensor [{rows}, {outputs}]")
     elif outputs > 1 and out.stride(1) != 1:
         raise ValueError("out's rows must be contiguous")
-    status = functions.matmul(
+    status = function(
         kind, x.data_ptr(), x.stride(0), rows, cols, data.data_ptr(), data.stride(0), outputs,
         bias.data_ptr() if bias is not None else None, out.data_ptr(), out.stride(0),
         int(x.dtype == torch.bfloat16),

@@ -4,7 +4,8 @@ products on the same shapes: `python -m triode.gpu.bench.gguf_kernels`.
 Per weight type, shape [outputs, cols] and row count: the time of a call (the fastest of
 `--calls`: on a shared machine a thread that waits for its core makes the median the
 neighbours' measure), and the weight bytes it reads over that time (GB/s), for float32 and
-bfloat16 rows; then torch's `x @ W.T` over float32 and bfloat16 weights of the shape. A decode
+bfloat16 rows, and for the types with one, the integer mode's (`matmul_int8`, float32 rows);
+then torch's `x @ W.T` over float32 and bfloat16 weights of the shape. A decode
 step of one row reads every weight once and does little with it, so at one row the rate to
 approach is the memory's.
 """
@@ -34,8 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(f"torch threads: {torch.get_num_threads()}; ms per call, GB/s of weights read")
     print()
-    print("| weights | shape | rows | f32 ms | f32 GB/s | bf16 ms | bf16 GB/s |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print(
+        "| weights | shape | rows | f32 ms | f32 GB/s | bf16 ms | bf16 GB/s | int8 ms | int8 GB/s |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for outputs, cols in args.shapes:
         for name in args.types:
             data = random_blocks(TYPES[name], outputs, cols)
@@ -46,6 +49,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     call = functools.partial(gguf_kernels.matmul, x, data, TYPES[name], outputs)
                     seconds = _fastest(call, args.calls)
                     cells += [f"{seconds * 1e3:.3f}", f"{data.numel() / seconds / 1e9:.1f}"]
+                if TYPES[name] in gguf_kernels.INT8_TYPES:
+                    x = torch.randn(rows, cols)
+                    call = functools.partial(
+                        gguf_kernels.matmul_int8, x, data, TYPES[name], outputs
+                    )
+                    seconds = _fastest(call, args.calls)
+                    cells += [f"{seconds * 1e3:.3f}", f"{data.numel() / seconds / 1e9:.1f}"]
+                else:
+                    cells += ["", ""]
                 print(f"| {name} | {outputs}x{cols} | {rows} | " + " | ".join(cells) + " |")
         for rows in args.rows:
             cells = []
@@ -55,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 seconds = _fastest(functools.partial(torch.matmul, x, w.T), args.calls)
                 nbytes = w.numel() * w.element_size()
                 cells += [f"{seconds * 1e3:.3f}", f"{nbytes / seconds / 1e9:.1f}"]
-            print(f"| torch dense | {outputs}x{cols} | {rows} | " + " | ".join(cells) + " |")
+            print(f"| torch dense | {outputs}x{cols} | {rows} | " + " | ".join(cells) + " | | |")
     return 0
 
 

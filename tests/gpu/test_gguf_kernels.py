@@ -277,9 +277,11 @@ def test_a_build_for_a_narrower_target_is_as_exact(build: str, tmp_path: Path) -
     if needs not in _cpu_flags():
         pytest.skip(f"this CPU has no {needs}: the build would be the native one")
     env = {**os.environ, "TRIODE_CACHE": str(tmp_path), "TRIODE_KERNEL_FLAGS": flags}
+    saved = tmp_path / "int8.pt"
     script = (
         f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-        "import test_gguf_kernels as t; t.check_every_type(); print('ok')"
+        "import test_gguf_kernels as t, test_gguf_int8 as i; t.check_every_type(); "
+        f"i.save_products({str(saved)!r}); print('ok')"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
@@ -287,3 +289,9 @@ def test_a_build_for_a_narrower_target_is_as_exact(build: str, tmp_path: Path) -
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "ok"
     assert len(list((tmp_path / "kernels").glob("cpu_kernels-*.so"))) == 1
+    # the integer mode: the same bits as this build's (its float terms in one order)
+    from test_gguf_int8 import products
+
+    theirs = torch.load(saved)
+    for kind, ours in products().items():
+        assert torch.equal(theirs[str(kind)].view(torch.int32), ours.view(torch.int32)), kind

@@ -17,8 +17,8 @@ import trio
 from processes import alive, listening_sockets
 
 from triode.actors.config import EngineArgs
-from triode.actors.model_env import model_process_env
 from triode.actors.core.multiproc import WorkerDied, open_multiproc_executor
+from triode.actors.model_env import model_process_env
 from triode.wire import (
     NewRequestData,
     SamplingParams,

@@ -1,0 +1,166 @@
+"""`gguf_kernels.matmul_int8`, the integer mode: x rounded to 8 bits per unit of 32 as
+documented (`quantize_int8`, against numpy), the product equal to that rounded x times the
+file's weights (float64 reference, within float32 rounding of its terms), a row's result
+independent of the rows beside it, and, with `test_gguf_kernels`' builds for narrower targets,
+the same bits on every build."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from test_gguf_kernels import OUTPUTS, cols_for, weights
+
+from triode.gpu import gguf_kernels
+
+pytestmark = pytest.mark.skipif(
+    not gguf_kernels.available(), reason="no C compiler: the CPU kernels are not built"
+)
+
+KINDS = sorted(gguf_kernels.INT8_TYPES)
+
+
+def numpy_quantize(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The documented rounding, in float32 as the kernel does it: per unit of 32, d = largest
+    |x| / 127, q = x x (1 / d) rounded to nearest even; the sums of each 16 q."""
+    v = x.float().numpy().reshape(x.shape[0], -1, 32)
+    with np.errstate(all="ignore"):
+        d = np.abs(v).max(axis=2) / np.float32(127)
+        inverse = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+        q = np.rint(v * inverse[:, :, None]).astype(np.int8)
+    sums = q.reshape(x.shape[0], -1, 16).astype(np.int32).sum(axis=2)
+    return q.reshape(x.shape), d.astype(np.float32), sums
+
+
+def reference(x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None) -> np.ndarray:
+    """sum over units of d x (W's unit . q), in float64, from the file's float weights."""
+    q, d, _ = numpy_quantize(x)
+    rows, cols = q.shape
+    q64 = q.astype(np.float64).reshape(rows, cols // 32, 32)
+    w64 = dense.double().numpy().reshape(dense.shape[0], cols // 32, 32)
+    y = np.einsum("ruk,ouk,ru->ro", q64, w64, d.astype(np.float64))
+    return y + (bias.double().numpy() if bias is not None else 0.0)
+
+
+def assert_integer_product(
+    y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    """y within float32 rounding of its terms of the float64 reference (each term dx |w| |q|,
+    rounded a few times: scales, products, sums of ~40 units)."""
+    q, d, _ = numpy_quantize(x)
+    rows, cols = q.shape
+    magnitude = np.einsum(
+        "ruk,ouk,ru->ro",
+        np.abs(q.astype(np.float64)).reshape(rows, cols // 32, 32),
+        np.abs(dense.double().numpy()).reshape(dense.shape[0], cols // 32, 32),
+        d.astype(np.float64),
+    )
+    error = np.abs(y.double().numpy() - reference(x, dense, bias))
+    assert (error <= 2e-6 * magnitude + 1e-30).all(), float((error / magnitude).max())
+
+
+def products(seed: int = 3) -> dict[int, torch.Tensor]:
+    """Each type's integer product of 9 rows with its test matrix, float32 and bfloat16 x, and
+    one row alone: what every build must give bit for bit."""
+    out = {}
+    for kind in KINDS:
+        data, _ = weights(kind)
+        x = torch.randn(9, cols_for(kind), generator=torch.Generator().manual_seed(seed + kind))
+        bias = torch.randn(OUTPUTS, generator=torch.Generator().manual_seed(kind))
+        y = gguf_kernels.matmul_int8(x, data, kind, OUTPUTS, bias)
+        y16 = gguf_kernels.matmul_int8(x.to(torch.bfloat16), data, kind, OUTPUTS, bias)
+        one = gguf_kernels.matmul_int8(x[4:5], data, kind, OUTPUTS, bias)
+        out[kind] = torch.cat([y, y16.float(), one])
+    return out
+
+
+def save_products(path: str) -> None:
+    """`products()` to `path`, for a build of another target to be compared with this one."""
+    torch.save({str(k): v for k, v in products().items()}, Path(path))
+
+
+def test_x_is_rounded_to_8_bits_per_unit_as_documented() -> None:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 320, generator=generator) * torch.logspace(-30, 30, 320)
+    x[1, 32:64] = 0.0  # a unit of zeros: scale 0, codes 0
+    x[2, :32] = torch.tensor([1.0, -1.0] * 16) * 127 / 2  # halves: ties to even
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = x.to(dtype)
+        q, d, s = gguf_kernels.quantize_int8(rows)
+        want_q, want_d, want_s = numpy_quantize(rows)
+        assert np.array_equal(q.numpy(), want_q)
+        assert np.array_equal(d.numpy().view(np.uint32), want_d.view(np.uint32))
+        assert np.array_equal(s.numpy(), want_s)
+        assert int(q.abs().max()) <= 127
+    assert float(d[1, 1]) == 0.0 and not q[1, 32:64].any()
+
+
+def test_a_unit_with_a_nan_or_an_infinity_makes_its_outputs_nan() -> None:
+    kind = int(GGMLQuantizationType.Q4_K)
+    data, _ = weights(kind)
+    x = torch.randn(3, cols_for(kind))
+    x[0, 5], x[2, 700] = float("nan"), float("inf")
+    y = gguf_kernels.matmul_int8(x, data, kind, OUTPUTS)
+    assert y[0].isnan().all() and y[2].isnan().all() and not y[1].isnan().any()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 5, 64])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
+def test_the_product_is_the_rounded_x_times_the_files_weights(
+    kind: int, rows: int, with_bias: bool
+) -> None:
+    data, dense = weights(kind)
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, cols_for(kind), generator=generator)
+    bias = torch.randn(OUTPUTS, generator=generator) if with_bias else None
+    y = gguf_kernels.matmul_int8(x, data, kind, OUTPUTS, bias)
+    assert y.shape == (rows, OUTPUTS) and y.dtype == torch.float32
+    assert_integer_product(y, x, dense, bias)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bfloat16_rows_round_the_result_once(kind: int) -> None:
+    data, _ = weights(kind)
+    x = torch.randn(3, cols_for(kind)).to(torch.bfloat16)
+    y = gguf_kernels.matmul_int8(x, data, kind, OUTPUTS)
+    want = gguf_kernels.matmul_int8(x.float(), data, kind, OUTPUTS).to(torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(kind: int) -> None:
+    data, _ = weights(kind)
+    x = torch.randn(64, cols_for(kind), generator=torch.Generator().manual_seed(1))
+    whole = gguf_kernels.matmul_int8(x, data, kind, OUTPUTS)
+    for first, n in [(0, 1), (63, 1), (3, 3), (1, 5), (2, 9)]:
+        part = gguf_kernels.matmul_int8(x[first : first + n], data, kind, OUTPUTS)
+        assert torch.equal(part.view(torch.int32), whole[first : first + n].view(torch.int32))
+
+
+def test_the_integer_mode_differs_from_the_exact_one_by_x_s_rounding_alone() -> None:
+    # each x moves by at most half its unit's step, dx / 2: the product by at most the sum
+    # over units of dx / 2 x (the unit's sum of |w|), and by the two modes' float rounding
+    for kind in KINDS:
+        data, dense = weights(kind)
+        x = torch.randn(4, cols_for(kind), generator=torch.Generator().manual_seed(kind))
+        exact = gguf_kernels.matmul(x, data, kind, OUTPUTS).double()
+        integer = gguf_kernels.matmul_int8(x, data, kind, OUTPUTS).double()
+        _, d, _ = numpy_quantize(x)
+        units = dense.double().abs().reshape(OUTPUTS, -1, 32).sum(dim=2)  # [outputs, units]
+        bound = 0.5 * torch.from_numpy(d).double() @ units.T
+        rounding = 1e-5 * (x.double().abs() @ dense.double().abs().T)
+        assert ((integer - exact).abs() <= bound + rounding).all(), kind
+        assert not torch.equal(integer, exact)  # a test that can fail
+
+
+def test_types_without_an_integer_kernel_are_refused() -> None:
+    kind = int(GGMLQuantizationType.Q5_K)
+    data, _ = weights(kind)
+    with pytest.raises(ValueError, match="no integer kernel"):
+        gguf_kernels.matmul_int8(torch.randn(1, cols_for(kind)), data, kind, OUTPUTS)
+    with pytest.raises(ValueError, match="units of 32"):
+        gguf_kernels.quantize_int8(torch.randn(2, 40))
