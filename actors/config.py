@@ -31,6 +31,7 @@ def parse_size(value: int | str) -> int:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "dense-head", "none")
+GGUF_ARITHMETICS = ("exact", "integer")
 # vLLM's allowed --max-lora-rank values
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 EXECUTOR_BACKENDS = ("mp", "inproc")
@@ -72,6 +73,18 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             choices=QUANTIZATIONS,
         ),
     ] = "auto"
+    # exact | integer: how a GGUF file's stored blocks are multiplied
+    gguf_arithmetic: Annotated[
+        str,
+        EngineFlag(
+            "exact (default): a GGUF file's stored weights multiplied in float32, as a dense "
+            "product over the dequantized weights to the dtype's rounding; integer: the "
+            "activations rounded to 8 bits per 32 values and multiplied by Q8_0, Q4_K and Q6_K "
+            "blocks in integers, llama.cpp's arithmetic (faster decode; its agreement with "
+            "exact: python -m triode.gpu.checks.quant MODEL)",
+            choices=GGUF_ARITHMETICS,
+        ),
+    ] = "exact"
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -285,6 +298,10 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.quantization not in QUANTIZATIONS:
             choices = ", ".join(QUANTIZATIONS)
             raise ValueError(f"quantization must be one of {choices}, not {self.quantization!r}")
+        if self.gguf_arithmetic not in GGUF_ARITHMETICS:
+            raise ValueError(
+                f"gguf_arithmetic must be exact or integer, not {self.gguf_arithmetic!r}"
+            )
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -264,7 +264,7 @@ class QuantCall(ctypes.Structure):
         ("x", _P), ("x_stride", _I), ("rows", _I), ("cols", _I), ("w", _P), ("bias", _P),
         ("outputs", _I), ("y", _P), ("y_stride", _I), ("bits", ctypes.c_int32),
         ("bf16", ctypes.c_int32), ("paired", ctypes.c_int32), ("gguf_type", ctypes.c_int32),
-        ("w_stride", _I), ("next", _P),
+        ("w_stride", _I), ("next", _P), ("int8", ctypes.c_int32),
     ]  # fmt: skip
 
 

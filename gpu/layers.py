@@ -212,13 +212,14 @@ class LinearBase(nn.Module):
             self.weight.data = self.packed.to_dense()
             self.packed = None
 
-    def attach_quantized(self, weight: Quantized) -> bool:
-        """Run a step's decode rows (`rows.decodes`) on `weight`, W as the GGUF file stores it;
-        returns whether a kernel took it (see `quantized_kernel`)."""
+    def attach_quantized(self, weight: Quantized, integer: bool = False) -> bool:
+        """Run a step's decode rows (`rows.decodes`) on `weight`, W as the GGUF file stores it
+        (`integer`: in the integer mode where its type has one); returns whether a kernel took
+        it (see `quantized_kernel`)."""
         if weight.shape != (self.output_size, self.input_size):
             size = [self.output_size, self.input_size]
             raise ValueError(f"quantized weight {weight.shape} for a {size} layer")
-        kernel = quantized_kernel(weight, self.weight.dtype)
+        kernel = quantized_kernel(weight, self.weight.dtype, integer)
         if isinstance(kernel, Int4Linear):
             self.int4 = kernel
         else:

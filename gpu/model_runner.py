@@ -81,7 +81,8 @@ class ModelRunner:
     `extra_eos_token_ids`, the model's other end-of-sequence ids), `vocab_size`; and `dtype`,
     `device` as resolved. `quantization` "auto" runs the projections and the LM head a
     GGUF file as it stores them (`gguf_file`, `quant_matmul`) where this device has a kernel
-    for them; "dense-head" the projections only; "none" runs the dequantized weights only.
+    for them; "dense-head" the projections only; "none" runs the dequantized weights only;
+    `gguf_arithmetic` "integer" runs those that have one in the integer mode (`gguf_int8.c`).
     `device` None means CUDA when present; `num_threads` None means every CPU this process may
     run on (CPU only). `lora_config` (None: LoRA off) sets the limits of the LoRA adapters
     kept in `lora` (`LoraStore`). `enable_expert_parallel` splits a mixture of
@@ -103,6 +104,7 @@ class ModelRunner:
         *,
         dtype: str = "auto",
         quantization: str = "auto",
+        gguf_arithmetic: str = "exact",
         kv_cache_memory: int,
         block_size: int = 16,
         max_model_len: int | None = None,
@@ -132,7 +134,7 @@ class ModelRunner:
         self.eos_token_id: int | None = eos[0] if eos else None
         self.extra_eos_token_ids = eos[1:]
 
-        self.quantization = quantization
+        self.quantization, self.integer = quantization, gguf_arithmetic == "integer"
         self.enable_expert_parallel = enable_expert_parallel
         # what steps with prompt rows pad dense products to: oneDNN's bfloat16 products are
         # where a row's result may depend on the row count (`row_invariant_from`, at load)
@@ -172,7 +174,9 @@ class ModelRunner:
         ):
             model = model_class(self.config)(self.config, max_position=self.max_model_len)
             # raising, it keeps the old model
-            count = load_checkpoint(model, weights_dir, self.dtype, self._stored_kernels())
+            count = load_checkpoint(
+                model, weights_dir, self.dtype, self._stored_kernels(), self.integer
+            )
             self.model = model
             self.pack_weights()
             self.quantized_projections = count
@@ -215,7 +219,8 @@ class ModelRunner:
 
     def attach_quantized(self, weights_dir: Path) -> int:
         """`stored_weights.attach_stored` for this runner's model (an update from disk)."""
-        return attach_stored(self.model, weights_dir, self.dtype, self._stored_kernels())
+        kernels = self._stored_kernels()
+        return attach_stored(self.model, weights_dir, self.dtype, kernels, self.integer)
 
     def _stored_kernels(self) -> str | None:
         """The quantization stored weights run under on this device ("auto", "dense-head"), or
@@ -232,6 +237,7 @@ class ModelRunner:
             resolve_model(engine_args["model"]),
             dtype=engine_args["dtype"],
             quantization=engine_args["quantization"],
+            gguf_arithmetic=engine_args["gguf_arithmetic"],
             kv_cache_memory=int(engine_args["kv_cache_memory"]),
             block_size=engine_args["block_size"],
             max_model_len=engine_args["max_model_len"],

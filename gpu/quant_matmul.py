@@ -135,9 +135,12 @@ class QuantRows:
 class GgufRows(QuantRows):
     """y = x W^T + bias for 1 to `max_rows` rows of x (float32 or bfloat16, y the same), W the
     GGUF file's blocks as they lie (`gguf_matmul.c` through `quant_matmul.c`'s entry, which
-    `decode_stack.c` calls too), a stack's parts one after the other."""
+    `decode_stack.c` calls too), a stack's parts one after the other. `integer`: the parts whose
+    type has an integer kernel (`gguf_kernels.INT8_TYPES`) run in the integer mode
+    (`gguf_int8.c`: x rounded to 8 bits per 32 values), the others exactly."""
 
-    def __init__(self, weight: Packed) -> None:
+    def __init__(self, weight: Packed, integer: bool = False) -> None:
+        self.integer = integer
         kernel = cpu_kernels.quant_matmul()
         assert kernel is not None
         self.parts = weight.parts if isinstance(weight, GgufStack) else (weight,)
@@ -163,6 +166,7 @@ class GgufRows(QuantRows):
 
     def weight_call(self) -> cpu_kernels.QuantCall:
         call = self._part_call(self.parts[0])
+        call.int8 = int(self.integer)
         if self._rest:
             call.next = ctypes.addressof(self._rest[0])
         return call
@@ -179,18 +183,22 @@ def as_repacked(weight: GgufWeight) -> Int4Weight | Int8Weight | None:
     return None
 
 
-def quantized_kernel(weight: Quantized, dtype: torch.dtype) -> Int4Linear | QuantRows | None:
+def quantized_kernel(
+    weight: Quantized, dtype: torch.dtype, integer: bool = False
+) -> Int4Linear | QuantRows | None:
     """The kernel a CPU projection of `dtype` runs `weight` with, or None (dense only).
 
     A GGUF weight of Q4_0, Q4_1 or Q8_0 takes the kernels below through its repacked codes;
     every other type the file's blocks as they lie (`GgufRows`), float32 and bfloat16 rows.
+    `integer` (`--gguf-arithmetic integer`): the types with an integer kernel run in the integer
+    mode from the file's blocks instead (Q8_0 too, not repacked).
 
     bfloat16 4-bit weights where the CPU has AMX: torch's 4-bit kernel and AMX's
     (`int4.Int4Linear`, faster there past a few rows); else `quant_matmul.c` for float32 and
     bfloat16 rows, 4- and 8-bit (bfloat16 rows on paired codes where the build has
     `quant_paired.c`), or torch's 4-bit kernel for bfloat16 where that is not built.
     """
-    if isinstance(weight, GgufWeight):
+    if isinstance(weight, GgufWeight) and not (integer and weight.kind in gguf_kernels.INT8_TYPES):
         weight = as_repacked(weight) or weight
     if isinstance(weight, GgufWeight | GgufStack):
         parts = weight.parts if isinstance(weight, GgufStack) else (weight,)
@@ -201,7 +209,7 @@ def quantized_kernel(weight: Quantized, dtype: torch.dtype) -> Int4Linear | Quan
             or any(p.kind not in gguf_kernels.SUPPORTED for p in parts)
         ):
             return None
-        return GgufRows(weight)
+        return GgufRows(weight, integer)
     four_bit = isinstance(weight, Int4Weight)
     torch_kernel = torch_kernel_available(dtype)
     if four_bit and torch_kernel and cpu_kernels.int4_amx_matmul() is not None:

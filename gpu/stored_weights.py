@@ -28,22 +28,25 @@ log = logging.getLogger(__name__)
 
 
 def load_checkpoint(
-    model: Any, model_dir: Path, dtype: torch.dtype, quantization: str | None
+    model: Any, model_dir: Path, dtype: torch.dtype, quantization: str | None, integer: bool = False
 ) -> int:
     """Load `model_dir` into `model`: its stored weights held by the kernels under
-    `quantization` ("auto"; "dense-head" keeps the LM head dense; None: no kernel runs them),
-    the rest dense. Returns how many projections run stored weights; raises as
-    `load_weights`."""
+    `quantization` ("auto"; "dense-head" keeps the LM head dense; None: no kernel runs them;
+    `integer`: in the integer mode where a type has one), the rest dense. Returns how many
+    projections run stored weights; raises as `load_weights`."""
     stored = dict(packed_weights(model_dir)) if has_manifest(model_dir) else {}
     count, held = 0, set()
     if stored and quantization is not None:
-        count, held = hold_stored_weights(model, stored, dtype, quantization != "dense-head")
+        head = quantization != "dense-head"
+        count, held = hold_stored_weights(model, stored, dtype, head, integer)
     dense = chain(safetensors_weights(model_dir), _dequantized(model, stored, held))
     model.load_weights(dense, held=held)
     return count
 
 
-def attach_stored(model: Any, model_dir: Path, dtype: torch.dtype, quantization: str | None) -> int:
+def attach_stored(
+    model: Any, model_dir: Path, dtype: torch.dtype, quantization: str | None, integer: bool = False
+) -> int:
     """Run the stored weights of `model_dir` (a GGUF file's directory) under `quantization`
     (as `load_checkpoint`) as a start on it does: the dense weights just loaded from it (an
     update from disk) go where the kernels hold them alone. Returns how many projections took
@@ -51,19 +54,24 @@ def attach_stored(model: Any, model_dir: Path, dtype: torch.dtype, quantization:
     if quantization is None or not has_manifest(model_dir):
         return 0
     stored: dict[str, Quantized] = dict(packed_weights(model_dir))
-    return hold_stored_weights(model, stored, dtype, quantization != "dense-head")[0]
+    return hold_stored_weights(model, stored, dtype, quantization != "dense-head", integer)[0]
 
 
 def hold_stored_weights(
-    model: Any, weights: Mapping[str, Quantized], dtype: torch.dtype, head: bool = True
+    model: Any,
+    weights: Mapping[str, Quantized],
+    dtype: torch.dtype,
+    head: bool = True,
+    integer: bool = False,
 ) -> tuple[int, set[str]]:
     """Run the GGUF file's blocks (`weights`, by Hugging Face name) where kernels take them
-    and keep no dense copy of what they alone hold: the projections' (`head`: the LM head's
-    too) and the embedding's rows, gathered in `dtype`. Returns (projections that took them,
-    the model's parameters they hold alone: load the others)."""
+    (`integer`: in the integer mode where a type has one) and keep no dense copy of what they
+    alone hold: the projections' (`head`: the LM head's too) and the embedding's rows,
+    gathered in `dtype`. Returns (projections that took them, the model's parameters they hold
+    alone: load the others)."""
     if not head and model.lm_head is not None:
         weights = {k: w for k, w in weights.items() if k != model.lm_head_source()}
-    count, taken = model.attach_quantized_weights(weights)
+    count, taken = model.attach_quantized_weights(weights, integer)
     embed = "model.embed_tokens.weight"
     stored = weights.get(embed)
     if isinstance(stored, GgufWeight) and model.model.first_stage:

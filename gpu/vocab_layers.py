@@ -97,10 +97,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Drop the oneDNN copy, so the plain weight (kept) can take new values."""
         self.packed = None
 
-    def attach_quantized(self, weight: Quantized) -> bool:
+    def attach_quantized(self, weight: Quantized, integer: bool = False) -> bool:
         """Project from `weight`, the whole checkpoint tensor as the GGUF file stores it (this
-        rank's vocabulary rows of it; past the vocabulary, zero rows as the dense weight has);
-        returns whether a kernel took it. The embedding keeps reading the dense weight."""
+        rank's vocabulary rows of it; past the vocabulary, zero rows as the dense weight has;
+        `integer`: in the integer mode where its type has one); returns whether a kernel took
+        it. The embedding keeps reading the dense weight."""
         if isinstance(weight, GgufStack):
             return False  # a whole tensor of the file has one type
         rows = weight.rows(self.vocab_start, self.vocab_end - self.vocab_start)
@@ -111,7 +112,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             else:
                 zeros = type(rows)(*(t.new_zeros(missing, *t.shape[1:]) for t in rows))
                 rows = type(rows).cat([rows, zeros])
-        kernel = quantized_kernel(rows, self.weight.dtype)
+        kernel = quantized_kernel(rows, self.weight.dtype, integer)
         self.quant = kernel if isinstance(kernel, QuantRows) else None
         self.stored = rows if self.quant is not None else None
         return self.quant is not None

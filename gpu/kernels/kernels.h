@@ -25,6 +25,9 @@ typedef struct quant_call {
     int32_t gguf_type;
     int64_t w_stride;
     const struct quant_call *next;
+    /* bits 0: the integer mode (`gguf_int8.c`) for every part whose type has it, the exact
+     * mode for the others */
+    int32_t int8;
 } quant_call;
 
 int triode_quant_matmul_call(const quant_call *c);
@@ -33,6 +36,11 @@ int triode_quant_matmul_call(const quant_call *c);
 int triode_gguf_matmul(int type, const void *x, int64_t x_stride, int64_t rows, int64_t cols,
                        const uint8_t *w, int64_t w_stride, int64_t outputs, const float *bias,
                        void *y, int64_t y_stride, int bf16);
+/* `gguf_int8.c`: the same in integer arithmetic, for the types `triode_gguf_int8_takes` */
+int triode_gguf_matmul_int8(int type, const void *x, int64_t x_stride, int64_t rows,
+                            int64_t cols, const uint8_t *w, int64_t w_stride, int64_t outputs,
+                            const float *bias, void *y, int64_t y_stride, int bf16);
+int triode_gguf_int8_takes(int type);
 int triode_quant_paired_rows(const uint16_t *x, int64_t x_stride, float *xsums,
                              int64_t rows, int64_t cols, const uint8_t *w, int bits,
                              const float *bias, int64_t outputs, uint16_t *y, int64_t y_stride);

@@ -379,14 +379,17 @@ static int quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t row
     return 0;
 }
 
-/* a GGUF weight's rows as stored, part by part (`quant_call.next`), each part's columns of y */
+/* a GGUF weight's rows as stored, part by part (`quant_call.next`), each part's columns of y,
+ * in the integer mode where the call asks for it and the part's type has it */
 static int gguf_rows(const quant_call *c) {
     const int64_t size = c->bf16 ? 2 : 4;
     int64_t first = 0;
     for (const quant_call *part = c; part != NULL; part = part->next) {
-        if (triode_gguf_matmul(part->gguf_type, c->x, c->x_stride, c->rows, c->cols, part->w,
-                               part->w_stride, part->outputs, c->bias ? c->bias + first : NULL,
-                               (char *)c->y + first * size, c->y_stride, c->bf16))
+        const int integer = c->int8 && triode_gguf_int8_takes(part->gguf_type);
+        if ((integer ? triode_gguf_matmul_int8 : triode_gguf_matmul)(
+                part->gguf_type, c->x, c->x_stride, c->rows, c->cols, part->w, part->w_stride,
+                part->outputs, c->bias ? c->bias + first : NULL, (char *)c->y + first * size,
+                c->y_stride, c->bf16))
             return -1;
         first += part->outputs;
     }

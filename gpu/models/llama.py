@@ -360,8 +360,11 @@ class LlamaForCausalLM(nn.Module):
         """
         return self.attach_quantized_weights(weights)[0]
 
-    def attach_quantized_weights(self, weights: Mapping[str, Quantized]) -> tuple[int, set[str]]:
-        """`load_quantized_weights`, also returning the names of the checkpoint tensors taken."""
+    def attach_quantized_weights(
+        self, weights: Mapping[str, Quantized], integer: bool = False
+    ) -> tuple[int, set[str]]:
+        """`load_quantized_weights`, also returning the names of the checkpoint tensors taken
+        (`integer`: the types with an integer kernel run in the integer mode)."""
         modules = dict(self.named_modules())
         # our projection -> its shards: (checkpoint name, weight)
         merged: dict[str, dict[str | int, tuple[str, Quantized]]] = {}
@@ -369,7 +372,7 @@ class LlamaForCausalLM(nn.Module):
         taken: set[str] = set()
         for name, weight in weights.items():
             if self.lm_head is not None and name == self.lm_head_source():
-                if self.lm_head.attach_quantized(weight):
+                if self.lm_head.attach_quantized(weight, integer):
                     attached += 1
                     taken.add(name)
                 continue
@@ -390,7 +393,7 @@ class LlamaForCausalLM(nn.Module):
                 whole = parts[0] if len(parts) == 1 else type(parts[0]).cat(parts)
             except (ValueError, TypeError):  # a cut inside a block; repacked codes of two kinds
                 continue
-            if module.attach_quantized(whole):
+            if module.attach_quantized(whole, integer):
                 attached += 1
                 taken |= {source for source, _ in shards.values()}
         return attached, taken

@@ -72,6 +72,19 @@ def test_quantization_is_auto_or_none_on_the_command_line_and_in_engine_args() -
         EngineArgs(quantization="gptq")
 
 
+def test_gguf_arithmetic_is_exact_or_integer() -> None:
+    from triode.actors.config import EngineArgs
+
+    assert given_engine_args(_serve("--gguf-arithmetic", "integer")) == {
+        "gguf_arithmetic": "integer"
+    }
+    with pytest.raises(SystemExit):
+        _serve("--gguf-arithmetic", "int4")
+    assert EngineArgs().gguf_arithmetic == "exact"
+    with pytest.raises(ValueError, match="gguf_arithmetic"):
+        EngineArgs(gguf_arithmetic="fast")
+
+
 def test_max_new_prompt_tokens_is_a_flag_and_refused_below_0() -> None:
     from triode.actors.config import EngineArgs
 

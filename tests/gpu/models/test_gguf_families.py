@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -350,3 +351,41 @@ def test_every_stored_type_runs_from_the_file_and_decodes_as_transformers(
         transformers_directory(converted), dtype=torch.float32
     ).eval()
     assert_greedy_as_transformers(d.seqs["r"], hf, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda kind: kind.name)
+def test_the_integer_arithmetic_runs_the_types_that_have_it_in_integers(
+    root: Path, wide_llama: Path, kind: GGMLQuantizationType
+) -> None:
+    from triode.gpu import gguf_kernels
+    from triode.gpu.layers import LinearBase
+    from triode.gpu.quant_matmul import GgufRows
+
+    gguf = write_gguf(
+        wide_llama, root / f"int8-{kind.name}.gguf", projection_type=kind, embedding_type=kind
+    )
+    converted = convert_gguf(gguf)
+    options = {"dtype": "float32", "kv_cache_memory": 1 << 21, "max_model_len": 256}
+    first: dict[str, list[Any]] = {}
+    prompt = random.Random(kind.name).choices(range(3, 250), k=PROMPT_TOKENS)
+    for mode in ("exact", "integer"):
+        runner = ModelRunner(converted, gguf_arithmetic=mode, num_threads=1, **options)
+        projections = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
+        for module in [*projections, runner.model.lm_head]:
+            # Q8_0 too: from the file's blocks, not repacked for the exact kernels
+            assert isinstance(module.quant, GgufRows) == (mode == "integer" or kind != T.Q8_0)
+            if mode == "integer":
+                assert module.quant.integer and isinstance(module.stored, GgufWeight)
+                x = torch.randn(3, module.stored.cols)
+                want = gguf_kernels.matmul_int8(x, module.stored.data, kind, module.stored.shape[0])
+                assert torch.equal(module.quant(x), want)  # the integer kernel, this very call
+        d = Driver(runner)
+        d.add("r", prompt)
+        d.run(NEW_TOKENS)
+        assert len(d.seqs["r"].output) == NEW_TOKENS
+        first[mode] = d.seqs["r"].logprobs[:2]
+    # the prompt's step and the first decode step (the C layer stack) ran in integers too: the
+    # log-probabilities moved, by x's rounding alone
+    for exact, integer in zip(first["exact"], first["integer"], strict=True):
+        assert not np.array_equal(exact.logprobs, integer.logprobs)
+        assert np.abs(exact.logprobs - integer.logprobs).max() < 0.05
