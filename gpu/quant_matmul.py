@@ -157,6 +157,11 @@ class GgufRows(QuantRows):
         self._call = self.weight_call()
         self._call_ref = ctypes.byref(self._call)
 
+    @property
+    def in_integers(self) -> bool:
+        """Whether any part runs in the integer mode."""
+        return self.integer and any(p.kind in gguf_kernels.INT8_TYPES for p in self.parts)
+
     @staticmethod
     def _part_call(part: GgufWeight) -> cpu_kernels.QuantCall:
         return cpu_kernels.QuantCall(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -375,7 +376,7 @@ def test_the_integer_arithmetic_runs_the_types_that_have_it_in_integers(
             # Q8_0 too: from the file's blocks, not repacked for the exact kernels
             assert isinstance(module.quant, GgufRows) == (mode == "integer" or kind != T.Q8_0)
             if mode == "integer":
-                assert module.quant.integer and isinstance(module.stored, GgufWeight)
+                assert module.quant.in_integers and isinstance(module.stored, GgufWeight)
                 x = torch.randn(3, module.stored.cols)
                 want = gguf_kernels.matmul_int8(x, module.stored.data, kind, module.stored.shape[0])
                 assert torch.equal(module.quant(x), want)  # the integer kernel, this very call
@@ -389,3 +390,26 @@ def test_the_integer_arithmetic_runs_the_types_that_have_it_in_integers(
     for exact, integer in zip(first["exact"], first["integer"], strict=True):
         assert not np.array_equal(exact.logprobs, integer.logprobs)
         assert np.abs(exact.logprobs - integer.logprobs).max() < 0.05
+
+
+def test_the_quant_check_prints_the_integer_modes_agreement(
+    root: Path, wide_llama: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from triode.gpu.checks import quant
+
+    gguf = write_gguf(wide_llama, root / "check-Q4_K.gguf", projection_type=T.Q4_K)
+    assert quant.main([str(gguf), "--positions", "40"]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    match = re.fullmatch(
+        r".*: (\d+) projections in the integer mode; top token as the exact mode's at "
+        r"(\d+)/(\d+) positions \(.*\), largest logprob difference ([\d.]+)",
+        line,
+    )
+    assert match is not None, line
+    taken, same, count, worst = match.groups()
+    assert int(taken) > 0 and int(count) >= 40 and int(same) <= int(count)
+    assert 0 < float(worst) < 1.0
+    dense = write_gguf(
+        wide_llama, root / "check-F16.gguf", projection_type=T.F16, embedding_type=T.F16
+    )
+    assert quant.main([str(dense), "--positions", "8"]) == 1  # no type of the integer mode
