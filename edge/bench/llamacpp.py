@@ -97,7 +97,7 @@ def command_for(
         return llamacpp_python_command(
             args.llamacpp_python, model, port, threads=args.llamacpp_threads
         )
-    return triode_command(model, port, max_model_len=slot_ctx)
+    return [*triode_command(model, port, max_model_len=slot_ctx), *args.triode_flags]
 
 
 async def measure(
@@ -221,6 +221,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="llama.cpp's threads (default: every CPU of this process's affinity); its threads "
         "wait for each other at every step, so on CPUs that others use too, fewer run faster",
     )
+    parser.add_argument(
+        "--gguf-arithmetic",
+        choices=("exact", "integer"),
+        default="exact",
+        help="triode's `--gguf-arithmetic` (integer: llama.cpp's arithmetic, not exact)",
+    )
     parser.add_argument("--concurrencies", default="1,8,32", help="comma-separated")
     parser.add_argument("--rounds", type=int, default=1, help="each server in turn, R times")
     parser.add_argument("--prompts-per-stream", type=int, default=2)
@@ -237,6 +243,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write every round's rows here")
     args = parser.parse_args(argv)
     args.concurrency_list = concurrency_list(parser, args.concurrencies)
+    args.triode_flags = ["--gguf-arithmetic", args.gguf_arithmetic]
     for name in ("rounds", "output_len", "input_len", "llamacpp_threads", "prompts_per_stream"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")

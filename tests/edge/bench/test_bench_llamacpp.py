@@ -164,6 +164,10 @@ def test_the_other_servers_commands() -> None:
     assert "serve" in command and "/m/model.gguf" in command
     # each request's context as long as a llama-server slot's
     assert command[command.index("--max-model-len") + 1] == str(slot_context(36, 128))
+    assert command[command.index("--gguf-arithmetic") + 1] == "exact"
+    integer = parse_args([*ARGS, "--gguf-arithmetic", "integer"])
+    command = command_for(TRIODE, Path("/m/model.gguf"), integer, 8000, 8)
+    assert command[command.index("--gguf-arithmetic") + 1] == "integer"
 
 
 @pytest.mark.parametrize(
