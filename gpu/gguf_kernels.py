@@ -38,7 +38,7 @@ _BLOCKS = {
     30: (1, 2),  # BF16
 }
 SUPPORTED: frozenset[int] = frozenset(_BLOCKS)
-INT8_TYPES: frozenset[int] = frozenset({8, 12, 14})  # Q8_0, Q4_K, Q6_K
+INT8_TYPES: frozenset[int] = frozenset({8, 12, 13, 14})  # Q8_0, Q4_K, Q5_K, Q6_K
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -85,7 +85,7 @@ def _functions() -> _Functions | None:
         gather=function("triode_gguf_gather", c_int, p, i, i, p, i, p, i, c_int),
         matmul=function("triode_gguf_matmul", c_int, p, i, i, i, p, i, i, p, p, i, c_int),
         matmul_int8=function("triode_gguf_matmul_int8", c_int, p, i, i, i, p, i, i, p, p, i, c_int),
-        quantize_int8=function("triode_gguf_quantize_int8", p, i, i, i, c_int, p, p, p),
+        quantize_int8=function("triode_gguf_quantize_int8", p, i, i, i, i, c_int, p, p, p),
         max_rows=function("triode_gguf_max_rows")(),
     )
 
@@ -157,30 +157,36 @@ def matmul_int8(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`matmul` in integer arithmetic (`kind` in `INT8_TYPES`): each unit of 32 values of x
-    rounded to 8 bits with a scale of its own (`quantize_int8`), multiplied by the weights'
-    codes in integers; the float terms added in one order on every build."""
+    """`matmul` in integer arithmetic (`kind` in `INT8_TYPES`): each unit of x as long as the
+    type's block (32 values against Q8_0, a superblock of 256 against the K-quants) rounded to
+    8 bits with a scale of its own (`quantize_int8`), multiplied by the weights' codes and
+    integer scales in integers; the float terms added in one order on every build."""
     if kind not in INT8_TYPES:
         raise ValueError(f"GGML type {kind} has no integer kernel")
     return _product(_library().matmul_int8, x, data, kind, outputs, bias, out)
 
 
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [n, cols] (float32 or bfloat16, cols whole units of 32) as `matmul_int8` rounds it:
-    codes int8 [n, cols], each unit's scale float32 [n, cols / 32] (its largest magnitude over
-    127) and each 16 codes' sum int32 [n, cols / 16]."""
+def quantize_int8(
+    x: torch.Tensor, unit: int = 32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [n, cols] (float32 or bfloat16, cols whole units) as `matmul_int8` rounds it against
+    a type with blocks of `unit` values (32 or 256: `block_size(kind)`): codes int8 [n, cols],
+    each unit's scale float32 [n, cols / unit] (its largest magnitude over 127) and each 16
+    codes' sum int32 [n, cols / 16]."""
     functions = _library()
     if x.dtype not in _DTYPES or x.dim() != 2 or x.device.type != "cpu" or x.stride(1) != 1:
         raise ValueError("x must be a 2-D float32 or bfloat16 CPU tensor, rows contiguous")
     rows, cols = x.shape
-    if rows < 1 or cols < 32 or cols % 32:
-        raise ValueError(f"x [{rows}, {cols}]: cols must be whole units of 32")
+    if unit not in (32, 256):
+        raise ValueError(f"unit must be 32 or 256, not {unit}")
+    if rows < 1 or cols < unit or cols % unit:
+        raise ValueError(f"x [{rows}, {cols}]: cols must be whole units of {unit}")
     q = torch.empty(rows, cols, dtype=torch.int8)
-    dx = torch.empty(rows, cols // 32)
+    dx = torch.empty(rows, cols // unit)
     s = torch.empty(rows, cols // 16, dtype=torch.int32)
     status = functions.quantize_int8(
-        x.data_ptr(), x.stride(0), rows, cols, int(x.dtype == torch.bfloat16), q.data_ptr(),
-        dx.data_ptr(), s.data_ptr(),
+        x.data_ptr(), x.stride(0), rows, cols, unit, int(x.dtype == torch.bfloat16),
+        q.data_ptr(), dx.data_ptr(), s.data_ptr(),
     )  # fmt: skip
     _ok(status)
     return q, dx, s

@@ -258,6 +258,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--gguf-arithmetic", default="exact", choices=("exact", "integer"))
     parser.add_argument("--profile", type=int, metavar="N", help="profile the steps of N requests")
     parser.add_argument("--rows", type=int, default=25, help="rows of the profile table")
     parser.add_argument("--lora", type=int, default=0, metavar="N", help="N random adapters")
@@ -284,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         model_dir,
         dtype=args.dtype,
         quantization=args.quantization,
+        gguf_arithmetic=args.gguf_arithmetic,
         kv_cache_memory=_kv_bytes(model_dir, tokens),
         max_model_len=args.max_model_len,
         max_num_seqs=max(256, largest),

@@ -82,6 +82,16 @@ void gguf_k_scales(const uint8_t *w, float *scale, float *minimum); /* Q4_K and 
 void gguf_q6_k_scales(const uint8_t *w, float *scale);
 void gguf_iq4_xs_scales(const uint8_t *w, float *scale);
 
+/* Q4_K's and Q5_K's 6-bit scale and minimum codes of a superblock's 8 units (the floats are
+ * d and dmin times them) */
+static inline void gguf_k_scale_codes(const uint8_t *w, uint8_t *sc, uint8_t *m) {
+    const uint8_t *s = w + 4;
+    for (int j = 0; j < 8; j++) {
+        sc[j] = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+        m[j] = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    }
+}
+
 /* blocks a chunk holds */
 static inline int chunk_blocks(const gguf_format *f) { return CHUNK / f->block_size; }
 

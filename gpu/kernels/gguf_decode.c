@@ -116,13 +116,12 @@ static void decode_q3_k(const uint8_t *w, int blocks, gguf_chunk *c) {
 
 /* Q4_K's and Q5_K's d, dmin and 12 bytes of 6-bit scales and minimums, eight of each */
 void gguf_k_scales(const uint8_t *w, float *scale, float *minimum) {
-    const uint8_t *s = w + 4;
+    uint8_t sc[8], m[8];
+    gguf_k_scale_codes(w, sc, m);
     const float d = half_at(w), dmin = half_at(w + 2);
     for (int j = 0; j < 8; j++) {
-        const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
-        const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
-        scale[j] = d * (float)sc;
-        minimum[j] = dmin * (float)m;
+        scale[j] = d * (float)sc[j];
+        minimum[j] = dmin * (float)m[j];
     }
 }
 

@@ -1,5 +1,5 @@
-"""`gguf_kernels.matmul_int8`, the integer mode: x rounded to 8 bits per unit of 32 as
-documented (`quantize_int8`, against numpy), the product equal to that rounded x times the
+"""`gguf_kernels.matmul_int8`, the integer mode: x rounded to 8 bits per unit (the type's
+block: 32 values, or a K-quant's superblock of 256) as documented (`quantize_int8`, against numpy), the product equal to that rounded x times the
 file's weights (float64 reference, within float32 rounding of its terms), a row's result
 independent of the rows beside it, and, with `test_gguf_kernels`' builds for narrower targets,
 the same bits on every build."""
@@ -23,10 +23,14 @@ pytestmark = pytest.mark.skipif(
 KINDS = sorted(gguf_kernels.INT8_TYPES)
 
 
-def numpy_quantize(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The documented rounding, in float32 as the kernel does it: per unit of 32, d = largest
-    |x| / 127, q = x x (1 / d) rounded to nearest even; the sums of each 16 q."""
-    v = x.float().numpy().reshape(x.shape[0], -1, 32)
+def unit_of(kind: int) -> int:
+    return gguf_kernels.block_size(kind)
+
+
+def numpy_quantize(x: torch.Tensor, unit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The documented rounding, in float32 as the kernel does it: per unit, d = largest |x| /
+    127, q = x x (1 / d) rounded to nearest even; the sums of each 16 q."""
+    v = x.float().numpy().reshape(x.shape[0], -1, unit)
     with np.errstate(all="ignore"):
         d = np.abs(v).max(axis=2) / np.float32(127)
         inverse = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
@@ -35,30 +39,33 @@ def numpy_quantize(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return q.reshape(x.shape), d.astype(np.float32), sums
 
 
-def reference(x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None) -> np.ndarray:
-    """sum over units of d x (W's unit . q), in float64, from the file's float weights."""
-    q, d, _ = numpy_quantize(x)
+def _terms(x: torch.Tensor, dense: torch.Tensor, kind: int, magnitude: bool) -> np.ndarray:
+    """sum over units of dx x (W's unit . q), or of dx |W| . |q|, in float64."""
+    unit = unit_of(kind)
+    q, d, _ = numpy_quantize(x, unit)
     rows, cols = q.shape
-    q64 = q.astype(np.float64).reshape(rows, cols // 32, 32)
-    w64 = dense.double().numpy().reshape(dense.shape[0], cols // 32, 32)
-    y = np.einsum("ruk,ouk,ru->ro", q64, w64, d.astype(np.float64))
+    q64 = q.astype(np.float64).reshape(rows, cols // unit, unit)
+    w64 = dense.double().numpy().reshape(dense.shape[0], cols // unit, unit)
+    if magnitude:
+        q64, w64 = np.abs(q64), np.abs(w64)
+    return np.einsum("ruk,ouk,ru->ro", q64, w64, d.astype(np.float64))
+
+
+def reference(
+    x: torch.Tensor, dense: torch.Tensor, kind: int, bias: torch.Tensor | None
+) -> np.ndarray:
+    """The rounded x times the file's float weights, in float64."""
+    y = _terms(x, dense, kind, magnitude=False)
     return y + (bias.double().numpy() if bias is not None else 0.0)
 
 
 def assert_integer_product(
-    y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None
+    y: torch.Tensor, x: torch.Tensor, dense: torch.Tensor, kind: int, bias: torch.Tensor | None
 ) -> None:
     """y within float32 rounding of its terms of the float64 reference (each term dx |w| |q|,
     rounded a few times: scales, products, sums of ~40 units)."""
-    q, d, _ = numpy_quantize(x)
-    rows, cols = q.shape
-    magnitude = np.einsum(
-        "ruk,ouk,ru->ro",
-        np.abs(q.astype(np.float64)).reshape(rows, cols // 32, 32),
-        np.abs(dense.double().numpy()).reshape(dense.shape[0], cols // 32, 32),
-        d.astype(np.float64),
-    )
-    error = np.abs(y.double().numpy() - reference(x, dense, bias))
+    magnitude = _terms(x, dense, kind, magnitude=True)
+    error = np.abs(y.double().numpy() - reference(x, dense, kind, bias))
     assert (error <= 2e-6 * magnitude + 1e-30).all(), float((error / magnitude).max())
 
 
@@ -82,20 +89,22 @@ def save_products(path: str) -> None:
     torch.save({str(k): v for k, v in products().items()}, Path(path))
 
 
-def test_x_is_rounded_to_8_bits_per_unit_as_documented() -> None:
+@pytest.mark.parametrize("unit", [32, 256])
+def test_x_is_rounded_to_8_bits_per_unit_as_documented(unit: int) -> None:
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 320, generator=generator) * torch.logspace(-30, 30, 320)
-    x[1, 32:64] = 0.0  # a unit of zeros: scale 0, codes 0
+    x = torch.randn(5, 1280, generator=generator) * torch.logspace(-30, 30, 1280)
+    x[1, unit : 2 * unit] = 0.0  # a unit of zeros: scale 0, codes 0
     x[2, :32] = torch.tensor([1.0, -1.0] * 16) * 127 / 2  # halves: ties to even
     for dtype in (torch.float32, torch.bfloat16):
         rows = x.to(dtype)
-        q, d, s = gguf_kernels.quantize_int8(rows)
-        want_q, want_d, want_s = numpy_quantize(rows)
+        q, d, s = gguf_kernels.quantize_int8(rows, unit)
+        want_q, want_d, want_s = numpy_quantize(rows, unit)
+        assert d.shape == (5, 1280 // unit) and s.shape == (5, 80)
         assert np.array_equal(q.numpy(), want_q)
         assert np.array_equal(d.numpy().view(np.uint32), want_d.view(np.uint32))
         assert np.array_equal(s.numpy(), want_s)
         assert int(q.abs().max()) <= 127
-    assert float(d[1, 1]) == 0.0 and not q[1, 32:64].any()
+    assert float(d[1, 1]) == 0.0 and not q[1, unit : 2 * unit].any()
 
 
 def test_a_unit_with_a_nan_or_an_infinity_makes_its_outputs_nan() -> None:
@@ -119,7 +128,7 @@ def test_the_product_is_the_rounded_x_times_the_files_weights(
     bias = torch.randn(OUTPUTS, generator=generator) if with_bias else None
     y = gguf_kernels.matmul_int8(x, data, kind, OUTPUTS, bias)
     assert y.shape == (rows, OUTPUTS) and y.dtype == torch.float32
-    assert_integer_product(y, x, dense, bias)
+    assert_integer_product(y, x, dense, kind, bias)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -146,11 +155,12 @@ def test_the_integer_mode_differs_from_the_exact_one_by_x_s_rounding_alone() -> 
     # over units of dx / 2 x (the unit's sum of |w|), and by the two modes' float rounding
     for kind in KINDS:
         data, dense = weights(kind)
+        unit = unit_of(kind)
         x = torch.randn(4, cols_for(kind), generator=torch.Generator().manual_seed(kind))
         exact = gguf_kernels.matmul(x, data, kind, OUTPUTS).double()
         integer = gguf_kernels.matmul_int8(x, data, kind, OUTPUTS).double()
-        _, d, _ = numpy_quantize(x)
-        units = dense.double().abs().reshape(OUTPUTS, -1, 32).sum(dim=2)  # [outputs, units]
+        _, d, _ = numpy_quantize(x, unit)
+        units = dense.double().abs().reshape(OUTPUTS, -1, unit).sum(dim=2)  # [outputs, units]
         bound = 0.5 * torch.from_numpy(d).double() @ units.T
         rounding = 1e-5 * (x.double().abs() @ dense.double().abs().T)
         assert ((integer - exact).abs() <= bound + rounding).all(), kind
@@ -158,9 +168,13 @@ def test_the_integer_mode_differs_from_the_exact_one_by_x_s_rounding_alone() -> 
 
 
 def test_types_without_an_integer_kernel_are_refused() -> None:
-    kind = int(GGMLQuantizationType.Q5_K)
+    kind = int(GGMLQuantizationType.Q3_K)
     data, _ = weights(kind)
     with pytest.raises(ValueError, match="no integer kernel"):
         gguf_kernels.matmul_int8(torch.randn(1, cols_for(kind)), data, kind, OUTPUTS)
     with pytest.raises(ValueError, match="units of 32"):
         gguf_kernels.quantize_int8(torch.randn(2, 40))
+    with pytest.raises(ValueError, match="units of 256"):
+        gguf_kernels.quantize_int8(torch.randn(2, 320), 256)
+    with pytest.raises(ValueError, match="32 or 256"):
+        gguf_kernels.quantize_int8(torch.randn(2, 64), 64)

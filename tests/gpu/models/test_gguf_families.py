@@ -354,7 +354,7 @@ def test_every_stored_type_runs_from_the_file_and_decodes_as_transformers(
     assert_greedy_as_transformers(d.seqs["r"], hf, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda kind: kind.name)
+@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda kind: kind.name)
 def test_the_integer_arithmetic_runs_the_types_that_have_it_in_integers(
     root: Path, wide_llama: Path, kind: GGMLQuantizationType
 ) -> None:
@@ -386,10 +386,11 @@ def test_the_integer_arithmetic_runs_the_types_that_have_it_in_integers(
         assert len(d.seqs["r"].output) == NEW_TOKENS
         first[mode] = d.seqs["r"].logprobs[:2]
     # the prompt's step and the first decode step (the C layer stack) ran in integers too: the
-    # log-probabilities moved, by x's rounding alone
+    # log-probabilities moved, by x's rounding alone (per 32 values against Q8_0, per 256
+    # against the K-quants: 0.01-0.08 seen on this random model)
     for exact, integer in zip(first["exact"], first["integer"], strict=True):
         assert not np.array_equal(exact.logprobs, integer.logprobs)
-        assert np.abs(exact.logprobs - integer.logprobs).max() < 0.05
+        assert np.abs(exact.logprobs - integer.logprobs).max() < 0.15, kind.name
 
 
 def test_the_quant_check_prints_the_integer_modes_agreement(
