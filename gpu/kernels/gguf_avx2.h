@@ -170,13 +170,12 @@ static inline void scaled_bytes(uint64_t b, float d, float *out) {
     _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_set1_ps(d), v));
 }
 
-/* `gguf_k_scales` with its 12 bytes taken as three words, four 6-bit values a word */
+/* `gguf_k_scales`, vectorised */
 static inline void k_scales(const uint8_t *w, float *scale, float *minimum) {
-    const uint32_t a = u32_at(w + 4), b = u32_at(w + 8), c = u32_at(w + 12);
-    const uint32_t sc_high = (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u);
-    const uint32_t m_high = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
-    scaled_bytes((uint64_t)sc_high << 32 | (a & 0x3f3f3f3fu), half_at(w), scale);
-    scaled_bytes((uint64_t)m_high << 32 | (b & 0x3f3f3f3fu), half_at(w + 2), minimum);
+    uint64_t sc, m;
+    gguf_k_scale_words(w, &sc, &m);
+    scaled_bytes(sc, half_at(w), scale);
+    scaled_bytes(m, half_at(w + 2), minimum);
 }
 
 /* 16 signed bytes times d, as float32 (Q6_K's scales) */

@@ -82,16 +82,6 @@ void gguf_k_scales(const uint8_t *w, float *scale, float *minimum); /* Q4_K and 
 void gguf_q6_k_scales(const uint8_t *w, float *scale);
 void gguf_iq4_xs_scales(const uint8_t *w, float *scale);
 
-/* Q4_K's and Q5_K's 6-bit scale and minimum codes of a superblock's 8 units (the floats are
- * d and dmin times them) */
-static inline void gguf_k_scale_codes(const uint8_t *w, uint8_t *sc, uint8_t *m) {
-    const uint8_t *s = w + 4;
-    for (int j = 0; j < 8; j++) {
-        sc[j] = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
-        m[j] = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | (s[j] >> 6) << 4;
-    }
-}
-
 /* blocks a chunk holds */
 static inline int chunk_blocks(const gguf_format *f) { return CHUNK / f->block_size; }
 
@@ -112,6 +102,15 @@ static inline uint32_t u32_at(const uint8_t *p) {
     uint32_t v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+/* Q4_K's and Q5_K's 6-bit scale and minimum codes of a superblock's 8 units, byte j of each
+ * word unit j's (the floats are d and dmin times them): its 12 bytes taken as three words,
+ * four 6-bit values a word */
+static inline void gguf_k_scale_words(const uint8_t *w, uint64_t *sc, uint64_t *m) {
+    const uint32_t a = u32_at(w + 4), b = u32_at(w + 8), c = u32_at(w + 12);
+    *sc = (uint64_t)((c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u)) << 32 | (a & 0x3f3f3f3fu);
+    *m = (uint64_t)(((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u)) << 32 | (b & 0x3f3f3f3fu);
 }
 
 static inline float half_at(const uint8_t *p) {

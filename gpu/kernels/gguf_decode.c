@@ -116,12 +116,12 @@ static void decode_q3_k(const uint8_t *w, int blocks, gguf_chunk *c) {
 
 /* Q4_K's and Q5_K's d, dmin and 12 bytes of 6-bit scales and minimums, eight of each */
 void gguf_k_scales(const uint8_t *w, float *scale, float *minimum) {
-    uint8_t sc[8], m[8];
-    gguf_k_scale_codes(w, sc, m);
+    uint64_t sc, m;
+    gguf_k_scale_words(w, &sc, &m);
     const float d = half_at(w), dmin = half_at(w + 2);
     for (int j = 0; j < 8; j++) {
-        scale[j] = d * (float)sc[j];
-        minimum[j] = dmin * (float)m[j];
+        scale[j] = d * (float)(uint8_t)(sc >> 8 * j);
+        minimum[j] = dmin * (float)(uint8_t)(m >> 8 * j);
     }
 }
 

@@ -45,33 +45,83 @@ typedef struct {
     int64_t rows, cols, unit;
 } qx;
 
+/* n values of x from `at` as float32 into v (bfloat16 widened exactly); returns the largest
+ * magnitude, or NaN where a value is an infinity or a NaN */
+static float unit_values(const void *x, int64_t at, int n, int bf16, float *v) {
+#ifdef INT8_SIMD
+    const __m256 sign = _mm256_set1_ps(-0.0f), largest = _mm256_set1_ps(3.4028235e38f);
+    __m256 amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int i = 0; i < n; i += 8) {
+        const __m256 f =
+            bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                       _mm256_cvtepu16_epi32(
+                           _mm_loadu_si128((const __m128i *)((const uint16_t *)x + at + i))),
+                       16))
+                 : _mm256_loadu_ps((const float *)x + at + i);
+        const __m256 magnitude = _mm256_andnot_ps(sign, f);
+        finite = _mm256_and_ps(finite, _mm256_cmp_ps(magnitude, largest, _CMP_LE_OQ));
+        amax = _mm256_max_ps(amax, magnitude);
+        _mm256_storeu_ps(v + i, f);
+    }
+    if (_mm256_movemask_ps(finite) != 0xff) return NAN;
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+#else
+    float amax = 0.0f;
+    int finite = 1;
+    for (int i = 0; i < n; i++) {
+        v[i] = bf16 ? bf16_f32(((const uint16_t *)x)[at + i]) : ((const float *)x)[at + i];
+        finite &= isfinite(v[i]) != 0;
+        amax = fmaxf(amax, fabsf(v[i]));
+    }
+    return finite ? amax : NAN;
+#endif
+}
+
+/* q = v x inverse rounded to nearest, ties to even (|q| <= 127) */
+static void unit_codes(const float *v, int n, float inverse, int8_t *q) {
+#ifdef INT8_SIMD
+    const __m256 by = _mm256_set1_ps(inverse);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int i = 0; i < n; i += 32) {
+        __m256i c[4];
+        for (int k = 0; k < 4; k++)
+            c[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i + 8 * k), by));
+        const __m256i words = _mm256_packs_epi32(c[0], c[1]), words2 = _mm256_packs_epi32(c[2], c[3]);
+        const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2), order);
+        _mm256_storeu_si256((__m256i *)(q + i), bytes);
+    }
+#else
+    for (int i = 0; i < n; i++) q[i] = (int8_t)nearbyintf(v[i] * inverse);
+#endif
+}
+
 /* rows of x to 8 bits per unit (cols whole units); 0, or -1 without memory */
 static int quantize(const void *x, int64_t x_stride, int bf16, qx *k) {
-    const int64_t units = k->cols / k->unit, unit = k->unit;
+    const int64_t units = k->cols / k->unit;
+    const int unit = (int)k->unit;
     k->q = malloc((size_t)(k->rows * k->cols));
     k->dx = malloc(sizeof(float) * (size_t)(k->rows * units));
     k->s = malloc(sizeof(int16_t) * (size_t)(k->rows * k->cols / 16));
     if (k->q == NULL || k->dx == NULL || k->s == NULL) return -1;
     for (int64_t r = 0; r < k->rows; r++)
         for (int64_t u = 0; u < units; u++) {
-            float v[QK_K], amax = 0.0f;
-            int finite = 1;
-            for (int i = 0; i < unit; i++) {
-                const int64_t at = r * x_stride + u * unit + i;
-                v[i] = bf16 ? bf16_f32(((const uint16_t *)x)[at]) : ((const float *)x)[at];
-                finite &= isfinite(v[i]) != 0;
-                amax = fmaxf(amax, fabsf(v[i]));
-            }
-            /* a unit with an infinity or a NaN makes every output it meets NaN, as the
-             * exact mode's products do (with codes 0: no conversion of a NaN to an integer) */
-            const float d = finite ? amax / 127.0f : NAN;
-            const float inverse = finite && d != 0.0f ? 1.0f / d : 0.0f;
+            float v[QK_K];
+            const float amax = unit_values(x, r * x_stride + u * unit, unit, bf16, v);
             int8_t *q = k->q + r * k->cols + u * unit;
+            /* a unit with an infinity or a NaN makes every output it meets NaN, as the exact
+             * mode's products do: scale NaN, codes 0 */
+            const float d = amax / 127.0f;
+            if (isnan(d))
+                memset(q, 0, (size_t)unit);
+            else
+                unit_codes(v, unit, d != 0.0f ? 1.0f / d : 0.0f, q);
             int16_t *s = k->s + (r * k->cols + u * unit) / 16;
-            for (int i = 0; i < unit; i++) {
-                q[i] = (int8_t)nearbyintf(v[i] * inverse);
-                if (i % 16 == 0) s[i / 16] = 0;
-                s[i / 16] = (int16_t)(s[i / 16] + q[i]);
+            for (int g = 0; g < unit / 16; g++) {
+                int sum = 0;
+                for (int i = 0; i < 16; i++) sum += q[16 * g + i];
+                s[g] = (int16_t)sum;
             }
             k->dx[r * units + u] = d;
         }
@@ -122,13 +172,29 @@ static inline ints scaled_dot(ints acc, codes c, const int8_t *q, scales s) {
 static inline scales scales_halves(int a, int b) {
     return _mm256_setr_m128i(_mm_set1_epi16((short)a), _mm_set1_epi16((short)b));
 }
+/* a superblock's 8 unit scales (bytes of a word) as int16, in both 128-bit halves */
+typedef __m256i unit_scales;
+static inline unit_scales unit_scales_of(uint64_t bytes) {
+    return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)bytes)));
+}
+/* unit j's scale on every lane */
+static inline scales unit_scale(unit_scales u, int j) {
+    return _mm256_shuffle_epi8(u, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
+}
+/* Q6_K's 16 int8 scales as int16; unit j's halves take scales 2j and 2j + 1 */
+static inline scales scales_of_bytes(const int8_t *p);
+static inline scales half_scales(scales all, int j) {
+    const __m256i pair = _mm256_permutevar8x32_epi32(all, _mm256_set1_epi32(j));
+    return _mm256_shuffle_epi8(pair, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                                      2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
+}
 static inline scales scales_load(const int16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline scales scales_of_bytes(const int8_t *p) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
 }
-/* lane m: s[2m] + s[2m + 1], each times m[m] */
-static inline scales scales_pairs(const uint8_t *m) {
-    const __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m));
+/* lane i: byte i / 2 of m (a pair of 16 per unit) */
+static inline scales scales_pairs(uint64_t m) {
+    const __m128i v = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)m));
     const __m128i lo = _mm_unpacklo_epi16(v, v), hi = _mm_unpackhi_epi16(v, v);
     return _mm256_setr_m128i(lo, hi);
 }
@@ -207,9 +273,18 @@ static inline scales scales_of_bytes(const int8_t *p) {
     for (int i = 0; i < 16; i++) s.v[i] = p[i];
     return s;
 }
-static inline scales scales_pairs(const uint8_t *m) {
+typedef uint64_t unit_scales;
+static inline unit_scales unit_scales_of(uint64_t bytes) { return bytes; }
+static inline scales unit_scale(unit_scales u, int j) {
+    const int v = (uint8_t)(u >> 8 * j);
+    return scales_halves(v, v);
+}
+static inline scales half_scales(scales all, int j) {
+    return scales_halves(all.v[2 * j], all.v[2 * j + 1]);
+}
+static inline scales scales_pairs(uint64_t m) {
     scales s;
-    for (int i = 0; i < 16; i++) s.v[i] = m[i / 2];
+    for (int i = 0; i < 16; i++) s.v[i] = (uint8_t)(m >> 8 * (i / 2));
     return s;
 }
 /* acc + lane m: a[2m] b[2m] + a[2m+1] b[2m+1] over int16 pairs */
@@ -292,15 +367,16 @@ INLINE void k_rows(const uint8_t *w, int64_t bytes, k_codes unit, const qx *k, i
     lanes acc[ROW_TILE], correction[ROW_TILE];
     for (int r = 0; r < mr; r++) acc[r] = correction[r] = lanes_zero();
     for (int64_t b = 0; b < blocks; b++, w += bytes) {
-        uint8_t sc[8], m[8];
-        gguf_k_scale_codes(w, sc, m);
+        uint64_t sc, m;
+        gguf_k_scale_words(w, &sc, &m);
+        const unit_scales units = unit_scales_of(sc);
         const float d = half_at(w), dmin = half_at(w + 2);
         ints sum[ROW_TILE];
         for (int r = 0; r < mr; r++) sum[r] = ints_zero();
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
             const codes c = unit(w, j);
-            const scales s = scales_halves(sc[j], sc[j]);
+            const scales s = unit_scale(units, j);
             const int8_t *q = k->q + r0 * k->cols + b * QK_K + j * UNIT;
             for (int r = 0; r < mr; r++) sum[r] = scaled_dot(sum[r], c, q + r * k->cols, s);
         }
@@ -335,7 +411,7 @@ INLINE void q6_k_rows(const uint8_t *w, const qx *k, int64_t r0, float *out, con
     lanes acc[ROW_TILE];
     for (int r = 0; r < mr; r++) acc[r] = lanes_zero();
     for (int64_t b = 0; b < blocks; b++, w += 210) {
-        const int8_t *sc = (const int8_t *)(w + 192);
+        const scales all = scales_of_bytes((const int8_t *)(w + 192));
         const float d = half_at(w + 208);
         ints sum[ROW_TILE];
         for (int r = 0; r < mr; r++) sum[r] = ints_zero();
@@ -343,11 +419,10 @@ INLINE void q6_k_rows(const uint8_t *w, const qx *k, int64_t r0, float *out, con
         for (int j = 0; j < 8; j++) {
             const int h = j / 4, n = j % 4;
             const codes c = six_bits(w + 64 * h + 32 * (n % 2), n / 2, w + 128 + 32 * h, n);
-            const scales s = scales_halves(sc[2 * j], sc[2 * j + 1]);
+            const scales s = half_scales(all, j);
             const int8_t *q = k->q + r0 * k->cols + b * QK_K + j * UNIT;
             for (int r = 0; r < mr; r++) sum[r] = scaled_dot(sum[r], c, q + r * k->cols, s);
         }
-        const scales all = scales_of_bytes(sc);
         for (int r = 0; r < mr; r++) {
             const int64_t row = r0 + r;
             const ints offsets =
