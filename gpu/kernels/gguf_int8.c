@@ -88,8 +88,8 @@ static void unit_codes(const float *v, int n, float inverse, int8_t *q) {
         __m256i c[4];
         for (int k = 0; k < 4; k++)
             c[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + i + 8 * k), by));
-        const __m256i words = _mm256_packs_epi32(c[0], c[1]), words2 = _mm256_packs_epi32(c[2], c[3]);
-        const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2), order);
+        const __m256i low = _mm256_packs_epi32(c[0], c[1]), high = _mm256_packs_epi32(c[2], c[3]);
+        const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(low, high), order);
         _mm256_storeu_si256((__m256i *)(q + i), bytes);
     }
 #else
@@ -152,7 +152,9 @@ static inline float lanes_sum(lanes v) {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 static inline ints ints_zero(void) { return _mm256_setzero_si256(); }
-static inline ints ints_sub32(ints a, ints b) { return _mm256_sub_epi32(a, _mm256_slli_epi32(b, 5)); }
+static inline ints ints_sub32(ints a, ints b) {
+    return _mm256_sub_epi32(a, _mm256_slli_epi32(b, 5));
+}
 /* acc + lane m: a[2m] b[2m] + a[2m+1] b[2m+1] over int16 pairs */
 static inline ints pairs_dot(ints acc, __m256i a, scales b) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -182,13 +184,15 @@ static inline scales unit_scale(unit_scales u, int j) {
     return _mm256_shuffle_epi8(u, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
 }
 /* Q6_K's 16 int8 scales as int16; unit j's halves take scales 2j and 2j + 1 */
-static inline scales scales_of_bytes(const int8_t *p);
 static inline scales half_scales(scales all, int j) {
     const __m256i pair = _mm256_permutevar8x32_epi32(all, _mm256_set1_epi32(j));
-    return _mm256_shuffle_epi8(pair, _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
-                                                      2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3));
+    const __m256i spread = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1,
+                                            2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3);
+    return _mm256_shuffle_epi8(pair, spread);
 }
-static inline scales scales_load(const int16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline scales scales_load(const int16_t *p) {
+    return _mm256_loadu_si256((const __m256i *)p);
+}
 static inline scales scales_of_bytes(const int8_t *p) {
     return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
 }
@@ -384,8 +388,8 @@ INLINE void k_rows(const uint8_t *w, int64_t bytes, k_codes unit, const qx *k, i
         for (int r = 0; r < mr; r++) {
             const int64_t row = r0 + r;
             const float dx = k->dx[row * blocks + b];
-            const ints mins = pairs_dot(ints_zero(), scales_load(k->s + row * k->cols / 16 + 16 * b),
-                                        minimums);
+            const int16_t *s = k->s + row * k->cols / 16 + 16 * b;
+            const ints mins = pairs_dot(ints_zero(), scales_load(s), minimums);
             acc[r] = lanes_fma(sum[r], d * dx, acc[r]);
             correction[r] = lanes_fma(mins, dmin * dx, correction[r]);
         }

@@ -1,8 +1,8 @@
 """`gguf_kernels.matmul_int8`, the integer mode: x rounded to 8 bits per unit (the type's
-block: 32 values, or a K-quant's superblock of 256) as documented (`quantize_int8`, against numpy), the product equal to that rounded x times the
-file's weights (float64 reference, within float32 rounding of its terms), a row's result
-independent of the rows beside it, and, with `test_gguf_kernels`' builds for narrower targets,
-the same bits on every build."""
+block: 32 values, or a K-quant's superblock of 256) as documented (`quantize_int8`, against
+numpy), the product equal to that rounded x times the file's weights (float64 reference, within
+float32 rounding of its terms), a row's result independent of the rows beside it, and, with
+`test_gguf_kernels`' builds for narrower targets, the same bits on every build."""
 
 from __future__ import annotations
 
