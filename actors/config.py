@@ -79,8 +79,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         EngineFlag(
             "exact (default): a GGUF file's stored weights multiplied in float32, as a dense "
             "product over the dequantized weights to the dtype's rounding; integer: the "
-            "activations rounded to 8 bits per block (32 values against Q8_0, 256 against "
-            "Q4_K, Q5_K and Q6_K) and multiplied by the blocks in integers, llama.cpp's "
+            "activations rounded to 8 bits per block (32 values against Q4_0, Q4_1, Q5_0, "
+            "Q5_1 and Q8_0, 256 against Q4_K, Q5_K and Q6_K) and multiplied by the blocks in "
+            "integers, llama.cpp's "
             "arithmetic (faster decode; its agreement with "
             "exact: python -m triode.gpu.checks.quant MODEL)",
             choices=GGUF_ARITHMETICS,

@@ -38,7 +38,8 @@ _BLOCKS = {
     30: (1, 2),  # BF16
 }
 SUPPORTED: frozenset[int] = frozenset(_BLOCKS)
-INT8_TYPES: frozenset[int] = frozenset({8, 12, 13, 14})  # Q8_0, Q4_K, Q5_K, Q6_K
+# Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
+INT8_TYPES: frozenset[int] = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
 _DTYPES = (torch.float32, torch.bfloat16)
 
 

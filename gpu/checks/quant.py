@@ -6,7 +6,7 @@ after their first; both runners then read those texts teacher-forced (one prompt
 prompt logprobs) and the check prints, over every position: how often the integer mode's top
 token is the exact mode's, and the largest difference between the two modes' logprobs of the
 text's own next token. Both in float32, as `--dtype float32` serves. Exit status 1 where no
-projection runs in the integer mode (the file has none of its types: Q8_0, Q4_K, Q5_K, Q6_K).
+projection runs in the integer mode (the file has none of its types, `gguf_kernels.INT8_TYPES`).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     line, ran = check(args.model, args.positions)
     print(line)
     if not ran:
-        print("no projection of this model has an integer kernel (Q8_0, Q4_K, Q5_K, Q6_K)")
+        print("no projection of this model has a type of the integer mode")
     return 0 if ran else 1
 
 

@@ -218,12 +218,37 @@ static inline codes six_bits(const uint8_t *p, int high, const uint8_t *h, int c
     const __m256i top = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * crumb), _mm256_set1_epi8(3));
     return _mm256_or_si256(unit_nibbles(p, high), _mm256_slli_epi16(top, 4));
 }
-/* Q8_0: lane m, w . q over bytes 4m..4m+3 (|w| and q with w's sign) */
-static inline ints signed_dot(const int8_t *w, const int8_t *q) {
-    const __m256i wv = _mm256_loadu_si256((const __m256i *)w);
-    const __m256i qv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q), wv);
-    return pairs_dot(ints_zero(), _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), qv),
+/* ---- the 32-weight blocks: codes of a block, signed or not ---- */
+typedef __m256i signed_codes;
+/* lane m: w . q over bytes 4m..4m+3 (|w| and q with w's sign) */
+static inline ints signed_dot(signed_codes w, const int8_t *q) {
+    const __m256i qv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)q), w);
+    return pairs_dot(ints_zero(), _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), qv),
                      _mm256_set1_epi16(1));
+}
+static inline ints unsigned_dot(codes c, const int8_t *q) {
+    return pairs_dot(ints_zero(), _mm256_maddubs_epi16(c, _mm256_loadu_si256((const __m256i *)q)),
+                     _mm256_set1_epi16(1));
+}
+static inline signed_codes bytes_at(const uint8_t *p) {
+    return _mm256_loadu_si256((const __m256i *)p);
+}
+/* a block's 16 bytes: low nibbles weights 0..15, high nibbles 16..31 */
+static inline codes block_nibbles(const uint8_t *p) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_setr_m128i(b, _mm_srli_epi16(b, 4)), _mm256_set1_epi8(15));
+}
+/* c with bit i of h as weight i's fifth bit */
+static inline codes with_fifth(codes c, uint32_t h) {
+    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                              0x0303030303030303);
+    const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)h), spread),
+                                          _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+    const __m256i set = _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+    return _mm256_or_si256(c, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+}
+static inline signed_codes less(codes c, int offset) {
+    return _mm256_sub_epi8(c, _mm256_set1_epi8((char)offset));
 }
 #else
 typedef struct {
@@ -312,13 +337,46 @@ static inline codes six_bits(const uint8_t *p, int high, const uint8_t *h, int c
     for (int i = 0; i < 32; i++) c.v[i] |= ((h[i] >> (2 * crumb)) & 3) << 4;
     return c;
 }
-static inline ints signed_dot(const int8_t *w, const int8_t *q) {
+typedef struct {
+    int8_t v[32];
+} signed_codes;
+static inline ints signed_dot(signed_codes w, const int8_t *q) {
     ints d;
     for (int m = 0; m < 8; m++) {
         d.v[m] = 0;
-        for (int i = 4 * m; i < 4 * m + 4; i++) d.v[m] += w[i] * q[i];
+        for (int i = 4 * m; i < 4 * m + 4; i++) d.v[m] += w.v[i] * q[i];
     }
     return d;
+}
+static inline ints unsigned_dot(codes c, const int8_t *q) {
+    ints d;
+    for (int m = 0; m < 8; m++) {
+        d.v[m] = 0;
+        for (int i = 4 * m; i < 4 * m + 4; i++) d.v[m] += c.v[i] * q[i];
+    }
+    return d;
+}
+static inline signed_codes bytes_at(const uint8_t *p) {
+    signed_codes c;
+    memcpy(c.v, p, sizeof c.v);
+    return c;
+}
+static inline codes block_nibbles(const uint8_t *p) {
+    codes c;
+    for (int i = 0; i < 16; i++) {
+        c.v[i] = p[i] & 15;
+        c.v[i + 16] = p[i] >> 4;
+    }
+    return c;
+}
+static inline codes with_fifth(codes c, uint32_t h) {
+    for (int i = 0; i < 32; i++) c.v[i] |= ((h >> i) & 1) << 4;
+    return c;
+}
+static inline signed_codes less(codes c, int offset) {
+    signed_codes s;
+    for (int i = 0; i < 32; i++) s.v[i] = (int8_t)(c.v[i] - offset);
+    return s;
 }
 #endif
 
@@ -335,24 +393,55 @@ static inline ints signed_dot(const int8_t *w, const int8_t *q) {
     default: name(__VA_ARGS__, 4); break;                                                     \
     }
 
-INLINE void q8_0_rows(const uint8_t *w, const qx *k, int64_t r0, float *out, const int mr) {
+/* The 32-weight blocks, x's unit a block: Q8_0 (d | codes[32], signed), Q4_0 (d | nibbles[16],
+ * codes less 8), Q5_0 (d | fifth bits[4] | nibbles[16], less 16), Q4_1 and Q5_1 (d | m | ...:
+ * codes without sign, w = d code + m). Per block, y += d dx (codes . q), and for the types with
+ * a minimum, m dx (q's sum), summed apart (in one fused multiply-add per block) and added at
+ * the end. Nibble i holds weight i, its high half weight i + 16. */
+INLINE void block_rows(const uint8_t *w, const int type, const qx *k, int64_t r0, float *out,
+                       const int mr) {
     const int64_t units = k->cols / UNIT;
+    const int bytes = type == GGUF_Q8_0   ? 34
+                      : type == GGUF_Q4_0 ? 18
+                      : type == GGUF_Q5_0 ? 22
+                      : type == GGUF_Q4_1 ? 20
+                                          : 24;
+    const int minimum = type == GGUF_Q4_1 || type == GGUF_Q5_1;
     lanes acc[ROW_TILE];
-    for (int r = 0; r < mr; r++) acc[r] = lanes_zero();
-    for (int64_t u = 0; u < units; u++, w += 34) {
-        const float d = half_at(w);
+    float shift[ROW_TILE];
+    for (int r = 0; r < mr; r++) acc[r] = lanes_zero(), shift[r] = 0.0f;
+    for (int64_t u = 0; u < units; u++, w += bytes) {
+        const float d = half_at(w), m = minimum ? half_at(w + 2) : 0.0f;
+        signed_codes sc;
+        codes c;
+        if (type == GGUF_Q8_0) sc = bytes_at(w + 2);
+        if (type == GGUF_Q4_0) sc = less(block_nibbles(w + 2), 8);
+        if (type == GGUF_Q5_0) sc = less(with_fifth(block_nibbles(w + 6), u32_at(w + 2)), 16);
+        if (type == GGUF_Q4_1) c = block_nibbles(w + 4);
+        if (type == GGUF_Q5_1) c = with_fifth(block_nibbles(w + 8), u32_at(w + 4));
         for (int r = 0; r < mr; r++) {
             const int64_t row = r0 + r;
-            const ints dot = signed_dot((const int8_t *)(w + 2), k->q + row * k->cols + u * UNIT);
-            acc[r] = lanes_fma(dot, d * k->dx[row * units + u], acc[r]);
+            const int8_t *q = k->q + row * k->cols + u * UNIT;
+            const float dx = k->dx[row * units + u];
+            acc[r] = lanes_fma(minimum ? unsigned_dot(c, q) : signed_dot(sc, q), d * dx, acc[r]);
+            if (minimum) {
+                const int16_t *s = k->s + row * k->cols / 16 + 2 * u;
+                shift[r] = __builtin_fmaf(m * dx, (float)(s[0] + s[1]), shift[r]);
+            }
         }
     }
-    for (int r = 0; r < mr; r++) out[r] = lanes_sum(acc[r]);
+    for (int r = 0; r < mr; r++) out[r] = lanes_sum(acc[r]) + shift[r];
 }
 
-static void q8_0_row(const uint8_t *w, const qx *k, int64_t r0, int mr, float *out) {
-    BY_ROWS(q8_0_rows, w, k, r0, out)
-}
+#define BLOCK_ROW(name, type)                                                                  \
+    static void name(const uint8_t *w, const qx *k, int64_t r0, int mr, float *out) {          \
+        BY_ROWS(block_rows, w, type, k, r0, out)                                                \
+    }
+BLOCK_ROW(q8_0_row, GGUF_Q8_0)
+BLOCK_ROW(q4_0_row, GGUF_Q4_0)
+BLOCK_ROW(q5_0_row, GGUF_Q5_0)
+BLOCK_ROW(q4_1_row, GGUF_Q4_1)
+BLOCK_ROW(q5_1_row, GGUF_Q5_1)
 
 /* a Q4_K or Q5_K superblock's unit j codes */
 typedef codes (*k_codes)(const uint8_t *w, int j);
@@ -444,8 +533,12 @@ static void q6_k_row(const uint8_t *w, const qx *k, int64_t r0, int mr, float *o
 typedef void (*row_kernel)(const uint8_t *w, const qx *k, int64_t r0, int mr, float *out);
 
 static row_kernel kernel_of(int type, int *block_size) {
-    *block_size = type == GGUF_Q8_0 ? UNIT : QK_K;
+    *block_size = type == GGUF_Q4_K || type == GGUF_Q5_K || type == GGUF_Q6_K ? QK_K : UNIT;
     if (type == GGUF_Q8_0) return q8_0_row;
+    if (type == GGUF_Q4_0) return q4_0_row;
+    if (type == GGUF_Q5_0) return q5_0_row;
+    if (type == GGUF_Q4_1) return q4_1_row;
+    if (type == GGUF_Q5_1) return q5_1_row;
     if (type == GGUF_Q4_K) return q4_k_row;
     if (type == GGUF_Q5_K) return q5_k_row;
     if (type == GGUF_Q6_K) return q6_k_row;

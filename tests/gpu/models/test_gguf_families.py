@@ -354,7 +354,11 @@ def test_every_stored_type_runs_from_the_file_and_decodes_as_transformers(
     assert_greedy_as_transformers(d.seqs["r"], hf, NEW_TOKENS)
 
 
-@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda kind: kind.name)
+@pytest.mark.parametrize(
+    "kind",
+    [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K],
+    ids=lambda kind: kind.name,
+)
 def test_the_integer_arithmetic_runs_the_types_that_have_it_in_integers(
     root: Path, wide_llama: Path, kind: GGMLQuantizationType
 ) -> None:
@@ -373,8 +377,9 @@ def test_the_integer_arithmetic_runs_the_types_that_have_it_in_integers(
         runner = ModelRunner(converted, gguf_arithmetic=mode, num_threads=1, **options)
         projections = [m for m in runner.model.modules() if isinstance(m, LinearBase)]
         for module in [*projections, runner.model.lm_head]:
-            # Q8_0 too: from the file's blocks, not repacked for the exact kernels
-            assert isinstance(module.quant, GgufRows) == (mode == "integer" or kind != T.Q8_0)
+            # Q4_0, Q4_1 and Q8_0 too: from the file's blocks, not repacked for the exact kernels
+            repacked = kind in (T.Q4_0, T.Q4_1, T.Q8_0)
+            assert isinstance(module.quant, GgufRows) == (mode == "integer" or not repacked)
             if mode == "integer":
                 assert module.quant.in_integers and isinstance(module.stored, GgufWeight)
                 x = torch.randn(3, module.stored.cols)
