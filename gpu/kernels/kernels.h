@@ -25,8 +25,8 @@ typedef struct quant_call {
     int32_t gguf_type;
     int64_t w_stride;
     const struct quant_call *next;
-    /* bits 0: the integer mode (`gguf_int8.c`) for every part whose type has it, the exact
-     * mode for the others */
+    /* bits 0: this part in the integer mode (`gguf_int8.c`) where its type has it, else the
+     * exact mode */
     int32_t int8;
 } quant_call;
 

@@ -385,7 +385,7 @@ static int gguf_rows(const quant_call *c) {
     const int64_t size = c->bf16 ? 2 : 4;
     int64_t first = 0;
     for (const quant_call *part = c; part != NULL; part = part->next) {
-        const int integer = c->int8 && triode_gguf_int8_takes(part->gguf_type);
+        const int integer = part->int8 && triode_gguf_int8_takes(part->gguf_type);
         if ((integer ? triode_gguf_matmul_int8 : triode_gguf_matmul)(
                 part->gguf_type, c->x, c->x_stride, c->rows, c->cols, part->w, part->w_stride,
                 part->outputs, c->bias ? c->bias + first : NULL, (char *)c->y + first * size,

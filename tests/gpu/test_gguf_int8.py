@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
-from test_gguf_kernels import OUTPUTS, cols_for, weights
+from gguf import GGMLQuantizationType, quantize
+from test_gguf_kernels import OUTPUTS, cols_for, random_blocks, weights
 
 from triode.gpu import gguf_kernels
 
@@ -178,3 +178,33 @@ def test_types_without_an_integer_kernel_are_refused() -> None:
         gguf_kernels.quantize_int8(torch.randn(2, 320), 256)
     with pytest.raises(ValueError, match="32 or 256"):
         gguf_kernels.quantize_int8(torch.randn(2, 64), 64)
+
+
+def test_bfloat16_rows_keep_the_exact_kernels_where_they_are_as_fast() -> None:
+    """Q4_0, Q4_1 and Q8_0 take their repacked paired kernel for bfloat16 rows where the build
+    has one (exact, and faster from a few rows on); float32 rows and the other types take the
+    integer mode from the file's blocks. Per type and dtype, never per batch."""
+    from triode.gpu import cpu_kernels
+    from triode.gpu.gguf_weight import GgufWeight
+    from triode.gpu.quant_matmul import GgufRows, integer_types, quantized_kernel
+
+    assert integer_types(torch.float32) == gguf_kernels.INT8_TYPES
+    paired = getattr(cpu_kernels.quant_matmul(), "paired", False)
+    repackable = {int(GGMLQuantizationType[n]) for n in ("Q4_0", "Q4_1", "Q8_0")}
+    dense = np.random.default_rng(0).standard_normal((176, 512)).astype(np.float32)
+    for kind in KINDS:  # the paired kernel's shapes; a model's scales (float16 as repacked)
+        if kind in repackable:
+            blocks = quantize(dense, GGMLQuantizationType(kind))
+        else:
+            blocks = random_blocks(kind, 176, 512, seed=kind)
+        weight = GgufWeight(torch.from_numpy(blocks.reshape(176, -1)), kind, 512)
+        in_float32 = quantized_kernel(weight, torch.float32, integer=True)
+        assert isinstance(in_float32, GgufRows) and in_float32.in_integers
+        in_bfloat16 = quantized_kernel(weight, torch.bfloat16, integer=True)
+        exact = paired and kind in repackable
+        assert (kind in integer_types(torch.bfloat16)) != exact
+        assert isinstance(in_bfloat16, GgufRows) != exact
+        if exact:
+            assert in_bfloat16 is not None and in_bfloat16.paired
+        else:
+            assert isinstance(in_bfloat16, GgufRows) and in_bfloat16.in_integers
