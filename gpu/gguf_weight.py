@@ -4,12 +4,12 @@ GGUF lays a [rows, cols] tensor out row by row, each row `cols / block_size` blo
 type (Q4_K, Q6_K, Q8_0, F16, ...): a block holds its scales and its codes, so any run of rows
 and any run of whole blocks in every row is a weight of the same type. `GgufWeight` is such a
 run over the bytes it was given, usually a view into the mapped file (`gguf_file`): a tensor
-parallel rank's rows or block columns are views too, and only a merged projection (q, k, v;
-gate, up) or a reordered one (llama.cpp's rotary row order of Q and K) is a copy.
+parallel rank's rows or block columns are views too, and only a reordered one (llama.cpp's
+rotary row order of Q and K) is a copy.
 
-A merged projection whose parts have different types (a Q4_K_M file's Q4_K queries beside its
-Q6_K values) is a `GgufStack`: its parts' rows one after the other, each multiplied by its own
-type's kernel into its columns of the output.
+A merged projection (q, k, v; gate, up) is a `GgufStack`: its parts' rows one after the other,
+each part where it lies and of its own type (a Q4_K_M file's Q4_K queries beside its Q6_K
+values), multiplied into its columns of the output (the integer mode's parts in one call).
 """
 
 from __future__ import annotations
@@ -100,14 +100,11 @@ class GgufWeight(NamedTuple):
 
     @staticmethod
     def cat(parts: list[GgufWeight]) -> GgufWeight | GgufStack:
-        """Parts' rows stacked, as merged projections stack them: one weight where they share
-        a type, else a `GgufStack`."""
-        first = parts[0]
-        if any(p.cols != first.cols for p in parts):
+        """Parts' rows stacked, as merged projections stack them: a `GgufStack` of the parts
+        as they lie (no copy), or the one part."""
+        if any(p.cols != parts[0].cols for p in parts):
             raise ValueError("stacked weights must have the same columns")
-        if all(p.kind == first.kind for p in parts):
-            return GgufWeight(torch.cat([p.data for p in parts]), first.kind, first.cols)
-        return GgufStack(tuple(parts))
+        return parts[0] if len(parts) == 1 else GgufStack(tuple(parts))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """[rows, cols] in `dtype`: gguf's own values in float32 (rounded once to `dtype`)."""
@@ -127,9 +124,21 @@ class GgufWeight(NamedTuple):
 
 
 class GgufStack(NamedTuple):
-    """Weights of different types whose rows stack into one [rows, cols] weight."""
+    """Weights whose rows stack into one [rows, cols] weight, each where it lies."""
 
     parts: tuple[GgufWeight, ...]
+
+    @property
+    def kind(self) -> int | None:
+        """The parts' type where they share one, else None."""
+        kinds = {p.kind for p in self.parts}
+        return kinds.pop() if len(kinds) == 1 else None
+
+    def joined(self) -> GgufWeight:
+        """The parts as one weight (a copy); ValueError where their types differ."""
+        if self.kind is None:
+            raise ValueError("parts of different types do not join into one weight")
+        return GgufWeight(torch.cat([p.data for p in self.parts]), self.kind, self.parts[0].cols)
 
     @property
     def shape(self) -> tuple[int, int]:

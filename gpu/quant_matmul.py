@@ -49,6 +49,11 @@ class QuantRows:
         self._call = self.weight_call()
         self._call_ref = ctypes.byref(self._call)
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weight a product reads."""
+        return self.packed.nbytes
+
     def weight_call(self) -> cpu_kernels.QuantCall:
         """A fresh `QuantCall` with this weight's arguments set (its bytes, shape, bits and
         layout); the caller sets the rows', the output's, the bias's and the element type."""
@@ -168,6 +173,10 @@ class GgufRows(QuantRows):
             gguf_type=part.kind, w_stride=part.data.stride(0), int8=int(part.kind in self.integer),
         )  # fmt: skip
 
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
     def weight_call(self) -> cpu_kernels.QuantCall:
         call = self._part_call(self.parts[0])
         if self._rest:
@@ -175,10 +184,14 @@ class GgufRows(QuantRows):
         return call
 
 
-def as_repacked(weight: GgufWeight) -> Int4Weight | Int8Weight | None:
-    """A Q4_0 / Q4_1 / Q8_0 weight's codes for `quant_matmul.c`'s own layout (and torch's and
-    AMX's 4-bit kernels), tuned for those types before the GGUF kernels read every type as it
-    lies; None for other types."""
+def as_repacked(weight: Packed) -> Int4Weight | Int8Weight | None:
+    """A Q4_0 / Q4_1 / Q8_0 weight's codes (a stack's parts of one such type joined) for
+    `quant_matmul.c`'s own layout (and torch's and AMX's 4-bit kernels), tuned for those types
+    before the GGUF kernels read every type as it lies; None for other types."""
+    if weight.kind not in (Q4_0, Q4_1, Q8_0):
+        return None
+    if isinstance(weight, GgufStack):
+        weight = weight.joined()  # read once into the repacked layout, then dropped
     if weight.kind in (Q4_0, Q4_1):
         return Int4Weight.from_blocks(weight.data.numpy(), with_minimum=weight.kind == Q4_1)
     if weight.kind == Q8_0:
@@ -218,7 +231,7 @@ def quantized_kernel(
     `quant_paired.c`), or torch's 4-bit kernel for bfloat16 where that is not built.
     """
     kinds = integer_types(dtype) if integer else frozenset()
-    if isinstance(weight, GgufWeight) and weight.kind not in kinds:
+    if isinstance(weight, GgufWeight | GgufStack) and weight.kind not in kinds:
         weight = as_repacked(weight) or weight
     if isinstance(weight, GgufWeight | GgufStack):
         parts = weight.parts if isinstance(weight, GgufStack) else (weight,)

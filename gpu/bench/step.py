@@ -139,7 +139,7 @@ def step_bytes(runner: ModelRunner, n: int, context: int) -> float:
     total = 0
     for module in runner.model.modules():
         if (quant := getattr(module, "quant", None)) is not None:
-            total += quant.packed.nbytes
+            total += quant.weight_bytes
         elif (four_bit := getattr(module, "int4", None)) is not None:  # torch's kernel's
             total += four_bit.packed.nbytes + four_bit.scales_and_zeros.nbytes
         elif type(module) is VocabParallelEmbedding:

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "gguf_blocks.h"
+#include "kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -569,37 +570,68 @@ int triode_gguf_quantize_int8(const void *x, int64_t x_stride, int64_t rows, int
     return status;
 }
 
-/* y [rows, y_stride] = x [rows, x_stride] W^T (+ bias), as `triode_gguf_matmul` takes them,
- * in integer arithmetic. Returns 0, or -1 for arguments it does not take (a type without an
- * integer kernel, cols not whole blocks, rows outside 1..MAX_ROWS, no memory). */
-int triode_gguf_matmul_int8(int type, const void *x, int64_t x_stride, int64_t rows,
-                            int64_t cols, const uint8_t *w, int64_t w_stride, int64_t outputs,
-                            const float *bias, void *y, int64_t y_stride, int bf16) {
-    int block_size;
-    const row_kernel kernel = kernel_of(type, &block_size);
-    if (kernel == NULL || cols < 1 || cols % block_size || rows < 1 || rows > MAX_ROWS ||
-        outputs < 0)
+/* y [rows, y_stride] = x [rows, x_stride] W^T (+ bias) for W the `count` parts' rows stacked
+ * (a merged projection's parts, read where they lie): part p's outputs are y's columns after
+ * those of the parts before it. x is quantized once per unit size the parts need, and one
+ * parallel loop covers every part's rows. Returns 0, or -1 for arguments it does not take (a
+ * type without an integer kernel, cols not whole blocks, rows outside 1..MAX_ROWS, more than
+ * GGUF_MAX_PARTS parts, no memory). */
+int triode_gguf_matmul_int8_parts(const gguf_part *parts, int count, const void *x,
+                                  int64_t x_stride, int64_t rows, int64_t cols, const float *bias,
+                                  void *y, int64_t y_stride, int bf16) {
+    row_kernel kernels[GGUF_MAX_PARTS];
+    int64_t first_block[GGUF_MAX_PARTS + 1] = {0}, first_output[GGUF_MAX_PARTS] = {0};
+    int sizes[GGUF_MAX_PARTS], need_units = 0, need_blocks = 0;
+    if (count < 1 || count > GGUF_MAX_PARTS || cols < 1 || rows < 1 || rows > MAX_ROWS)
         return -1;
-    qx k = {.rows = rows, .cols = cols, .unit = block_size};
-    int status = quantize(x, x_stride, bf16, &k);
+    for (int p = 0; p < count; p++) {
+        kernels[p] = kernel_of(parts[p].type, &sizes[p]);
+        if (kernels[p] == NULL || cols % sizes[p] || parts[p].outputs < 0) return -1;
+        need_units |= sizes[p] == UNIT;
+        need_blocks |= sizes[p] == QK_K;
+        first_block[p + 1] = first_block[p] + (parts[p].outputs + OUTPUT_BLOCK - 1) / OUTPUT_BLOCK;
+        if (p > 0) first_output[p] = first_output[p - 1] + parts[p - 1].outputs;
+    }
+    qx units = {.rows = rows, .cols = cols, .unit = UNIT};
+    qx blocks = {.rows = rows, .cols = cols, .unit = QK_K};
+    int status = 0;
+    if (need_units) status |= quantize(x, x_stride, bf16, &units);
+    if (need_blocks) status |= quantize(x, x_stride, bf16, &blocks);
     if (status == 0) {
-        const int64_t blocks = (outputs + OUTPUT_BLOCK - 1) / OUTPUT_BLOCK;
 #pragma omp parallel for schedule(static)
-        for (int64_t b = 0; b < blocks; b++)
-            for (int64_t o = b * OUTPUT_BLOCK; o < outputs && o < (b + 1) * OUTPUT_BLOCK; o++)
+        for (int64_t b = 0; b < first_block[count]; b++) {
+            int p = 0;
+            while (b >= first_block[p + 1]) p++;
+            const gguf_part *part = &parts[p];
+            const qx *k = sizes[p] == UNIT ? &units : &blocks;
+            const int64_t first = (b - first_block[p]) * OUTPUT_BLOCK;
+            for (int64_t o = first; o < part->outputs && o < first + OUTPUT_BLOCK; o++) {
+                const int64_t column = first_output[p] + o;
                 for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
                     const int mr = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
                     float out[ROW_TILE];
-                    kernel(w + o * w_stride, &k, r0, mr, out);
+                    kernels[p](part->w + o * part->w_stride, k, r0, mr, out);
                     for (int r = 0; r < mr; r++) {
-                        const float v = bias != NULL ? out[r] + bias[o] : out[r];
+                        const float v = bias != NULL ? out[r] + bias[column] : out[r];
                         if (bf16)
-                            ((uint16_t *)y)[(r0 + r) * y_stride + o] = f32_bf16(v);
+                            ((uint16_t *)y)[(r0 + r) * y_stride + column] = f32_bf16(v);
                         else
-                            ((float *)y)[(r0 + r) * y_stride + o] = v;
+                            ((float *)y)[(r0 + r) * y_stride + column] = v;
                     }
                 }
+            }
+        }
     }
-    release(&k);
+    release(&units);
+    release(&blocks);
     return status;
+}
+
+/* `triode_gguf_matmul_int8_parts` of one weight, as `triode_gguf_matmul` takes it */
+int triode_gguf_matmul_int8(int type, const void *x, int64_t x_stride, int64_t rows,
+                            int64_t cols, const uint8_t *w, int64_t w_stride, int64_t outputs,
+                            const float *bias, void *y, int64_t y_stride, int bf16) {
+    const gguf_part part = {.type = type, .w = w, .w_stride = w_stride, .outputs = outputs};
+    return triode_gguf_matmul_int8_parts(&part, 1, x, x_stride, rows, cols, bias, y, y_stride,
+                                         bf16);
 }

@@ -41,6 +41,18 @@ int triode_gguf_matmul_int8(int type, const void *x, int64_t x_stride, int64_t r
                             int64_t cols, const uint8_t *w, int64_t w_stride, int64_t outputs,
                             const float *bias, void *y, int64_t y_stride, int bf16);
 int triode_gguf_int8_takes(int type);
+/* one part of a merged projection's stacked rows, as the file stores them */
+#define GGUF_MAX_PARTS 8
+typedef struct {
+    int type;
+    const uint8_t *w;
+    int64_t w_stride, outputs;
+} gguf_part;
+/* the parts' rows stacked (y's columns part after part), x quantized once per unit size and
+ * one parallel loop over every part's rows */
+int triode_gguf_matmul_int8_parts(const gguf_part *parts, int count, const void *x,
+                                  int64_t x_stride, int64_t rows, int64_t cols, const float *bias,
+                                  void *y, int64_t y_stride, int bf16);
 int triode_quant_paired_rows(const uint16_t *x, int64_t x_stride, float *xsums,
                              int64_t rows, int64_t cols, const uint8_t *w, int bits,
                              const float *bias, int64_t outputs, uint16_t *y, int64_t y_stride);

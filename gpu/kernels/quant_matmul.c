@@ -379,19 +379,37 @@ static int quant_matmul(const void *x, int64_t x_stride, int x_bf16, int64_t row
     return 0;
 }
 
-/* a GGUF weight's rows as stored, part by part (`quant_call.next`), each part's columns of y,
- * in the integer mode where the call asks for it and the part's type has it */
+/* a GGUF weight's rows as stored, part by part (`quant_call.next`), each part's columns of y:
+ * each run of parts in the integer mode (`quant_call.int8`, a type that has it) in one call,
+ * the others exactly */
 static int gguf_rows(const quant_call *c) {
     const int64_t size = c->bf16 ? 2 : 4;
     int64_t first = 0;
-    for (const quant_call *part = c; part != NULL; part = part->next) {
-        const int integer = part->int8 && triode_gguf_int8_takes(part->gguf_type);
-        if ((integer ? triode_gguf_matmul_int8 : triode_gguf_matmul)(
-                part->gguf_type, c->x, c->x_stride, c->rows, c->cols, part->w, part->w_stride,
-                part->outputs, c->bias ? c->bias + first : NULL, (char *)c->y + first * size,
-                c->y_stride, c->bf16))
-            return -1;
-        first += part->outputs;
+    for (const quant_call *part = c; part != NULL;) {
+        gguf_part run[GGUF_MAX_PARTS];
+        int count = 0;
+        int64_t outputs = 0;
+        while (part != NULL && count < GGUF_MAX_PARTS && part->int8 &&
+               triode_gguf_int8_takes(part->gguf_type)) {
+            run[count++] = (gguf_part){.type = part->gguf_type, .w = part->w,
+                                       .w_stride = part->w_stride, .outputs = part->outputs};
+            outputs += part->outputs;
+            part = part->next;
+        }
+        const float *bias = c->bias ? c->bias + first : NULL;
+        void *y = (char *)c->y + first * size;
+        if (count > 0) {
+            if (triode_gguf_matmul_int8_parts(run, count, c->x, c->x_stride, c->rows, c->cols,
+                                              bias, y, c->y_stride, c->bf16))
+                return -1;
+        } else {
+            if (triode_gguf_matmul(part->gguf_type, c->x, c->x_stride, c->rows, c->cols, part->w,
+                                   part->w_stride, part->outputs, bias, y, c->y_stride, c->bf16))
+                return -1;
+            outputs = part->outputs;
+            part = part->next;
+        }
+        first += outputs;
     }
     return 0;
 }

@@ -19,7 +19,7 @@ from runner_driver import Driver, assert_greedy_as_transformers
 from safetensors.torch import load_file
 
 from triode.gpu.gguf_file import ORDERS, mapped_span, packed_weights
-from triode.gpu.gguf_weight import GgufWeight
+from triode.gpu.gguf_weight import GgufStack, GgufWeight
 from triode.gpu.loader import convert_gguf, transformers_directory
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.models.architectures import CheckpointMismatch
@@ -381,10 +381,14 @@ def test_the_integer_arithmetic_runs_the_types_that_have_it_in_integers(
             repacked = kind in (T.Q4_0, T.Q4_1, T.Q8_0)
             assert isinstance(module.quant, GgufRows) == (mode == "integer" or not repacked)
             if mode == "integer":
-                assert module.quant.in_integers and isinstance(module.stored, GgufWeight)
-                x = torch.randn(3, module.stored.cols)
-                want = gguf_kernels.matmul_int8(x, module.stored.data, kind, module.stored.shape[0])
-                assert torch.equal(module.quant(x), want)  # the integer kernel, this very call
+                stored = module.stored
+                # a merged projection's parts stay where they lie: a stack, no copy
+                parts = stored.parts if isinstance(stored, GgufStack) else (stored,)
+                assert module.quant.in_integers and all(isinstance(p, GgufWeight) for p in parts)
+                x = torch.randn(3, parts[0].cols)
+                want = [gguf_kernels.matmul_int8(x, p.data, kind, p.shape[0]) for p in parts]
+                # the integer kernel, this very call
+                assert torch.equal(module.quant(x), torch.cat(want, dim=1))
         d = Driver(runner)
         d.add("r", prompt)
         d.run(NEW_TOKENS)
