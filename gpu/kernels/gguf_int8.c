@@ -1,12 +1,14 @@
 /* The GGUF product's integer mode, llama.cpp's arithmetic: y = x W^T with x quantized to 8
  * bits per unit and each unit of W's codes multiplied by those in integers.
  *
- * x's unit is the weights' block: 32 values against Q8_0, a superblock of 256 against the
- * K-quants (llama.cpp's Q8_0 and Q8_K). Per unit: scale dx = (largest |x| of the unit) / 127,
- * q = x / dx rounded to nearest (ties to even), |q| <= 127; and s, the sum of q over each 16.
+ * x's unit is the weights' block: 32 values against the 32-weight types, a superblock of 256
+ * against the K-quants (llama.cpp's Q8_0 and Q8_K). Per unit: scale dx = (largest |x| of the
+ * unit) / 127, q = x / dx rounded to nearest (ties to even), |q| <= 127; and s, the sum of q
+ * over each 16.
  *
- * Q8_0: per block, y += d dx (codes . q), the dot an exact int32 (llama.cpp's sign trick:
- * |w| times q with w's sign). The K-quants: a superblock's codes times q, each 16 or 32 times
+ * The 32-weight types: per block, y += d dx (codes . q), the dot an exact int32 (Q8_0, Q4_0
+ * and Q5_0 signed codes by llama.cpp's sign trick: |w| times q with w's sign), and for Q4_1
+ * and Q5_1 the minimum's m dx (q's sum), summed apart. The K-quants: a superblock's codes times q, each 16 or 32 times
  * its integer scale, summed in integers (`vpmaddubsw`, then `vpmaddwd` or `vpdpwssd` with the
  * scales), then one float multiply-add: y += d dx (that sum); Q6_K's codes are stored 0..63
  * for -32..31, and 32 x its scales . s comes off the same integer sum; Q4_K's and Q5_K's
@@ -18,8 +20,10 @@
  * AVX512-VNNI / AVX-VNNI and portable builds give the same bits. What differs from the exact
  * mode is x rounded to 8 bits: at most half a step, dx / 2, per value.
  *
- * Types: Q8_0, Q4_K, Q5_K, Q6_K (a Q4_K_M or Q5_K_M file's projections, a Q8_0 file's). x
- * float32 or bfloat16, 1 to GGUF_MAX_ROWS rows; output rows split over torch's OpenMP threads.
+ * Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K. x float32 or bfloat16, 1 to
+ * GGUF_MAX_ROWS rows; output rows split over torch's OpenMP threads in one contiguous range
+ * each (each thread then streams its weights in order: dynamic chunks of 8 rows read them at
+ * half the memory's rate).
  */
 #include <math.h>
 #include <stdlib.h>
