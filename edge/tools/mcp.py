@@ -21,25 +21,23 @@ their exceptions' text going to the log only (`mcp_answers.py`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx2
 import msgspec
 import trio
-from mcp import Client
-from mcp.client.sse import sse_client
-from mcp.client.streamable_http import streamable_http_client
-from mcp.types import (
-    Implementation,
-    Tool,
-)
+
+if TYPE_CHECKING:
+    from mcp import Client
+    from mcp.types import Implementation, Tool
 
 from .destinations import DestinationRefused, check_destination, checked_client
 from .mcp_answers import (
@@ -69,7 +67,14 @@ def _version() -> str:
         return "unknown"
 
 
-CLIENT_INFO = Implementation(name="triode", version=_version())
+@functools.cache
+def client_info() -> Implementation:
+    """What this server says it is to an MCP server. The SDK (0.6 s to import) loads with the
+    first MCP operation, never when a server starts without one."""
+    from mcp.types import Implementation
+
+    return Implementation(name="triode", version=_version())
+
 
 _T = TypeVar("_T")
 _LABEL = re.compile(r"[A-Za-z0-9_.-]+")
@@ -344,6 +349,10 @@ class ToolServers:
         """A connected MCP client for `url`: SSE for a path ending in `/sse`, else streamable
         HTTP. Its HTTP read timeout only backs up the caller's deadlines. `checked`: a
         request-supplied server, reached only at allowed addresses (`checked_client`)."""
+        from mcp import Client
+        from mcp.client.sse import sse_client
+        from mcp.client.streamable_http import streamable_http_client
+
         read = self._connect_timeout + self._call_timeout + CLOSE_TIMEOUT
         factory = partial(checked_client, allow_private=self._allow_private_servers)
         if urlsplit(url).path.endswith("/sse"):
@@ -351,14 +360,14 @@ class ToolServers:
             transport = sse_client(
                 url, timeout=self._connect_timeout, sse_read_timeout=read, **options
             )
-            async with Client(transport, cache=None, client_info=CLIENT_INFO) as client:
+            async with Client(transport, cache=None, client_info=client_info()) as client:
                 yield client
             return
         timeout = httpx2.Timeout(self._connect_timeout, read=read)
         http_client = factory(timeout=timeout) if checked else httpx2.AsyncClient(timeout=timeout)
         async with http_client as http:
             transport = streamable_http_client(url, http_client=http)
-            async with Client(transport, cache=None, client_info=CLIENT_INFO) as client:
+            async with Client(transport, cache=None, client_info=client_info()) as client:
                 yield client
 
     def _name(self, server: _Server, info: Implementation | None) -> None:

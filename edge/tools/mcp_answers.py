@@ -20,20 +20,15 @@ import math
 import re
 import socket
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx2
 import msgspec
-from mcp import MCPError
-from mcp.types import (
-    CONNECTION_CLOSED,
-    CallToolResult,
-    EmbeddedResource,
-    TextContent,
-    TextResourceContents,
-    Tool,
-)
+
+if TYPE_CHECKING:
+    from mcp import MCPError
+    from mcp.types import CallToolResult, Tool
 
 from .destinations import DestinationRefused
 
@@ -62,8 +57,17 @@ class MCPTool(msgspec.Struct):
     input_schema: dict[str, Any]
 
 
+def _mcp_error() -> type[MCPError]:
+    """The SDK's error type; these functions run inside MCP operations, which loaded it."""
+    from mcp import MCPError
+
+    return MCPError
+
+
 def is_connection_error(exc: BaseException) -> bool:
-    if isinstance(exc, MCPError):
+    from mcp.types import CONNECTION_CLOSED
+
+    if isinstance(exc, _mcp_error()):
         return exc.code == CONNECTION_CLOSED
     return isinstance(exc, _CONNECTION_ERRORS)
 
@@ -81,8 +85,9 @@ def describe(errors: BaseException | None) -> str:
     if errors is None:
         return "the session was cancelled"
     messages: list[str] = []
+    mcp_error = _mcp_error()
     for exc in _leaves(errors):
-        text = exc.message if isinstance(exc, MCPError) else str(exc)
+        text = exc.message if isinstance(exc, mcp_error) else str(exc)
         message = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
         if message not in messages:
             messages.append(message)
@@ -106,7 +111,7 @@ def summary(errors: BaseException) -> str:
                 return f"the server answered HTTP {cause.response.status_code}"
             if isinstance(cause, httpx2.TimeoutException | TimeoutError):
                 return "timed out"
-            if isinstance(cause, MCPError):
+            if isinstance(cause, _mcp_error()):
                 return f"the server answered with MCP error {cause.code}"
     for exc in _leaves(errors):
         if is_connection_error(exc):
@@ -162,6 +167,8 @@ def cut(text: str, limit: int) -> str:
 
 def result_text(result: CallToolResult) -> str:
     """The text blocks of a result (and the text of embedded text resources), joined."""
+    from mcp.types import EmbeddedResource, TextContent, TextResourceContents
+
     parts = []
     for block in result.content:
         if isinstance(block, TextContent):

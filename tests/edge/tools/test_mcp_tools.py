@@ -400,3 +400,16 @@ def test_a_listing_offers_at_most_max_tools_with_sane_names_and_schemas() -> Non
     names = [t.name for t in offered]
     assert "bad name!" not in names and "big" not in names
     assert len(offered[0].description or "") < MAX_DESCRIPTION + 50
+
+
+def test_a_server_without_mcp_tool_servers_never_loads_the_sdk() -> None:
+    """The MCP SDK (over half a second to import) loads with the first MCP operation: the API
+    server's modules and `triode serve` start without it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, triode.edge.app, triode.edge.commands.serve, triode.edge.tools.mcp; "
+        "assert 'mcp' not in sys.modules, sorted(m for m in sys.modules if m.startswith('mcp'))"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
