@@ -16,6 +16,9 @@ A server a request names by URL (allowed by `allow_request_servers`) is reached 
 addresses (`destinations.py`) unless `allow_private_servers`. What any server sends is bounded,
 and its failures are told in this server's own words ("cannot connect: connection refused"),
 their exceptions' text going to the log only (`mcp_answers.py`).
+
+The `mcp` SDK (over half a second to import) is imported lazily, inside the operations: an API
+server that never reaches an MCP server never loads it.
 """
 
 from __future__ import annotations

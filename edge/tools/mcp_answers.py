@@ -9,6 +9,9 @@ description of at most `MAX_DESCRIPTION` characters and a schema of at most `MAX
 output is cut at `MAX_OUTPUT_CHARS` and a tool's error at `MAX_ERROR_CHARS`; and `summary`
 says what went wrong without the exceptions' text, which may carry a server's answer or this
 host's addresses and paths (`describe` has it all, for the log).
+
+These run inside MCP operations, which have loaded the `mcp` SDK: it is imported lazily here,
+so that importing this module does not load it.
 """
 
 from __future__ import annotations
