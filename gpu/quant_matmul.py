@@ -192,11 +192,9 @@ def as_repacked(weight: Packed) -> Int4Weight | Int8Weight | None:
         return None
     if isinstance(weight, GgufStack):
         weight = weight.joined()  # read once into the repacked layout, then dropped
-    if weight.kind in (Q4_0, Q4_1):
-        return Int4Weight.from_blocks(weight.data.numpy(), with_minimum=weight.kind == Q4_1)
     if weight.kind == Q8_0:
         return Int8Weight.from_blocks(weight.data.numpy())
-    return None
+    return Int4Weight.from_blocks(weight.data.numpy(), with_minimum=weight.kind == Q4_1)
 
 
 def integer_types(dtype: torch.dtype) -> frozenset[int]:

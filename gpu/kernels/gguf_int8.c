@@ -353,14 +353,6 @@ static inline ints signed_dot(signed_codes w, const int8_t *q) {
     }
     return d;
 }
-static inline ints unsigned_dot(codes c, const int8_t *q) {
-    ints d;
-    for (int m = 0; m < 8; m++) {
-        d.v[m] = 0;
-        for (int i = 4 * m; i < 4 * m + 4; i++) d.v[m] += c.v[i] * q[i];
-    }
-    return d;
-}
 static inline signed_codes bytes_at(const uint8_t *p) {
     signed_codes c;
     memcpy(c.v, p, sizeof c.v);
@@ -383,6 +375,8 @@ static inline signed_codes less(codes c, int offset) {
     for (int i = 0; i < 32; i++) s.v[i] = (int8_t)(c.v[i] - offset);
     return s;
 }
+/* codes without sign are below 32: as signed codes they are the same values */
+static inline ints unsigned_dot(codes c, const int8_t *q) { return signed_dot(less(c, 0), q); }
 #endif
 
 /* ---- one output row against rows r0..r0+mr-1 of x ---- */
