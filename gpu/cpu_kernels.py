@@ -47,7 +47,7 @@ HEADERS = tuple(
     KERNELS / name
     for name in (
         "simd.h", "bf16.h", "elements.h", "group_sum.h", "kernels.h", "gguf_blocks.h",
-        "gguf_simd.h", "gguf_avx2.h", "gguf_product.h",
+        "gguf_simd.h", "gguf_avx2.h", "gguf_product.h", "gguf_int8.h",
     )
 )  # fmt: skip
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
