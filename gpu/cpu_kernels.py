@@ -40,7 +40,7 @@ SOURCES = tuple(
         "paged_attention.c", "paged_attention_avx512.c", "fused_ops.c", "int4_amx.c",
         "quant_matmul.c", "quant_paired.c", "decode_stack.c", "gguf_decode.c",
         "gguf_decode_avx2.c", "gguf_dequant.c", "gguf_matmul.c", "gguf_fused_avx2.c",
-        "gguf_int8.c",
+        "gguf_int8.c", "gguf_int8_x8.c",
     )
 )  # fmt: skip
 HEADERS = tuple(

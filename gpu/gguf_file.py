@@ -140,6 +140,28 @@ def _mapped(path: Path, size: int, mtime_ns: int) -> mmap.mmap:
         return mapped
 
 
+def release_pages(data: torch.Tensor) -> int:
+    """Give back this process's pages of `data`'s bytes where they lie in a mapped file (the
+    whole pages inside them: a neighbour's are kept), once they have been read into another
+    layout: a later read of them faults them in again from the page cache or the disk. Returns
+    the bytes given back (0 for a tensor that is not contiguous or not in a mapped file)."""
+    if not data.is_contiguous() or data.nbytes == 0:
+        return 0
+    start = data.data_ptr()
+    end = start + data.nbytes
+    with _maps_lock:
+        for mapped in _maps.values():
+            base = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+            if base <= start and end <= base + len(mapped):
+                first = -(-(start - base) // mmap.PAGESIZE) * mmap.PAGESIZE
+                last = (end - base) // mmap.PAGESIZE * mmap.PAGESIZE
+                if last <= first:
+                    return 0
+                mapped.madvise(mmap.MADV_DONTNEED, first, last - first)
+                return last - first
+    return 0
+
+
 def release_mapped_files() -> None:
     """Give back the pages of every mapped file (a sleep's weights): the mappings stay, and a
     read after this faults its pages in again from the page cache or the disk."""

@@ -40,6 +40,10 @@ _BLOCKS = {
 SUPPORTED: frozenset[int] = frozenset(_BLOCKS)
 # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
 INT8_TYPES: frozenset[int] = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
+# the K-quants' x8 layout (`repack_x8`), GGML type X8 + the file's: bytes of 8 rows' superblock
+X8 = 256
+_X8_BYTES = {12: 1184, 13: 1440, 14: 1680}
+X8_TYPES: frozenset[int] = frozenset(_X8_BYTES)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -72,6 +76,7 @@ class _Functions(NamedTuple):
     matmul: Any
     matmul_int8: Any
     quantize_int8: Any
+    repack_x8: Any
     max_rows: int
 
 
@@ -87,6 +92,7 @@ def _functions() -> _Functions | None:
         matmul=function("triode_gguf_matmul", c_int, p, i, i, i, p, i, i, p, p, i, c_int),
         matmul_int8=function("triode_gguf_matmul_int8", c_int, p, i, i, i, p, i, i, p, p, i, c_int),
         quantize_int8=function("triode_gguf_quantize_int8", p, i, i, i, i, c_int, p, p, p),
+        repack_x8=function("triode_gguf_repack_x8", c_int, p, i, i, i, p),
         max_rows=function("triode_gguf_max_rows")(),
     )
 
@@ -162,9 +168,37 @@ def matmul_int8(
     type's block (32 values against Q8_0, a superblock of 256 against the K-quants) rounded to
     8 bits with a scale of its own (`quantize_int8`), multiplied by the weights' codes and
     integer scales in integers; the float terms added in one order on every build."""
-    if kind not in INT8_TYPES:
+    if kind not in INT8_TYPES and kind - X8 not in X8_TYPES:
         raise ValueError(f"GGML type {kind} has no integer kernel")
     return _product(_library().matmul_int8, x, data, kind, outputs, bias, out)
+
+
+def x8_shape(rows: int, kind: int, cols: int) -> tuple[int, int]:
+    """The shape of `repack_x8`'s result for `rows` rows."""
+    return (rows + 7) // 8, row_bytes(X8 + kind, cols)
+
+
+def repack_x8(
+    data: torch.Tensor, kind: int, cols: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`data`'s rows of K-quant `kind` (`X8_TYPES`) repacked 8 rows at a time for
+    `matmul_int8(x, repacked, X8 + kind, rows)` (`gguf_int8_x8.c`): uint8 `x8_shape(...)`
+    (written into `out` where given, contiguous), the last group's missing rows zero. The same
+    products to the bit, with half the multiplies."""
+    functions = _library()
+    if kind not in X8_TYPES:
+        raise ValueError(f"GGML type {kind} has no x8 layout")
+    _check_blocks(data, kind, cols)
+    shape = x8_shape(data.shape[0], kind, cols)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.uint8)
+    elif out.shape != shape or out.dtype != torch.uint8 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous uint8 tensor {list(shape)}")
+    status = functions.repack_x8(
+        kind, data.data_ptr(), data.stride(0), data.shape[0], cols, out.data_ptr()
+    )
+    _ok(status)
+    return out
 
 
 def quantize_int8(
@@ -212,7 +246,7 @@ def _product(
     if x.stride(1) != 1:
         raise ValueError("x's rows must be contiguous")
     _check_blocks(data, kind, cols)
-    if data.shape[0] != outputs:
+    if data.shape[0] != (outputs if kind < X8 else (outputs + 7) // 8):
         raise ValueError(f"{data.shape[0]} rows of weights for {outputs} outputs")
     if bias is not None and (
         bias.dtype != torch.float32
@@ -237,6 +271,8 @@ def _product(
 
 
 def _blocks(kind: int) -> tuple[int, int]:
+    if kind - X8 in X8_TYPES:  # an x8 group's superblock
+        return 256, _X8_BYTES[kind - X8]
     try:
         return _BLOCKS[kind]
     except KeyError:

@@ -21,6 +21,7 @@ import ctypes
 import torch
 
 from . import cpu_kernels, gguf_kernels
+from .gguf_file import release_pages
 from .gguf_weight import Q4_0, Q4_1, Q8_0, GgufStack, GgufWeight, Packed
 from .int4 import GROUP, Int4Linear, Int4Weight, torch_kernel_available
 from .int8 import Int8Weight
@@ -155,8 +156,9 @@ class GgufRows(QuantRows):
         self.kernel, self.max_rows = kernel, min(kernel.max_rows, gguf_kernels.max_rows())
         self.packed, self.bits, self.paired = self.parts[0].data, 0, False
         self.shape = weight.shape
+        self.x8, self._groups = self._repacked()
         # each part after the first as the C side follows it from the one before
-        self._rest = [self._part_call(part) for part in self.parts[1:]]
+        self._rest = [self._part_call(part, i) for i, part in enumerate(self.parts) if i > 0]
         for call, after in zip(self._rest, self._rest[1:], strict=False):
             call.next = ctypes.addressof(after)
         self._call = self.weight_call()
@@ -167,7 +169,34 @@ class GgufRows(QuantRows):
         """Whether any part runs in the integer mode."""
         return any(p.kind in self.integer for p in self.parts)
 
-    def _part_call(self, part: GgufWeight) -> cpu_kernels.QuantCall:
+    def _repacked(self) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+        """The integer parts of the K-quants repacked 8 rows at a time (`gguf_int8_x8.c`: the
+        same products with half the multiplies), one buffer for all, and each one's view of it
+        by part index; the file's pages they were read from given back (the file's blocks stay
+        for an embedding lookup or a dequantization, read again where they are needed)."""
+        kinds = gguf_kernels.X8_TYPES & self.integer
+        chosen = [i for i, p in enumerate(self.parts) if p.kind in kinds]
+        if not chosen:
+            return None, {}
+        shapes = {i: gguf_kernels.x8_shape(self.parts[i].shape[0], self.parts[i].kind,
+                                           self.parts[i].cols) for i in chosen}  # fmt: skip
+        buffer = torch.empty(sum(a * b for a, b in shapes.values()), dtype=torch.uint8)
+        groups, at = {}, 0
+        for i in chosen:
+            part, shape = self.parts[i], shapes[i]
+            view = buffer[at : at + shape[0] * shape[1]].view(shape)
+            groups[i] = gguf_kernels.repack_x8(part.data, part.kind, part.cols, out=view)
+            release_pages(part.data)
+            at += view.numel()
+        return buffer, groups
+
+    def _part_call(self, part: GgufWeight, index: int = 0) -> cpu_kernels.QuantCall:
+        groups = self._groups.get(index)
+        if groups is not None:  # 8 rows at a time
+            return cpu_kernels.QuantCall(
+                cols=part.cols, w=groups.data_ptr(), outputs=part.shape[0], bits=0,
+                gguf_type=gguf_kernels.X8 + part.kind, w_stride=groups.stride(0), int8=1,
+            )  # fmt: skip
         return cpu_kernels.QuantCall(
             cols=part.cols, w=part.data.data_ptr(), outputs=part.shape[0], bits=0,
             gguf_type=part.kind, w_stride=part.data.stride(0), int8=int(part.kind in self.integer),
@@ -175,10 +204,11 @@ class GgufRows(QuantRows):
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.nbytes for p in self.parts)
+        x8 = self.x8.nbytes if self.x8 is not None else 0
+        return x8 + sum(p.nbytes for i, p in enumerate(self.parts) if i not in self._groups)
 
     def weight_call(self) -> cpu_kernels.QuantCall:
-        call = self._part_call(self.parts[0])
+        call = self._part_call(self.parts[0], 0)
         if self._rest:
             call.next = ctypes.addressof(self._rest[0])
         return call

@@ -8,17 +8,18 @@
  *
  * The 32-weight types: per block, y += d dx (codes . q), the dot an exact int32 (Q8_0, Q4_0
  * and Q5_0 signed codes by llama.cpp's sign trick: |w| times q with w's sign), and for Q4_1
- * and Q5_1 the minimum's m dx (q's sum), summed apart. The K-quants: a superblock's codes times q, each 16 or 32 times
- * its integer scale, summed in integers (`vpmaddubsw`, then `vpmaddwd` or `vpdpwssd` with the
- * scales), then one float multiply-add: y += d dx (that sum); Q6_K's codes are stored 0..63
- * for -32..31, and 32 x its scales . s comes off the same integer sum; Q4_K's and Q5_K's
- * minimums take off dmin dx (their codes . s), summed apart and taken off at the end.
+ * and Q5_1 the minimum's m dx (q's sum), summed apart; the float terms in eight lanes, lane m
+ * the weights 4m..4m+3 of each block, the lanes summed as a 256-bit vector's halves are. The
+ * K-quants: per superblock one exact int32, its units' codes . q each times its integer scale
+ * (`vpmaddubsw`, then `vpmaddwd` or `vpdpwssd` with the scales; Q6_K's codes are stored 0..63
+ * for -32..31, and 32 x its scales . s comes off), then y += d dx (that sum), and for Q4_K and
+ * Q5_K y -= dmin dx (their minimums . s), one fused multiply-add each. The K-quants' x8
+ * layout (`gguf_int8_x8.c`, 8 rows' superblocks interleaved) gives the same integers and the
+ * same float operations, so the same bits.
  *
- * The integer sums are exact, and every build adds the float terms in one order: eight lanes,
- * lane m the weights 4m..4m+3 of each unit of 32 (and the minimums' pairs of 16 2m, 2m + 1),
- * fused multiply-adds, the lanes summed as a 256-bit vector's halves are (`gguf_int8.h`'s
- * operations). So the AVX2, AVX512-VNNI / AVX-VNNI and portable builds give the same bits. What differs from the exact
- * mode is x rounded to 8 bits: at most half a step, dx / 2, per value.
+ * Every build (AVX2, AVX512-VNNI / AVX-VNNI, portable C; `gguf_int8.h`'s operations) gives
+ * the same bits. What differs from the exact mode is x rounded to 8 bits: at most half a
+ * step, dx / 2, per value.
  *
  * Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K. x float32 or bfloat16, 1 to
  * GGUF_MAX_ROWS rows; output rows split over torch's OpenMP threads in one contiguous range
@@ -35,17 +36,7 @@
 
 
 #define MAX_ROWS 64
-#define ROW_TILE 4
-#define OUTPUT_BLOCK 8
-
-/* x quantized: q [rows, cols] in file order, dx [rows, cols / unit], s [rows, cols / 16] (at
- * most 16 x 127: 16 bits) */
-typedef struct {
-    int8_t *q;
-    float *dx;
-    int16_t *s;
-    int64_t rows, cols, unit;
-} qx;
+#define OUTPUT_BLOCK 8 /* an x8 group's outputs */
 
 /* n values of x from `at` as float32 into v (bfloat16 widened exactly); returns the largest
  * magnitude, or NaN where a value is an infinity or a NaN */
@@ -106,7 +97,8 @@ static int quantize(const void *x, int64_t x_stride, int bf16, qx *k) {
     k->q = malloc((size_t)(k->rows * k->cols));
     k->dx = malloc(sizeof(float) * (size_t)(k->rows * units));
     k->s = malloc(sizeof(int16_t) * (size_t)(k->rows * k->cols / 16));
-    if (k->q == NULL || k->dx == NULL || k->s == NULL) return -1;
+    k->u = malloc(sizeof(int16_t) * (size_t)(k->rows * k->cols / UNIT));
+    if (k->q == NULL || k->dx == NULL || k->s == NULL || k->u == NULL) return -1;
     for (int64_t r = 0; r < k->rows; r++)
         for (int64_t u = 0; u < units; u++) {
             float v[QK_K];
@@ -127,6 +119,8 @@ static int quantize(const void *x, int64_t x_stride, int bf16, qx *k) {
             }
             k->dx[r * units + u] = d;
         }
+    for (int64_t i = 0; i < k->rows * k->cols / UNIT; i++)
+        k->u[i] = (int16_t)(k->s[2 * i] + k->s[2 * i + 1]);
     return 0;
 }
 
@@ -134,6 +128,7 @@ static void release(qx *k) {
     free(k->q);
     free(k->dx);
     free(k->s);
+    free(k->u);
 }
 
 /* ---- one output row against rows r0..r0+mr-1 of x ---- */
@@ -213,8 +208,8 @@ INLINE codes q5_k_codes(const uint8_t *w, int j) {
 INLINE void k_rows(const uint8_t *w, int64_t bytes, k_codes unit, const qx *k, int64_t r0,
                    float *out, const int mr) {
     const int64_t blocks = k->cols / QK_K;
-    lanes acc[ROW_TILE], correction[ROW_TILE];
-    for (int r = 0; r < mr; r++) acc[r] = correction[r] = lanes_zero();
+    float acc[ROW_TILE];
+    for (int r = 0; r < mr; r++) acc[r] = 0.0f;
     for (int64_t b = 0; b < blocks; b++, w += bytes) {
         uint64_t sc, m;
         gguf_k_scale_words(w, &sc, &m);
@@ -234,12 +229,12 @@ INLINE void k_rows(const uint8_t *w, int64_t bytes, k_codes unit, const qx *k, i
             const int64_t row = r0 + r;
             const float dx = k->dx[row * blocks + b];
             const int16_t *s = k->s + row * k->cols / 16 + 16 * b;
-            const ints mins = pairs_dot(ints_zero(), scales_load(s), minimums);
-            acc[r] = lanes_fma(sum[r], d * dx, acc[r]);
-            correction[r] = lanes_fma(mins, dmin * dx, correction[r]);
+            const int32_t mins = ints_sum(pairs_dot(ints_zero(), scales_load(s), minimums));
+            acc[r] = __builtin_fmaf((float)ints_sum(sum[r]), d * dx, acc[r]);
+            acc[r] = __builtin_fmaf(-(float)mins, dmin * dx, acc[r]);
         }
     }
-    for (int r = 0; r < mr; r++) out[r] = lanes_sum(acc[r]) - lanes_sum(correction[r]);
+    for (int r = 0; r < mr; r++) out[r] = acc[r];
 }
 
 static void q4_k_row(const uint8_t *w, const qx *k, int64_t r0, int mr, float *out) {
@@ -257,8 +252,8 @@ static void q5_k_row(const uint8_t *w, const qx *k, int64_t r0, int mr, float *o
  * 8h + 2n + 1. Its codes are stored 0..63 for -32..31: 32 x scales . s comes off the sum. */
 INLINE void q6_k_rows(const uint8_t *w, const qx *k, int64_t r0, float *out, const int mr) {
     const int64_t blocks = k->cols / QK_K;
-    lanes acc[ROW_TILE];
-    for (int r = 0; r < mr; r++) acc[r] = lanes_zero();
+    float acc[ROW_TILE];
+    for (int r = 0; r < mr; r++) acc[r] = 0.0f;
     for (int64_t b = 0; b < blocks; b++, w += 210) {
         const scales all = scales_of_bytes((const int8_t *)(w + 192));
         const float d = half_at(w + 208);
@@ -276,10 +271,11 @@ INLINE void q6_k_rows(const uint8_t *w, const qx *k, int64_t r0, float *out, con
             const int64_t row = r0 + r;
             const ints offsets =
                 pairs_dot(ints_zero(), scales_load(k->s + row * k->cols / 16 + 16 * b), all);
-            acc[r] = lanes_fma(ints_sub32(sum[r], offsets), d * k->dx[row * blocks + b], acc[r]);
+            const int32_t total = ints_sum(ints_sub32(sum[r], offsets));
+            acc[r] = __builtin_fmaf((float)total, d * k->dx[row * blocks + b], acc[r]);
         }
     }
-    for (int r = 0; r < mr; r++) out[r] = lanes_sum(acc[r]);
+    for (int r = 0; r < mr; r++) out[r] = acc[r];
 }
 
 static void q6_k_row(const uint8_t *w, const qx *k, int64_t r0, int mr, float *out) {
@@ -288,8 +284,13 @@ static void q6_k_row(const uint8_t *w, const qx *k, int64_t r0, int mr, float *o
 
 typedef void (*row_kernel)(const uint8_t *w, const qx *k, int64_t r0, int mr, float *out);
 
-static row_kernel kernel_of(int type, int *block_size) {
-    *block_size = type == GGUF_Q4_K || type == GGUF_Q5_K || type == GGUF_Q6_K ? QK_K : UNIT;
+/* the kernel of GGML type `type` (an x8 layout's: GGUF_X8 + the file's type); its block size,
+ * and how many outputs a call writes per row of x (1, or an x8 group's 8) */
+static row_kernel kernel_of(int type, int *block_size, int *per_call) {
+    const int base = type >= GGUF_X8 ? type - GGUF_X8 : type;
+    *block_size = base == GGUF_Q4_K || base == GGUF_Q5_K || base == GGUF_Q6_K ? QK_K : UNIT;
+    *per_call = type >= GGUF_X8 ? OUTPUT_BLOCK : 1;
+    if (type >= GGUF_X8) return gguf_x8_kernel(type);
     if (type == GGUF_Q8_0) return q8_0_row;
     if (type == GGUF_Q4_0) return q4_0_row;
     if (type == GGUF_Q5_0) return q5_0_row;
@@ -303,8 +304,8 @@ static row_kernel kernel_of(int type, int *block_size) {
 
 /* whether this library's integer mode takes GGML type `type` */
 int triode_gguf_int8_takes(int type) {
-    int size;
-    return kernel_of(type, &size) != NULL;
+    int size, per_call;
+    return kernel_of(type, &size, &per_call) != NULL;
 }
 
 /* x's quantization, as the product does it for a type with blocks of `unit` values (32 or
@@ -325,22 +326,29 @@ int triode_gguf_quantize_int8(const void *x, int64_t x_stride, int64_t rows, int
     return status;
 }
 
+static inline void put(void *y, int64_t at, float v, int bf16) {
+    if (bf16)
+        ((uint16_t *)y)[at] = f32_bf16(v);
+    else
+        ((float *)y)[at] = v;
+}
+
 /* y [rows, y_stride] = x [rows, x_stride] W^T (+ bias) for W the `count` parts' rows stacked
- * (a merged projection's parts, read where they lie): part p's outputs are y's columns after
- * those of the parts before it. x is quantized once per unit size the parts need, and one
- * parallel loop covers every part's rows. Returns 0, or -1 for arguments it does not take (a
- * type without an integer kernel, cols not whole blocks, rows outside 1..MAX_ROWS, more than
- * GGUF_MAX_PARTS parts, no memory). */
+ * (a merged projection's parts, read where they lie, or as x8 groups): part p's outputs are
+ * y's columns after those of the parts before it. x is quantized once per unit size the parts
+ * need, and one parallel loop covers every part's rows, 8 outputs an item. Returns 0, or -1
+ * for arguments it does not take (a type without an integer kernel, cols not whole blocks,
+ * rows outside 1..MAX_ROWS, more than GGUF_MAX_PARTS parts, no memory). */
 int triode_gguf_matmul_int8_parts(const gguf_part *parts, int count, const void *x,
                                   int64_t x_stride, int64_t rows, int64_t cols, const float *bias,
                                   void *y, int64_t y_stride, int bf16) {
     row_kernel kernels[GGUF_MAX_PARTS];
     int64_t first_block[GGUF_MAX_PARTS + 1] = {0}, first_output[GGUF_MAX_PARTS] = {0};
-    int sizes[GGUF_MAX_PARTS], need_units = 0, need_blocks = 0;
+    int sizes[GGUF_MAX_PARTS], per_call[GGUF_MAX_PARTS], need_units = 0, need_blocks = 0;
     if (count < 1 || count > GGUF_MAX_PARTS || cols < 1 || rows < 1 || rows > MAX_ROWS)
         return -1;
     for (int p = 0; p < count; p++) {
-        kernels[p] = kernel_of(parts[p].type, &sizes[p]);
+        kernels[p] = kernel_of(parts[p].type, &sizes[p], &per_call[p]);
         if (kernels[p] == NULL || cols % sizes[p] || parts[p].outputs < 0) return -1;
         need_units |= sizes[p] == UNIT;
         need_blocks |= sizes[p] == QK_K;
@@ -360,20 +368,25 @@ int triode_gguf_matmul_int8_parts(const gguf_part *parts, int count, const void 
             const gguf_part *part = &parts[p];
             const qx *k = sizes[p] == UNIT ? &units : &blocks;
             const int64_t first = (b - first_block[p]) * OUTPUT_BLOCK;
-            for (int64_t o = first; o < part->outputs && o < first + OUTPUT_BLOCK; o++) {
-                const int64_t column = first_output[p] + o;
-                for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-                    const int mr = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
-                    float out[ROW_TILE];
-                    kernels[p](part->w + o * part->w_stride, k, r0, mr, out);
-                    for (int r = 0; r < mr; r++) {
-                        const float v = bias != NULL ? out[r] + bias[column] : out[r];
-                        if (bf16)
-                            ((uint16_t *)y)[(r0 + r) * y_stride + column] = f32_bf16(v);
-                        else
-                            ((float *)y)[(r0 + r) * y_stride + column] = v;
+            const int64_t end = part->outputs < first + OUTPUT_BLOCK ? part->outputs : first + OUTPUT_BLOCK;
+            for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
+                const int mr = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
+                float out[ROW_TILE * OUTPUT_BLOCK];
+                if (per_call[p] == OUTPUT_BLOCK) {  /* the group's outputs at once */
+                    kernels[p](part->w + (b - first_block[p]) * part->w_stride, k, r0, mr, out);
+                } else {
+                    for (int64_t o = first; o < end; o++) {
+                        float one[ROW_TILE];
+                        kernels[p](part->w + o * part->w_stride, k, r0, mr, one);
+                        for (int r = 0; r < mr; r++) out[OUTPUT_BLOCK * r + o - first] = one[r];
                     }
                 }
+                for (int r = 0; r < mr; r++)
+                    for (int64_t o = first; o < end; o++) {
+                        const int64_t column = first_output[p] + o;
+                        const float v = out[OUTPUT_BLOCK * r + o - first];
+                        put(y, (r0 + r) * y_stride + column, bias != NULL ? v + bias[column] : v, bf16);
+                    }
             }
         }
     }

@@ -14,6 +14,26 @@
 #define INT8_SIMD 1
 #endif
 
+/* rows of x a kernel call takes at once */
+#define ROW_TILE 4
+
+/* x quantized: q [rows, cols] in file order, dx [rows, cols / unit], s [rows, cols / 16] (at
+ * most 16 x 127: 16 bits) and, for the K-quants' unit of 256, u [rows, cols / 32], the sums of
+ * each 32 */
+typedef struct {
+    int8_t *q;
+    float *dx;
+    int16_t *s, *u;
+    int64_t rows, cols, unit;
+} qx;
+
+/* `gguf_int8_x8.c`: the K-quants repacked 8 output rows at a time, GGML type GGUF_X8 + the
+ * file's type; a kernel writes out [mr][8], the group's outputs for rows r0..r0+mr-1 of x */
+#define GGUF_X8 256
+typedef void (*x8_kernel)(const uint8_t *w, const qx *k, int64_t r0, int mr, float *out);
+x8_kernel gguf_x8_kernel(int type);
+int gguf_x8_bytes(int type);
+
 /* ---- eight lanes: int32 sums, float accumulators; one order for every build ---- */
 
 #ifdef INT8_SIMD
@@ -32,6 +52,12 @@ static inline float lanes_sum(lanes v) {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 static inline ints ints_zero(void) { return _mm256_setzero_si256(); }
+/* the lanes' exact sum */
+static inline int32_t ints_sum(ints v) {
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1)));
+}
 static inline ints ints_sub32(ints a, ints b) {
     return _mm256_sub_epi32(a, _mm256_slli_epi32(b, 5));
 }
@@ -154,6 +180,11 @@ static inline float lanes_sum(lanes v) {
     return (h0 + h2) + (h1 + h3);
 }
 static inline ints ints_zero(void) { return (ints){{0}}; }
+static inline int32_t ints_sum(ints v) {
+    int32_t sum = 0;
+    for (int m = 0; m < 8; m++) sum += v.v[m];
+    return sum;
+}
 static inline ints ints_sub32(ints a, ints b) {
     for (int m = 0; m < 8; m++) a.v[m] -= 32 * b.v[m];
     return a;

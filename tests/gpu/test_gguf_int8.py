@@ -71,7 +71,8 @@ def assert_integer_product(
 
 def products(seed: int = 3) -> dict[int, torch.Tensor]:
     """Each type's integer product of 9 rows with its test matrix, float32 and bfloat16 x, and
-    one row alone: what every build must give bit for bit."""
+    one row alone, and the K-quants' product from their x8 layout: what every build must give
+    bit for bit."""
     out = {}
     for kind in KINDS:
         data, _ = weights(kind)
@@ -81,6 +82,10 @@ def products(seed: int = 3) -> dict[int, torch.Tensor]:
         y16 = gguf_kernels.matmul_int8(x.to(torch.bfloat16), data, kind, OUTPUTS, bias)
         one = gguf_kernels.matmul_int8(x[4:5], data, kind, OUTPUTS, bias)
         out[kind] = torch.cat([y, y16.float(), one])
+        if kind in gguf_kernels.X8_TYPES:  # the x8 layout, repacked by this build too
+            x8 = gguf_kernels.repack_x8(data, kind, cols_for(kind))
+            grouped = gguf_kernels.matmul_int8(x, x8, gguf_kernels.X8 + kind, OUTPUTS, bias)
+            out[gguf_kernels.X8 + kind] = grouped
     return out
 
 
