@@ -369,9 +369,10 @@ int triode_gguf_matmul_int8_parts(const gguf_part *parts, int count, const void 
             const qx *k = sizes[p] == UNIT ? &units : &blocks;
             const int64_t first = (b - first_block[p]) * OUTPUT_BLOCK;
             const int64_t end = part->outputs < first + OUTPUT_BLOCK ? part->outputs : first + OUTPUT_BLOCK;
-            for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-                const int mr = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
-                float out[ROW_TILE * OUTPUT_BLOCK];
+            const int tile = per_call[p] == OUTPUT_BLOCK ? X8_TILE : ROW_TILE;
+            for (int64_t r0 = 0; r0 < rows; r0 += tile) {
+                const int mr = rows - r0 < tile ? (int)(rows - r0) : tile;
+                float out[X8_TILE * OUTPUT_BLOCK];
                 if (per_call[p] == OUTPUT_BLOCK) {  /* the group's outputs at once */
                     kernels[p](part->w + (b - first_block[p]) * part->w_stride, k, r0, mr, out);
                 } else {

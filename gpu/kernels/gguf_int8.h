@@ -14,8 +14,14 @@
 #define INT8_SIMD 1
 #endif
 
-/* rows of x a kernel call takes at once */
+/* rows of x a kernel call takes at once: the row layout's, and the x8 layout's (8 where the
+ * target has 32 vector registers) */
 #define ROW_TILE 4
+#if defined(__AVX512VL__)
+#define X8_TILE 8
+#else
+#define X8_TILE 4
+#endif
 
 /* x quantized: q [rows, cols] in file order, dx [rows, cols / unit], s [rows, cols / 16] (at
  * most 16 x 127: 16 bits) and, for the K-quants' unit of 256, u [rows, cols / 32], the sums of

@@ -167,19 +167,19 @@ INLINE void k_x8(const uint8_t *w, const int five, const qx *k, int64_t r0, floa
                  const int mr) {
     const int64_t blocks = k->cols / QK_K, bytes = five ? 1440 : 1184;
     const __m256i low4 = _mm256_set1_epi8(15);
-    __m256 acc[ROW_TILE];
+    __m256 acc[X8_TILE];
     for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, w += bytes) {
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
         const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16)));
         const uint8_t *nibbles = w + 160;
-        __m256i sum[ROW_TILE];
+        __m256i sum[X8_TILE];
         for (int r = 0; r < mr; r++) sum[r] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             const __m256i scale =
                 _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 32 + 8 * j)));
             const __m256i fifth = five ? LOAD(w + 1184 + 32 * j) : _mm256_setzero_si256();
-            __m256i unit[ROW_TILE];
+            __m256i unit[X8_TILE];
             for (int r = 0; r < mr; r++) unit[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
             for (int kk = 0; kk < 4; kk++) {
@@ -217,18 +217,18 @@ INLINE void k_x8(const uint8_t *w, const int five, const qx *k, int64_t r0, floa
 INLINE void q6_k_x8_rows(const uint8_t *w, const qx *k, int64_t r0, float *out, const int mr) {
     const int64_t blocks = k->cols / QK_K;
     const __m256i low4 = _mm256_set1_epi8(15);
-    __m256 acc[ROW_TILE];
+    __m256 acc[X8_TILE];
     for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, w += 1680) {
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
-        __m256i sum[ROW_TILE], offset[ROW_TILE];
+        __m256i sum[X8_TILE], offset[X8_TILE];
         for (int r = 0; r < mr; r++) sum[r] = offset[r] = _mm256_setzero_si256();
         for (int j = 0; j < 8; j++) {
             const __m256i pair =
                 _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 16 + 16 * j)));
             const __m256i first = _mm256_srai_epi32(_mm256_slli_epi32(pair, 16), 16);
             const __m256i last = _mm256_srai_epi32(pair, 16);
-            __m256i lows[ROW_TILE], highs[ROW_TILE];
+            __m256i lows[X8_TILE], highs[X8_TILE];
             for (int r = 0; r < mr; r++) lows[r] = highs[r] = _mm256_setzero_si256();
 #pragma GCC unroll 4
             for (int kk = 0; kk < 4; kk++) {
@@ -339,8 +339,18 @@ INLINE void q6_k_x8_rows(const uint8_t *w, const qx *k, int64_t r0, float *out, 
     case 1: name(__VA_ARGS__, 1); break;                                                      \
     case 2: name(__VA_ARGS__, 2); break;                                                      \
     case 3: name(__VA_ARGS__, 3); break;                                                      \
-    default: name(__VA_ARGS__, 4); break;                                                     \
+    case 4: name(__VA_ARGS__, 4); break;                                                      \
+    TILE_8(name, __VA_ARGS__)                                                                 \
     }
+#if X8_TILE == 8
+#define TILE_8(name, ...)                                                                     \
+    case 5: name(__VA_ARGS__, 5); break;                                                      \
+    case 6: name(__VA_ARGS__, 6); break;                                                      \
+    case 7: name(__VA_ARGS__, 7); break;                                                      \
+    default: name(__VA_ARGS__, 8); break;
+#else
+#define TILE_8(name, ...)
+#endif
 
 static void q4_k_x8(const uint8_t *w, const qx *k, int64_t r0, int mr, float *out) {
     BY_ROWS(k_x8, w, 0, k, r0, out)
