@@ -44,8 +44,9 @@ _DENSE_TYPES = frozenset({0, 24, 25, 26, 27, 28})  # F32, I8, I16, I32, I64, F64
 
 def keeps_packed(kind: int, ndim: int) -> bool:
     """Whether a tensor of GGML type `kind` and `ndim` dimensions stays packed in the file: a
-    2-D weight of a block type or of 16-bit floats (stacked experts are dense for now)."""
-    return ndim == 2 and kind not in _DENSE_TYPES
+    2-D weight of a block type or of 16-bit floats, or a 3-D stack of experts' weights (each
+    expert's rows one weight)."""
+    return ndim in (2, 3) and kind not in _DENSE_TYPES
 
 
 def write_manifest(

@@ -123,8 +123,9 @@ def build_once(out: Path, write: Callable[[Path], None]) -> Path:
 def _write_hf_dir(gguf: Path, out: Path) -> None:
     """Write config, tokenizer and the manifest of the file's weights (`gguf_file`): the
     weights stay in the file, read in place at load, but for the few the model keeps dense
-    (float32 norms, tensors whose values the mapping changes, stacked experts), which go to
-    `model.safetensors` dequantized to float32.
+    (float32 norms, tensors whose values the mapping changes), which go to `model.safetensors`
+    dequantized to float32. Stacked experts are read in place too, each expert's rows as its
+    own projection (`gguf_experts`).
 
     transformers' own GGUF mapping does the names, each architecture's fix-ups (llama's rotary
     row order, Gemma's norms, stacked experts) and the dense tensors' dequantization; it is
@@ -321,16 +322,24 @@ def _split_tensors(
     import torch
     from gguf import dequantize
 
-    # a conversion's import, as in `_write_hf_dir`
+    # a conversion's imports, as in `_write_hf_dir`
+    from .gguf_experts import expert_entries
     from .gguf_file import keeps_packed
 
     entries: list[dict[str, Any]] = []
     orders: dict[str, Any] = {}
     parsed: dict[str, Any] = {"tensors": {}}
+    stacked: set[str] = set()  # the parameters that stacked experts read in place fill
     for tensor in reader.tensors:
         kind, dims = int(tensor.tensor_type), [int(d) for d in tensor.shape]
         found = None
-        if keeps_packed(kind, len(dims)):
+        if keeps_packed(kind, len(dims)) and len(dims) == 3:
+            experts = expert_entries(processor, names, skeleton, tensor)
+            if experts is not None:
+                entries += experts[0]
+                stacked |= experts[1]
+                continue
+        elif keeps_packed(kind, len(dims)):
             found = _row_order(processor, names, tensor.name, dims[1])
         if found is not None:
             name, order = found
@@ -352,7 +361,7 @@ def _split_tensors(
             parsed["tensors"][names[result.name]] = torch.from_numpy(np.copy(weights))
     tensors: dict[str, Any] = parsed["tensors"]
     tied = "lm_head.weight" if skeleton.config.tie_word_embeddings else None
-    present = set(tensors) | {entry["name"] for entry in entries}
+    present = set(tensors) | {entry["name"] for entry in entries} | stacked
     missing = sorted(set(skeleton.state_dict()) - present - {tied})
     if missing:
         raise CheckpointMismatch(

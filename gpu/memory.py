@@ -15,6 +15,7 @@ import functools
 import gc
 import os
 from collections.abc import Callable, Iterable
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -93,7 +94,12 @@ def model_tensors(model: nn.Module) -> list[torch.Tensor]:
         packed = getattr(module, "packed", None)
         if isinstance(packed, torch.Tensor):
             tensors.append(packed)
-        for kernel in (getattr(module, "int4", None), getattr(module, "quant", None)):
+        experts = getattr(module, "expert_kernels", None) or []
+        for kernel in (
+            getattr(module, "int4", None),
+            getattr(module, "quant", None),
+            *chain(*experts),
+        ):
             if kernel is not None:
                 tensors += [t for t in vars(kernel).values() if isinstance(t, torch.Tensor)]
     return tensors

@@ -24,6 +24,7 @@ from triode.wire import OperationError
 from .gguf_file import has_manifest, stored_shapes
 from .layers import LinearBase
 from .models.llama import LlamaForCausalLM, head_dim
+from .models.moe import Experts
 
 # safetensors dtypes a weight may come in (cast to the model's dtype on loading)
 FLOATING = frozenset({"F16", "BF16", "F32", "F64"})
@@ -230,7 +231,7 @@ def write_weights(
                 )
     detached = 0
     for module, weight in touched.values():
-        if not weight:
+        if not weight and not isinstance(module, Experts):  # experts: stacked, not `weight`
             continue
         unpack = getattr(module, "unpack", None)
         if unpack is not None:

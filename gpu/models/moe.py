@@ -42,11 +42,16 @@ all-gather), each a gloo round trip of its own: 3.6x slower at one token, and sl
 size in this run and the runs around it, so "allreduce" is the default (`DEFAULT_DISPATCH`).
 From a few tokens on a step reads most experts' weights: the block's time is memory traffic,
 which two ranks on two shared cores split only while the machine is otherwise quiet.
+
+A GGUF file's experts run as the file stores them (`Experts.attach_stored`): each expert's
+gate and up rows stacked and its down rows, read where they lie by the CPU kernels, one product
+per projection and expert with rows (llama.cpp's `mul_mat_id` as a loop over the experts),
+with no dense copy; a weight update dequantizes them first, as a projection's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Literal
 
 import torch
@@ -55,7 +60,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import parallel_state
+from ..gguf_weight import GgufWeight, Packed
 from ..layers import SiluAndMul, divide, tp_rank, tp_size
+from ..quant_matmul import Quantized, QuantRows, quantized_kernel
 from .architectures import CheckpointMismatch
 from .llama import LlamaForCausalLM
 
@@ -109,6 +116,51 @@ class Experts(nn.Module):
         self.w13 = self._parameter((self.count, 2 * local, hidden_size))
         self.w2 = self._parameter((self.count, hidden_size, local))
         self.act_fn = SiluAndMul()
+        # the local experts as the GGUF file stores them (`attach_stored`): per expert, the
+        # kernels of its gate-and-up rows and of its down rows, and those weights
+        self.expert_kernels: list[tuple[QuantRows, QuantRows]] | None = None
+        self.stored: list[tuple[Packed, Packed]] | None = None
+
+    def attach_stored(
+        self, weights: list[tuple[GgufWeight, GgufWeight, GgufWeight]], integer: bool
+    ) -> bool:
+        """Run each local expert from its (gate, up, down) weights as the GGUF file stores them
+        (this rank's cut of each under tensor parallelism; `integer`: in the integer mode where
+        a type has one); whether the kernels took every expert (else nothing changes: a cut
+        inside a block, a type no kernel runs)."""
+        size, hidden = self.intermediate_size, self.w2.shape[1]
+        dtype = self.w13.dtype
+        kernels, stored = [], []
+        try:
+            for gate, up, down in weights:
+                if not self.expert_parallel and self.tp_size > 1:
+                    start = self.tp_rank * size
+                    gate, up = gate.rows(start, size), up.rows(start, size)
+                    down = down.columns(start, size)
+                gate_up = GgufWeight.cat([gate, up])
+                if gate_up.shape != (2 * size, hidden) or down.shape != (hidden, size):
+                    return False
+                first = quantized_kernel(gate_up, dtype, integer)
+                second = quantized_kernel(down, dtype, integer)
+                if not isinstance(first, QuantRows) or not isinstance(second, QuantRows):
+                    return False
+                kernels.append((first, second))
+                stored.append((gate_up, down))
+        except ValueError:  # a cut inside a block
+            return False
+        self.expert_kernels, self.stored = kernels, stored
+        return True
+
+    def detach_quantized(self) -> bool:
+        """Drop the file's experts, dequantized into the stacked weights first where they were
+        the only copy (a weight update writes them); whether there were any."""
+        had = self.expert_kernels is not None
+        if had and self.w13.numel() == 0 and self.stored is not None:
+            dtype = self.w13.dtype
+            self.w13.data = torch.stack([w.dequantize() for w, _ in self.stored]).to(dtype)
+            self.w2.data = torch.stack([w.dequantize() for _, w in self.stored]).to(dtype)
+        self.expert_kernels = self.stored = None
+        return had
 
     def _parameter(self, shape: tuple[int, ...]) -> nn.Parameter:
         param = nn.Parameter(torch.empty(shape), requires_grad=False)
@@ -160,17 +212,24 @@ class Experts(nn.Module):
 
     def compute(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Each local expert applied to its run of `rows` (sorted by expert, `counts[i]` rows
-        for local expert i): one product per projection and expert, or, where most experts
-        have rows, one batched product per projection over all of them (`_batched`)."""
+        for local expert i): one product per projection and expert (the file's blocks where
+        they run), or, where most dense experts have rows, one batched product per projection
+        over all of them (`_batched`)."""
         active = sum(1 for n in counts if n)
-        if 1 < active and active * BATCHED_SHARE >= len(counts) and max(counts) <= BATCHED_ROWS:
+        kernels = self.expert_kernels
+        batched = active * BATCHED_SHARE >= len(counts) and max(counts) <= BATCHED_ROWS
+        if kernels is None and 1 < active and batched:
             return self._batched(rows, counts)
         parts, offset = [], 0
         for i, n in enumerate(counts):
             if n == 0:
                 continue
             x = rows[offset : offset + n]
-            parts.append(F.linear(self.act_fn(F.linear(x, self.w13[i])), self.w2[i]))
+            if kernels is not None:  # the file's blocks
+                gate_up, down = kernels[i]
+                parts.append(down.in_turns(self.act_fn(gate_up.in_turns(x))))
+            else:
+                parts.append(F.linear(self.act_fn(F.linear(x, self.w13[i])), self.w2[i]))
             offset += n
         if not parts:
             return rows.new_empty(0, self.w2.shape[1])
@@ -320,6 +379,38 @@ class MoeForCausalLM(LlamaForCausalLM):
         part = self.expert_parts.get(parts[6])
         return None if part is None else (int(parts[5]), part)
 
+    def attach_quantized_weights(
+        self, weights: Mapping[str, Quantized], integer: bool = False
+    ) -> tuple[int, set[str]]:
+        """`LlamaForCausalLM.attach_quantized_weights`, and each MoE layer's experts where the
+        file stores every one this rank holds (gate, up and down) and the kernels take them
+        (`Experts.attach_stored`): a layer counts as one projection."""
+        count, taken = super().attach_quantized_weights(weights, integer)
+        by_layer: dict[int, dict[int, dict[str, tuple[str, Quantized]]]] = {}
+        for name, weight in weights.items():
+            parts = name.split(".")
+            if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[3] == self.moe_block:
+                parts[3] = "mlp"
+            expert = self._expert(parts)
+            if expert is not None and isinstance(weight, GgufWeight):
+                index, part = expert
+                by_layer.setdefault(int(parts[2]), {}).setdefault(index, {})[part] = (name, weight)
+        model = self.model
+        for layer, experts in by_layer.items():
+            block = (
+                model.layers[layer].mlp if model.start_layer <= layer < model.end_layer else None
+            )
+            if not isinstance(block, SparseMoeBlock):
+                continue
+            held = range(block.experts.first, block.experts.first + block.experts.count)
+            if not all(set(experts.get(e, ())) == {"gate", "up", "down"} for e in held):
+                continue
+            triples = [tuple(experts[e][p][1] for p in ("gate", "up", "down")) for e in held]
+            if block.experts.attach_stored(triples, integer):  # type: ignore[arg-type]
+                count += 1
+                taken |= {name for e in held for name, _ in experts[e].values()}
+        return count, taken
+
     def load_weights(
         self,
         weights: Iterable[tuple[str, torch.Tensor]],
@@ -328,7 +419,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         held: Iterable[str] = (),
     ) -> set[str]:
         """`LlamaForCausalLM.load_weights`, which also raises, unless `partial`, where an
-        expert's projection that this rank holds has no tensor."""
+        expert's projection that this rank holds has no tensor (nor the GGUF file's blocks:
+        `held`)."""
+        held = set(held)
         filled: set[tuple[str, object]] = set()
 
         def noting() -> Iterator[tuple[str, torch.Tensor]]:
@@ -338,7 +431,7 @@ class MoeForCausalLM(LlamaForCausalLM):
 
         loaded = super().load_weights(noting(), partial=partial, held=held)
         if not partial:
-            missing = [slot for slot in self._expert_slots() if slot not in filled]
+            missing = [s for s in self._expert_slots() if s not in filled and s[0] not in held]
             if missing:
                 raise CheckpointMismatch(f"checkpoint lacks experts' weights: {missing[:4]}")
         return loaded

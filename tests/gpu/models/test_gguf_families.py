@@ -193,13 +193,17 @@ def test_projections_are_read_from_the_file_where_they_lie(
     attention = {
         f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(layers) for p in "qkvo"
     }
-    # every 2-D projection and the embedding stay in the file; a MoE layer's stacked experts
-    # (3-D) and the float32 norms are the dense file's
+    # every 2-D projection and the embedding stay in the file, and each expert's rows of a MoE
+    # layer's stacked experts (3-D); the float32 norms are the dense file's
     assert attention | {"model.embed_tokens.weight"} <= set(family.stored)
-    assert all(".experts." not in key for key in family.stored)
+    assert not any(".experts." in key for key in family.dense)
     assert not set(family.stored) & set(family.dense)
-    if "num_local_experts" not in family.config:
+    experts = family.config.get("num_local_experts")
+    if experts is None:
         assert f"model.layers.{layers - 1}.mlp.down_proj.weight" in family.stored
+    else:
+        stacked = [key for key in family.stored if ".experts." in key]
+        assert len(stacked) == layers * experts * 3, stacked[:6]
     span = mapped_span(family.converted)
     reordered = set()
     if (family.converted / ORDERS).is_file():
@@ -352,6 +356,66 @@ def test_every_stored_type_runs_from_the_file_and_decodes_as_transformers(
         transformers_directory(converted), dtype=torch.float32
     ).eval()
     assert_greedy_as_transformers(d.seqs["r"], hf, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("mode", ["exact", "integer"])
+def test_a_moe_files_experts_run_from_its_blocks(
+    families: dict[str, Family], name: str, mode: str
+) -> None:
+    """Each expert's gate, up and down rows run from the file (no dense copy of the experts),
+    and the model decodes as transformers on the same file (exactly; the integer mode as the
+    dense one with x rounded: its first log-probabilities within 0.15)."""
+    from transformers import AutoModelForCausalLM
+
+    from triode.gpu.models.moe import Experts
+    from triode.gpu.quant_matmul import GgufRows, QuantRows
+
+    family = families[name]
+    options = {"dtype": "float32", "kv_cache_memory": 1 << 21, "max_model_len": 256}
+    runner = ModelRunner(family.converted, gguf_arithmetic=mode, num_threads=1, **options)
+    blocks = [m for m in runner.model.modules() if isinstance(m, Experts)]
+    assert blocks and all(b.w13.numel() == 0 and b.w2.numel() == 0 for b in blocks)
+    for block in blocks:
+        assert block.expert_kernels is not None and len(block.expert_kernels) == block.count
+        kernel = GgufRows if mode == "integer" else QuantRows  # Q4_0 exact: repacked
+        assert all(isinstance(k, kernel) for pair in block.expert_kernels for k in pair)
+    prompt = random.Random(name).choices(range(3, 250), k=PROMPT_TOKENS)
+    d = Driver(runner)
+    d.add("r", prompt)
+    d.run(NEW_TOKENS)
+    if mode == "exact":
+        hf = AutoModelForCausalLM.from_pretrained(
+            transformers_directory(family.converted), dtype=torch.float32
+        ).eval()
+        assert_greedy_as_transformers(d.seqs["r"], hf, NEW_TOKENS)
+        return
+    dense = ModelRunner(family.converted, quantization="none", num_threads=1, **options)
+    reference = Driver(dense)
+    reference.add("r", prompt)
+    reference.run(1)
+    got, want = d.seqs["r"].logprobs[0].logprobs, reference.seqs["r"].logprobs[0].logprobs
+    assert not np.array_equal(got, want) and np.abs(got - want).max() < 0.15
+
+
+def test_a_weight_update_dequantizes_a_moe_layers_experts_first(
+    families: dict[str, Family],
+) -> None:
+    from triode.gpu.models.moe import Experts
+    from triode.gpu.weight_updates import write_weights
+
+    family = families["qwen3_moe"]
+    runner = ModelRunner(
+        family.converted, dtype="float32", kv_cache_memory=1 << 21, max_model_len=256, num_threads=1
+    )
+    block = next(m for m in runner.model.modules() if isinstance(m, Experts))
+    before = torch.stack([w.dequantize() for w, _ in block.stored])
+    name = "model.layers.0.mlp.experts.1.down_proj.weight"
+    new = torch.randn(runner.model.config.hidden_size, block.intermediate_size)
+    written, detached = write_weights(runner.model, [(name, new)], [name])
+    assert written == 1 and detached >= 1
+    assert block.expert_kernels is None and torch.equal(block.w13, before)  # the others kept
+    assert torch.equal(block.w2[1], new)
 
 
 @pytest.mark.parametrize(
