@@ -232,7 +232,7 @@ class Experts(nn.Module):
                 parts.append(F.linear(self.act_fn(F.linear(x, self.w13[i])), self.w2[i]))
             offset += n
         if not parts:
-            return rows.new_empty(0, self.w2.shape[1])
+            return rows.new_empty(0, rows.shape[1])  # [0, hidden]
         return torch.cat(parts)
 
     def _batched(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -45,6 +45,11 @@ MODELS = {
         "tie_word_embeddings": False,
     },
 }
+# a GGUF file's experts, run from its blocks: each rank's cut of an expert's intermediate
+# dimension (32 of 64) is whole Q8_0 blocks
+GGUF_MODEL = "qwen3-moe-gguf"
+# (every layer a MoE one: llama.cpp's qwen3moe has no dense MLP layer)
+MODELS[GGUF_MODEL] = {**MODELS["qwen3-moe"], "moe_intermediate_size": 64, "mlp_only_layers": []}
 # (tp, pp) -> the runs one world makes in turn, each a fresh runner: (expert parallel, dispatch)
 WORLDS = {
     "TP=2": (2, 1, [(False, "allreduce"), (True, "allreduce"), (True, "all_to_all")]),
@@ -122,7 +127,8 @@ def _decode(layout: ParallelLayout, model_dir: Path, ep: bool, dispatch: str) ->
         outputs.append(
             runner.execute(SchedulerOutput(step, requests, finished_request_ids=finished))
         )
-    return [_plain(o) for o in outputs], [block.experts.count for block in blocks]
+    held = [(block.experts.count, block.experts.expert_kernels is not None) for block in blocks]
+    return [_plain(o) for o in outputs], held
 
 
 def _plain(output: object) -> list[tuple[str, int | None, object, object]]:
@@ -148,8 +154,25 @@ def _run_world(
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from triode.gpu.tiny_model import build_tiny_model
 
+    from gguf import GGMLQuantizationType
+    from gguf_families import write_bpe_tokenizer, write_gguf
+
+    from triode.gpu.loader import convert_gguf
+
     root = tmp_path_factory.mktemp("moe-parallel")
-    return {name: build_tiny_model(root / name, **spec) for name, spec in MODELS.items()}
+    tokenizer = write_bpe_tokenizer(root / "tokenizer")
+    out = {}
+    for name, spec in MODELS.items():
+        if name == GGUF_MODEL:
+            source = build_tiny_model(root / name, tokenizer_from=tokenizer, **spec)
+            q8 = GGMLQuantizationType.Q8_0
+            gguf = write_gguf(source, root / f"{name}.gguf", projection_type=q8)
+            with pytest.MonkeyPatch.context() as patch:  # converted under the module's folder
+                patch.setenv("TRIODE_CACHE", str(root / "cache"))
+                out[name] = convert_gguf(gguf)
+        else:
+            out[name] = build_tiny_model(root / name, **spec)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +203,8 @@ def test_moe_world_matches_a_world_of_one(
     results = _run_world(rank_pool, models[model], tp, pp, runs, tmp_path / "out.pkl")
     for (ep, dispatch), (got, held) in zip(runs, results, strict=True):
         run = f"{world}, expert parallel {ep}, {dispatch}"
-        assert set(held) == {experts // tp if ep else experts}, run  # experts per block
+        assert {count for count, _ in held} == {experts // tp if ep else experts}, run
+        assert {packed for _, packed in held} == {model == GGUF_MODEL}, run  # the file's blocks
         _assert_same(references[model], got, run)
 
 
