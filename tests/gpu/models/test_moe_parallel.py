@@ -152,12 +152,11 @@ def _run_world(
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from triode.gpu.tiny_model import build_tiny_model
-
     from gguf import GGMLQuantizationType
     from gguf_families import write_bpe_tokenizer, write_gguf
 
     from triode.gpu.loader import convert_gguf
+    from triode.gpu.tiny_model import build_tiny_model
 
     root = tmp_path_factory.mktemp("moe-parallel")
     tokenizer = write_bpe_tokenizer(root / "tokenizer")
