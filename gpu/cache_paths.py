@@ -22,8 +22,9 @@ from pathlib import Path
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_RANDOM = "tiny-random"  # the model's name, and its directory's under the cache
 # 2: with int4/; 3: families' config fixes, GGUF sampling defaults; 4: Q8_0 tensors as stored;
-# 5, 6: the weights served from the file in place (gguf.json), no int4/; 7: stacked experts too
-_CONVERTED_LAYOUT = 7
+# 5, 6: the weights served from the file in place (gguf.json), no int4/; 7: stacked experts too;
+# 8: reordered rows in gguf_rows.bin
+_CONVERTED_LAYOUT = 8
 
 
 def cache_dir() -> Path:

@@ -3,11 +3,12 @@
 Converting a GGUF file (`loader.convert_gguf`) writes what the model runner needs besides the
 weights (config, tokenizer, the few small tensors a family's mapping changes in value, such as
 Gemma's norms) and `gguf.json`, this module's manifest: per weight the model keeps packed, its
-Hugging Face name, GGML type, shape and byte offset in the file, and where transformers' mapping
-moves its rows (llama.cpp stores Llama's Q and K rows in its rotary order), the row order, in
-`gguf_orders.st`. Loading maps the file once (a private mapping: pages come from the
-page cache as the kernels read them and are never written) and hands each weight over as a
-`GgufWeight` view of its bytes; only reordered weights are copies.
+Hugging Face name, GGML type, shape and byte offset in the file. Where transformers' mapping
+moves a weight's rows (llama.cpp stores Llama's Q and K rows in its rotary order), conversion
+writes its rows in the model's order to `gguf_rows.bin` beside the manifest (a few percent of
+the file: Q and K only) and the entry points there. Loading maps both files once (private
+mappings: pages come from the page cache as the kernels read them and are never written) and
+hands each weight over as a `GgufWeight` view of its bytes: no weight is a copy in memory.
 
 The manifest names the file's path, size and modification time: a replaced file gets a new
 converted directory (`cache_paths.converted_dir`), and a changed one is refused at load rather
@@ -27,15 +28,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from .gguf_weight import GgufWeight, type_name
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "gguf.json"
-ORDERS = "gguf_orders.st"  # safetensors, not named so: no checkpoint file of the model
-_VERSION = 1
+ROWS = "gguf_rows.bin"  # reordered weights' rows, in the model's order
+_VERSION = 2
+_ALIGN = 4096  # each reordered weight's rows start on a page of their own
 
 # GGML types of the dense file: float32 tensors (norms, small models' odd tensors) and integer
 # ones; every quantized type and float16/bfloat16 stays packed in place
@@ -53,18 +54,32 @@ def write_manifest(
     gguf: Path, entries: list[dict[str, Any]], orders: dict[str, Any], out: Path
 ) -> None:
     """Write the manifest of `gguf`'s packed weights (`entries`: name, kind, offset, rows,
-    cols, reordered) and their row orders (name -> int64 tensor) into directory `out`."""
+    cols) into directory `out`, with the rows of those `orders` reorders (name -> the file's
+    row of each of the model's rows, int64) written in the model's order to `ROWS`."""
     stat = gguf.stat()
-    manifest = {
+    manifest: dict[str, Any] = {
         "version": _VERSION,
         "file": str(gguf),
         "size": stat.st_size,
         "mtime_ns": stat.st_mtime_ns,
         "tensors": entries,
     }
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
     if orders:
-        save_file({k: v.to(torch.int32).contiguous() for k, v in orders.items()}, out / ORDERS)
+        with gguf.open("rb") as source, (out / ROWS).open("wb") as rows_file:
+            for entry in entries:
+                order = orders.get(entry["name"])
+                if order is None:
+                    continue
+                width = GgufWeight.row_bytes(int(entry["kind"]), int(entry["cols"]))
+                source.seek(int(entry["offset"]))
+                data = source.read(int(entry["rows"]) * width)
+                rows = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(-1, width)
+                rows_file.seek(-rows_file.tell() % _ALIGN, os.SEEK_CUR)
+                entry["offset"], entry["in"] = rows_file.tell(), ROWS
+                rows_file.write(rows[torch.as_tensor(order, dtype=torch.int64)].numpy().tobytes())
+        rows_stat = (out / ROWS).stat()
+        manifest["rows_size"], manifest["rows_mtime_ns"] = rows_stat.st_size, rows_stat.st_mtime_ns
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
 def has_manifest(model_dir: Path) -> bool:
@@ -79,34 +94,38 @@ def stored_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
 
 def packed_weights(model_dir: Path) -> Iterator[tuple[str, GgufWeight]]:
     """The packed weights of a converted directory, by Hugging Face name, over the mapped
-    file; OSError where the file is gone or changed since the conversion."""
+    files; OSError where a file is gone or changed since the conversion."""
     manifest = json.loads((model_dir / MANIFEST).read_text())
     if manifest.get("version") != _VERSION:
         raise OSError(f"{model_dir / MANIFEST} is of another layout: convert the file again")
     path = Path(manifest["file"])
-    mapped = _mapped(path, manifest["size"], manifest["mtime_ns"])
-    orders: dict[str, torch.Tensor] = {}
-    if (model_dir / ORDERS).is_file():
-        orders = load_file(model_dir / ORDERS)
+    files = {None: (path, _mapped(path, manifest["size"], manifest["mtime_ns"]))}
+    if "rows_size" in manifest:
+        rows_path = model_dir / ROWS
+        files[ROWS] = (
+            rows_path,
+            _mapped(rows_path, manifest["rows_size"], manifest["rows_mtime_ns"]),
+        )
     for entry in manifest["tensors"]:
         kind, rows, cols = int(entry["kind"]), int(entry["rows"]), int(entry["cols"])
         nbytes = rows * GgufWeight.row_bytes(kind, cols)
         offset = int(entry["offset"])
+        source, mapped = files[entry.get("in")]
         if offset < 0 or offset + nbytes > len(mapped):
-            raise OSError(f"{path}: {entry['name']} lies past the end of the file")
+            raise OSError(f"{source}: {entry['name']} lies past the end of the file")
         data = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset)
-        weight = GgufWeight.over(data, kind, cols)
-        order = orders.get(entry["name"])
-        if order is not None:
-            weight = weight.reordered(order.to(torch.int64))
-        yield entry["name"], weight
+        yield entry["name"], GgufWeight.over(data, kind, cols)
 
 
-def mapped_span(model_dir: Path) -> range:
-    """The addresses the file of a converted directory is mapped at in this process: a weight
-    whose bytes lie there is read in place."""
+def mapped_span(model_dir: Path, name: str | None = None) -> range:
+    """The addresses the file of a converted directory (`name` ROWS: its reordered rows) is
+    mapped at in this process: a weight whose bytes lie there is read in place."""
     manifest = json.loads((model_dir / MANIFEST).read_text())
-    mapped = _mapped(Path(manifest["file"]), manifest["size"], manifest["mtime_ns"])
+    if name == ROWS:
+        path, size, mtime = model_dir / ROWS, manifest["rows_size"], manifest["rows_mtime_ns"]
+    else:
+        path, size, mtime = Path(manifest["file"]), manifest["size"], manifest["mtime_ns"]
+    mapped = _mapped(path, size, mtime)
     start = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
     return range(start, start + len(mapped))
 

@@ -68,7 +68,7 @@ def transformers_directory(model_dir: Path) -> Path:
     directory a sibling holding every weight of the file dequantized to float32 (written once,
     the size of a dense copy: for references and tools, never for serving)."""
     # torch (through gguf_file) only for a GGUF file's directory, as in `_write_hf_dir`
-    from .gguf_file import MANIFEST, ORDERS
+    from .gguf_file import MANIFEST, ROWS
 
     if not (model_dir / MANIFEST).is_file():
         return model_dir
@@ -79,7 +79,7 @@ def transformers_directory(model_dir: Path) -> Path:
         from .model_files import checkpoint_weights
 
         for path in model_dir.iterdir():
-            if path.is_file() and path.name not in (MANIFEST, ORDERS, "model.safetensors"):
+            if path.is_file() and path.name not in (MANIFEST, ROWS, "model.safetensors"):
                 shutil.copy2(path, tmp / path.name)
         tensors = {name: t.contiguous() for name, t in checkpoint_weights(model_dir)}
         save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})

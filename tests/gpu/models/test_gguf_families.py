@@ -18,7 +18,7 @@ from gguf_families import read_as_hf, storage_types, write_bpe_tokenizer, write_
 from runner_driver import Driver, assert_greedy_as_transformers
 from safetensors.torch import load_file
 
-from triode.gpu.gguf_file import ORDERS, mapped_span, packed_weights
+from triode.gpu.gguf_file import MANIFEST, ROWS, mapped_span, packed_weights
 from triode.gpu.gguf_weight import GgufStack, GgufWeight
 from triode.gpu.loader import convert_gguf, transformers_directory
 from triode.gpu.model_runner import ModelRunner
@@ -205,19 +205,24 @@ def test_projections_are_read_from_the_file_where_they_lie(
         stacked = [key for key in family.stored if ".experts." in key]
         assert len(stacked) == layers * experts * 3, stacked[:6]
     span = mapped_span(family.converted)
-    reordered = set()
-    if (family.converted / ORDERS).is_file():
-        reordered = set(load_file(family.converted / ORDERS))
+    manifest = json.loads((family.converted / MANIFEST).read_text())
+    reordered = {e["name"] for e in manifest["tensors"] if e.get("in") == ROWS}
+    rows_span = mapped_span(family.converted, ROWS) if reordered else range(0)
     for key, weight in family.stored.items():
         assert isinstance(weight, GgufWeight)
         assert weight.kind != GGMLQuantizationType.F32
-        inside = weight.data.data_ptr() in span
-        assert inside == (key not in reordered), key  # a view of the mapped file, not a copy
-    # llama.cpp's rotary row order of Q and K is the only copy made (llama, mixtral)
+        where = rows_span if key in reordered else span
+        assert weight.data.data_ptr() in where, key  # a view of a mapped file, never a copy
+    # llama.cpp's rotary row order of Q and K: the only rows the conversion writes again, in
+    # the model's order (llama, mixtral)
     assert all("q_proj" in key or "k_proj" in key for key in reordered)
+    assert bool(reordered) == (family.config["model_type"] in ("llama", "mixtral"))
+    rows_bytes = sum(family.stored[key].nbytes for key in reordered)
     written = sum(p.stat().st_size for p in family.converted.rglob("*") if p.is_file())
     dense = sum(t.numel() * 4 for t in family.dense.values())
-    assert written <= dense + 200_000  # config, tokenizer, manifest: no copy of the file's blocks
+    # config, tokenizer, manifest and the reordered rows (each from a page of its own): no other
+    # copy of the file's blocks
+    assert written <= dense + rows_bytes + 4096 * len(reordered) + 200_000
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
