@@ -36,6 +36,24 @@
 #define Q6_NIBBLES(j, k) (144 + 192 * (j) + 32 * (k))
 #define Q6_CRUMBS(j, m) (144 + 192 * (j) + 128 + 32 * (m))
 
+/* Where the build has AVX512-VNNI (and BW), Q4_K's and Q6_K's unit vectors are 512-bit: vector
+ * p of unit j holds, per row o, its codes k = 2p and 2p + 1 side by side ([p][o][k % 2][i]),
+ * so that one `vpdpbusd` over 64 bytes takes 8 bytes of x per row (twice the 256-bit
+ * form's products a cycle on Zen 4); Q6_K's crumbs of unit j then are one 64-byte vector
+ * [o][k % 2][i], bits 4p..4p+1 and 4p+2..4p+3 those of code k = 2p + k % 2. Q5_K keeps the
+ * 256-bit arrangement everywhere. A build repacks for its own kernels. */
+#if defined(INT8_SIMD) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define X8_ZMM 1
+#define CODE_AT(base, k, o, i) ((base) + 64 * ((k) / 2) + 8 * (o) + 4 * ((k) % 2) + (i))
+#define CRUMB_AT(j, k, o, i) (Q6_CRUMBS(j, 0) + 8 * (o) + 4 * ((k) % 2) + (i))
+#define CRUMB_SHIFT(k) (4 * ((k) / 2))
+#else
+#define X8_ZMM 0
+#define CODE_AT(base, k, o, i) ((base) + 32 * (k) + 4 * (o) + (i))
+#define CRUMB_AT(j, k, o, i) (Q6_CRUMBS(j, (k) / 2) + 4 * (o) + (i))
+#define CRUMB_SHIFT(k) (4 * ((k) % 2))
+#endif
+
 /* ---- the repacking ---- */
 
 /* codes[256] (0..63) of a file superblock of `type`, scales[16] (Q4_K, Q5_K: the 8 units' in
@@ -100,14 +118,16 @@ static void repack_superblock(int type, const uint8_t *w, int64_t w_stride, int6
                 for (int i = 0; i < 4; i++) {
                     const int low = codes[o][32 * j + 4 * k + i];
                     const int high = codes[o][32 * j + 16 + 4 * k + i];
-                    const int at = (k_type ? 160 + 128 * j + 32 * k : Q6_NIBBLES(j, k)) + 4 * o + i;
+                    const int base = k_type ? 160 + 128 * j : Q6_NIBBLES(j, 0);
+                    const int at = type == GGUF_Q5_K ? base + 32 * k + 4 * o + i
+                                                     : CODE_AT(base, k, o, i);
                     out[at] = (uint8_t)((low & 15) | (high & 15) << 4);
                     if (type == GGUF_Q5_K)
                         out[1184 + 32 * j + 4 * o + i] |=
                             (uint8_t)((low >> 4) << (2 * k) | (high >> 4) << (2 * k + 1));
                     if (type == GGUF_Q6_K)
-                        out[Q6_CRUMBS(j, k / 2) + 4 * o + i] |=
-                            (uint8_t)((low >> 4) << (4 * (k % 2)) | (high >> 4) << (4 * (k % 2) + 2));
+                        out[CRUMB_AT(j, k, o, i)] |= (uint8_t)((low >> 4) << CRUMB_SHIFT(k) |
+                                                               (high >> 4) << (CRUMB_SHIFT(k) + 2));
                 }
         }
     }
@@ -260,6 +280,116 @@ INLINE void q6_k_x8_rows(const uint8_t *w, const qx *k, int64_t r0, float *out, 
     }
     for (int r = 0; r < mr; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
+#if X8_ZMM
+static inline int64_t qword_at(const void *p) {
+    int64_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+/* lanes 2o and 2o + 1 of a 512-bit sum (row o's codes 2p and 2p + 1) added: row o's sum */
+static inline __m256i lane_pairs(__m512i v) {
+    return _mm512_cvtepi64_epi32(_mm512_add_epi32(v, _mm512_srli_epi64(v, 32)));
+}
+/* 8 int32 each on two lanes (2o, 2o + 1) */
+static inline __m512i twice(__m256i v) {
+    const __m512i order = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    return _mm512_permutexvar_epi32(order, _mm512_castsi256_si512(v));
+}
+static inline __m512i bits_to_4z(__m512i v, int from, int mask) {
+    const __m512i moved = from <= 4 ? _mm512_slli_epi16(v, 4 - from) : _mm512_srli_epi16(v, from - 4);
+    return _mm512_and_si512(moved, _mm512_set1_epi8((char)mask));
+}
+
+INLINE void q4_k_x8z_rows(const uint8_t *w, const qx *k, int64_t r0, float *out, const int mr) {
+    const int64_t blocks = k->cols / QK_K;
+    const __m512i low4 = _mm512_set1_epi8(15);
+    __m256 acc[X8_TILE];
+    for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++, w += 1184) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16)));
+        __m512i sum[X8_TILE];
+        for (int r = 0; r < mr; r++) sum[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            const __m512i scale =
+                twice(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + 32 + 8 * j))));
+            __m512i unit[X8_TILE];
+            for (int r = 0; r < mr; r++) unit[r] = _mm512_setzero_si512();
+            for (int p = 0; p < 2; p++) {
+                const __m512i raw = _mm512_loadu_si512(w + 160 + 128 * j + 64 * p);
+                const __m512i lo = _mm512_and_si512(raw, low4);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                for (int r = 0; r < mr; r++) {
+                    const int8_t *q = k->q + (r0 + r) * k->cols + b * QK_K + 32 * j + 8 * p;
+                    unit[r] = _mm512_dpbusd_epi32(unit[r], lo, _mm512_set1_epi64(qword_at(q)));
+                    unit[r] = _mm512_dpbusd_epi32(unit[r], hi, _mm512_set1_epi64(qword_at(q + 16)));
+                }
+            }
+            for (int r = 0; r < mr; r++)
+                sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(unit[r], scale));
+        }
+        for (int r = 0; r < mr; r++) {
+            const int64_t row = r0 + r;
+            const int16_t *u = k->u + row * (k->cols / UNIT) + 8 * b;
+            __m256i mins = _mm256_setzero_si256();
+            for (int p = 0; p < 4; p++)
+                mins = pairs8(mins,
+                              _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 96 + 16 * p))),
+                              word_at(u + 2 * p));
+            const __m256 dx = _mm256_set1_ps(k->dx[row * blocks + b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_pairs(sum[r])), _mm256_mul_ps(d, dx), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, dx), acc[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+INLINE void q6_k_x8z_rows(const uint8_t *w, const qx *k, int64_t r0, float *out, const int mr) {
+    const int64_t blocks = k->cols / QK_K;
+    const __m512i low4 = _mm512_set1_epi8(15);
+    __m256 acc[X8_TILE];
+    for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++, w += 1680) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
+        __m512i sum[X8_TILE];
+        __m256i offset[X8_TILE];
+        for (int r = 0; r < mr; r++) sum[r] = _mm512_setzero_si512(), offset[r] = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j++) {
+            const __m256i pair =
+                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 16 + 16 * j)));
+            const __m512i first = twice(_mm256_srai_epi32(_mm256_slli_epi32(pair, 16), 16));
+            const __m512i last = twice(_mm256_srai_epi32(pair, 16));
+            const __m512i crumbs = _mm512_loadu_si512(w + Q6_CRUMBS(j, 0));
+            __m512i lows[X8_TILE], highs[X8_TILE];
+            for (int r = 0; r < mr; r++) lows[r] = highs[r] = _mm512_setzero_si512();
+            for (int p = 0; p < 2; p++) {
+                const __m512i raw = _mm512_loadu_si512(w + Q6_NIBBLES(j, 0) + 64 * p);
+                const __m512i lo = _mm512_or_si512(_mm512_and_si512(raw, low4),
+                                                   bits_to_4z(crumbs, 4 * p, 0x30));
+                const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4),
+                                                   bits_to_4z(crumbs, 4 * p + 2, 0x30));
+                for (int r = 0; r < mr; r++) {
+                    const int8_t *q = k->q + (r0 + r) * k->cols + b * QK_K + 32 * j + 8 * p;
+                    lows[r] = _mm512_dpbusd_epi32(lows[r], lo, _mm512_set1_epi64(qword_at(q)));
+                    highs[r] = _mm512_dpbusd_epi32(highs[r], hi, _mm512_set1_epi64(qword_at(q + 16)));
+                }
+            }
+            for (int r = 0; r < mr; r++) {
+                const int16_t *s = k->s + (r0 + r) * (k->cols / 16) + 16 * b + 2 * j;
+                sum[r] = _mm512_add_epi32(sum[r], _mm512_add_epi32(_mm512_mullo_epi32(lows[r], first),
+                                                                   _mm512_mullo_epi32(highs[r], last)));
+                offset[r] = pairs8(offset[r], pair, word_at(s));
+            }
+        }
+        for (int r = 0; r < mr; r++) {
+            const __m256 dx = _mm256_set1_ps(k->dx[(r0 + r) * blocks + b]);
+            const __m256i total = _mm256_sub_epi32(lane_pairs(sum[r]), _mm256_slli_epi32(offset[r], 5));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, dx), acc[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+#endif
 #else
 /* the same integers and float operations, output by output */
 INLINE void k_x8(const uint8_t *w, const int five, const qx *k, int64_t r0, float *out,
@@ -353,13 +483,21 @@ INLINE void q6_k_x8_rows(const uint8_t *w, const qx *k, int64_t r0, float *out, 
 #endif
 
 static void q4_k_x8(const uint8_t *w, const qx *k, int64_t r0, int mr, float *out) {
+#if X8_ZMM
+    BY_ROWS(q4_k_x8z_rows, w, k, r0, out)
+#else
     BY_ROWS(k_x8, w, 0, k, r0, out)
+#endif
 }
 static void q5_k_x8(const uint8_t *w, const qx *k, int64_t r0, int mr, float *out) {
     BY_ROWS(k_x8, w, 1, k, r0, out)
 }
 static void q6_k_x8(const uint8_t *w, const qx *k, int64_t r0, int mr, float *out) {
+#if X8_ZMM
+    BY_ROWS(q6_k_x8z_rows, w, k, r0, out)
+#else
     BY_ROWS(q6_k_x8_rows, w, k, r0, out)
+#endif
 }
 
 x8_kernel gguf_x8_kernel(int type) {
