@@ -182,6 +182,27 @@ static inline __m256i bits_to_4(__m256i v, int from, int mask) {
     return _mm256_and_si256(moved, _mm256_set1_epi8((char)mask));
 }
 
+/* a Q4_K or Q5_K superblock b's float step for row `row` of x, its 8 outputs' integer sums
+ * `sum`: acc + d dx sum - dmin dx (the minimums . x's unit sums) */
+static inline __m256 k_superblock(__m256 acc, __m256i sum, const uint8_t *w, const qx *k,
+                                  int64_t row, int64_t b) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16)));
+    const int16_t *u = k->u + row * (k->cols / UNIT) + 8 * b;
+    __m256i mins = _mm256_setzero_si256();
+    for (int p = 0; p < 4; p++)
+        mins = pairs8(mins, _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 96 + 16 * p))),
+                      word_at(u + 2 * p));
+    const __m256 dx = _mm256_set1_ps(k->dx[row * (k->cols / QK_K) + b]);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, dx), acc);
+    return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, dx), acc);
+}
+/* a Q6_K superblock's float step: acc + d dx (sum - 32 offset) */
+static inline __m256 q6_superblock(__m256 acc, __m256i sum, __m256i offset, __m256 d, float dx) {
+    const __m256i total = _mm256_sub_epi32(sum, _mm256_slli_epi32(offset, 5));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc);
+}
+
 /* Q4_K and Q5_K (`five`) */
 INLINE void k_x8(const uint8_t *w, const int five, const qx *k, int64_t r0, float *out,
                  const int mr) {
@@ -190,8 +211,6 @@ INLINE void k_x8(const uint8_t *w, const int five, const qx *k, int64_t r0, floa
     __m256 acc[X8_TILE];
     for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, w += bytes) {
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
-        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16)));
         const uint8_t *nibbles = w + 160;
         __m256i sum[X8_TILE];
         for (int r = 0; r < mr; r++) sum[r] = _mm256_setzero_si256();
@@ -218,18 +237,7 @@ INLINE void k_x8(const uint8_t *w, const int five, const qx *k, int64_t r0, floa
             for (int r = 0; r < mr; r++)
                 sum[r] = _mm256_add_epi32(sum[r], _mm256_mullo_epi32(unit[r], scale));
         }
-        for (int r = 0; r < mr; r++) {
-            const int64_t row = r0 + r;
-            const int16_t *u = k->u + row * (k->cols / UNIT) + 8 * b;
-            __m256i mins = _mm256_setzero_si256();
-            for (int p = 0; p < 4; p++)
-                mins = pairs8(mins,
-                              _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 96 + 16 * p))),
-                              word_at(u + 2 * p));
-            const __m256 dx = _mm256_set1_ps(k->dx[row * blocks + b]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_mul_ps(d, dx), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, dx), acc[r]);
-        }
+        for (int r = 0; r < mr; r++) acc[r] = k_superblock(acc[r], sum[r], w, k, r0 + r, b);
     }
     for (int r = 0; r < mr; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
@@ -272,11 +280,8 @@ INLINE void q6_k_x8_rows(const uint8_t *w, const qx *k, int64_t r0, float *out, 
                 offset[r] = pairs8(offset[r], pair, word_at(s));
             }
         }
-        for (int r = 0; r < mr; r++) {
-            const __m256 dx = _mm256_set1_ps(k->dx[(r0 + r) * blocks + b]);
-            const __m256i total = _mm256_sub_epi32(sum[r], _mm256_slli_epi32(offset[r], 5));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, dx), acc[r]);
-        }
+        for (int r = 0; r < mr; r++)
+            acc[r] = q6_superblock(acc[r], sum[r], offset[r], d, k->dx[(r0 + r) * blocks + b]);
     }
     for (int r = 0; r < mr; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
@@ -306,8 +311,6 @@ INLINE void q4_k_x8z_rows(const uint8_t *w, const qx *k, int64_t r0, float *out,
     __m256 acc[X8_TILE];
     for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; b++, w += 1184) {
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)w));
-        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16)));
         __m512i sum[X8_TILE];
         for (int r = 0; r < mr; r++) sum[r] = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
@@ -328,18 +331,8 @@ INLINE void q4_k_x8z_rows(const uint8_t *w, const qx *k, int64_t r0, float *out,
             for (int r = 0; r < mr; r++)
                 sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(unit[r], scale));
         }
-        for (int r = 0; r < mr; r++) {
-            const int64_t row = r0 + r;
-            const int16_t *u = k->u + row * (k->cols / UNIT) + 8 * b;
-            __m256i mins = _mm256_setzero_si256();
-            for (int p = 0; p < 4; p++)
-                mins = pairs8(mins,
-                              _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 96 + 16 * p))),
-                              word_at(u + 2 * p));
-            const __m256 dx = _mm256_set1_ps(k->dx[row * blocks + b]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_pairs(sum[r])), _mm256_mul_ps(d, dx), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dmin, dx), acc[r]);
-        }
+        for (int r = 0; r < mr; r++)
+            acc[r] = k_superblock(acc[r], lane_pairs(sum[r]), w, k, r0 + r, b);
     }
     for (int r = 0; r < mr; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
@@ -381,11 +374,9 @@ INLINE void q6_k_x8z_rows(const uint8_t *w, const qx *k, int64_t r0, float *out,
                 offset[r] = pairs8(offset[r], pair, word_at(s));
             }
         }
-        for (int r = 0; r < mr; r++) {
-            const __m256 dx = _mm256_set1_ps(k->dx[(r0 + r) * blocks + b]);
-            const __m256i total = _mm256_sub_epi32(lane_pairs(sum[r]), _mm256_slli_epi32(offset[r], 5));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, dx), acc[r]);
-        }
+        for (int r = 0; r < mr; r++)
+            acc[r] = q6_superblock(acc[r], lane_pairs(sum[r]), offset[r], d,
+                                   k->dx[(r0 + r) * blocks + b]);
     }
     for (int r = 0; r < mr; r++) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
