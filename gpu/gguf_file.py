@@ -98,14 +98,10 @@ def packed_weights(model_dir: Path) -> Iterator[tuple[str, GgufWeight]]:
     manifest = json.loads((model_dir / MANIFEST).read_text())
     if manifest.get("version") != _VERSION:
         raise OSError(f"{model_dir / MANIFEST} is of another layout: convert the file again")
-    path = Path(manifest["file"])
-    files = {None: (path, _mapped(path, manifest["size"], manifest["mtime_ns"]))}
-    if "rows_size" in manifest:
-        rows_path = model_dir / ROWS
-        files[ROWS] = (
-            rows_path,
-            _mapped(rows_path, manifest["rows_size"], manifest["rows_mtime_ns"]),
-        )
+    files = {
+        name: (path, _mapped(path, size, mtime))
+        for name, (path, size, mtime) in _files(model_dir, manifest).items()
+    }
     for entry in manifest["tensors"]:
         kind, rows, cols = int(entry["kind"]), int(entry["rows"]), int(entry["cols"])
         nbytes = rows * GgufWeight.row_bytes(kind, cols)
@@ -121,13 +117,25 @@ def mapped_span(model_dir: Path, name: str | None = None) -> range:
     """The addresses the file of a converted directory (`name` ROWS: its reordered rows) is
     mapped at in this process: a weight whose bytes lie there is read in place."""
     manifest = json.loads((model_dir / MANIFEST).read_text())
-    if name == ROWS:
-        path, size, mtime = model_dir / ROWS, manifest["rows_size"], manifest["rows_mtime_ns"]
-    else:
-        path, size, mtime = Path(manifest["file"]), manifest["size"], manifest["mtime_ns"]
-    mapped = _mapped(path, size, mtime)
-    start = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+    mapped = _mapped(*_files(model_dir, manifest)[name])
+    start = _address(mapped)
     return range(start, start + len(mapped))
+
+
+def _files(model_dir: Path, manifest: dict[str, Any]) -> dict[str | None, tuple[Path, int, int]]:
+    """The files a manifest's entries lie in, by their `in` (None: the GGUF file; ROWS: the
+    reordered rows), each with the size and modification time it was written with."""
+    files: dict[str | None, tuple[Path, int, int]] = {
+        None: (Path(manifest["file"]), manifest["size"], manifest["mtime_ns"])
+    }
+    if "rows_size" in manifest:
+        files[ROWS] = (model_dir / ROWS, manifest["rows_size"], manifest["rows_mtime_ns"])
+    return files
+
+
+def _address(mapped: mmap.mmap) -> int:
+    """Where `mapped` lies in this process's memory."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(mapped))
 
 
 def describe(weight: GgufWeight) -> str:
@@ -171,7 +179,7 @@ def release_pages(data: torch.Tensor) -> int:
     end = start + data.nbytes
     with _maps_lock:
         for mapped in _maps.values():
-            base = ctypes.addressof(ctypes.c_char.from_buffer(mapped))
+            base = _address(mapped)
             if base <= start and end <= base + len(mapped):
                 first = -(-(start - base) // mmap.PAGESIZE) * mmap.PAGESIZE
                 last = (end - base) // mmap.PAGESIZE * mmap.PAGESIZE

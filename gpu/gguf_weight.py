@@ -3,9 +3,9 @@
 GGUF lays a [rows, cols] tensor out row by row, each row `cols / block_size` blocks of one
 type (Q4_K, Q6_K, Q8_0, F16, ...): a block holds its scales and its codes, so any run of rows
 and any run of whole blocks in every row is a weight of the same type. `GgufWeight` is such a
-run over the bytes it was given, usually a view into the mapped file (`gguf_file`): a tensor
-parallel rank's rows or block columns are views too, and only a reordered one (llama.cpp's
-rotary row order of Q and K) is a copy.
+run over the bytes it was given, usually a view into a mapped file (`gguf_file`: the GGUF file,
+or the rows conversion wrote again in the model's order): a tensor parallel rank's rows or block
+columns are views too.
 
 A merged projection (q, k, v; gate, up) is a `GgufStack`: its parts' rows one after the other,
 each part where it lies and of its own type (a Q4_K_M file's Q4_K queries beside its Q6_K

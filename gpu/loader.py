@@ -333,7 +333,7 @@ def _split_tensors(
     for tensor in reader.tensors:
         kind, dims = int(tensor.tensor_type), [int(d) for d in tensor.shape]
         found = None
-        if keeps_packed(kind, len(dims)) and len(dims) == 3:
+        if keeps_packed(kind, len(dims)) and len(dims) == 3:  # stacked experts
             experts = expert_entries(processor, names, skeleton, tensor)
             if experts is not None:
                 entries += experts[0]

@@ -354,9 +354,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         """As `LlamaForCausalLM.checkpoint_targets`; an expert's tensor goes to its stacked
         parameter with an `ExpertShard`, or nowhere on a rank that does not hold the expert.
         A tensor of an expert the config does not have, or of a dense layer, has no home."""
-        parts = name.split(".")
-        if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[3] == self.moe_block:
-            parts[3] = "mlp"
+        parts = self._parts(name)
         layer = parts[2] if len(parts) > 2 else ""
         expert = self._expert(parts)
         if expert is None or self._elsewhere(name):
@@ -369,6 +367,13 @@ class MoeForCausalLM(LlamaForCausalLM):
             return []
         param = "w2" if part == "down" else "w13"
         return [(f"model.layers.{layer}.mlp.experts.{param}", (index, part))]  # type: ignore[list-item]
+
+    def _parts(self, name: str) -> list[str]:
+        """A checkpoint name's dotted parts, the family's MoE block named `mlp` as ours is."""
+        parts = name.split(".")
+        if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[3] == self.moe_block:
+            parts[3] = "mlp"
+        return parts
 
     def _expert(self, parts: list[str]) -> ExpertShard | None:
         """(expert, part) of `model.layers.L.mlp.experts.E.PROJ.weight`, else None."""
@@ -388,9 +393,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         count, taken = super().attach_quantized_weights(weights, integer)
         by_layer: dict[int, dict[int, dict[str, tuple[str, Quantized]]]] = {}
         for name, weight in weights.items():
-            parts = name.split(".")
-            if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[3] == self.moe_block:
-                parts[3] = "mlp"
+            parts = self._parts(name)
             expert = self._expert(parts)
             if expert is not None and isinstance(weight, GgufWeight):
                 index, part = expert
