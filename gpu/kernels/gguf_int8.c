@@ -194,14 +194,8 @@ BLOCK_ROW(q5_0_row, GGUF_Q5_0)
 BLOCK_ROW(q4_1_row, GGUF_Q4_1)
 BLOCK_ROW(q5_1_row, GGUF_Q5_1)
 
-/* a Q4_K or Q5_K superblock's unit j codes */
+/* a Q4_K or Q5_K superblock's unit j codes (`gguf_int8.h`) */
 typedef codes (*k_codes)(const uint8_t *w, int j);
-INLINE codes q4_k_codes(const uint8_t *w, int j) {
-    return unit_nibbles(w + 16 + 32 * (j / 2), j % 2);
-}
-INLINE codes q5_k_codes(const uint8_t *w, int j) {
-    return five_bits(w + 48 + 32 * (j / 2), j % 2, w + 16, j);
-}
 
 /* Q4_K and Q5_K: per superblock and row of x, the units' codes . q times their 6-bit scales
  * in integers, and the minimums' codes . s, each then times d dx or dmin dx */
@@ -241,15 +235,13 @@ static void q4_k_row(const uint8_t *w, const qx *k, int64_t r0, int mr, float *o
     BY_ROWS(k_rows, w, 144, q4_k_codes, k, r0, out)
 }
 
-/* d | dmin | scales[12] | high bits[32] | codes[128]: bit j of high byte l is weight 32j + l's
- * fifth */
+/* Q5_K: `q5_k_codes`' layout */
 static void q5_k_row(const uint8_t *w, const qx *k, int64_t r0, int mr, float *out) {
     BY_ROWS(k_rows, w, 176, q5_k_codes, k, r0, out)
 }
 
-/* Q6_K: unit 4h + n of a superblock (h, n < 4) takes nibble n / 2 of low bytes 64h + 32(n % 2)
- * onwards and crumb n of high bytes 32h onwards; its halves the int8 scales 8h + 2n and
- * 8h + 2n + 1. Its codes are stored 0..63 for -32..31: 32 x scales . s comes off the sum. */
+/* Q6_K (`q6_k_codes`' layout): unit j's halves take the int8 scales 2j and 2j + 1. Its codes
+ * are stored 0..63 for -32..31: 32 x scales . s comes off the sum. */
 INLINE void q6_k_rows(const uint8_t *w, const qx *k, int64_t r0, float *out, const int mr) {
     const int64_t blocks = k->cols / QK_K;
     float acc[ROW_TILE];
@@ -261,8 +253,7 @@ INLINE void q6_k_rows(const uint8_t *w, const qx *k, int64_t r0, float *out, con
         for (int r = 0; r < mr; r++) sum[r] = ints_zero();
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
-            const int h = j / 4, n = j % 4;
-            const codes c = six_bits(w + 64 * h + 32 * (n % 2), n / 2, w + 128 + 32 * h, n);
+            const codes c = q6_k_codes(w, j);
             const scales s = half_scales(all, j);
             const int8_t *q = k->q + r0 * k->cols + b * QK_K + j * UNIT;
             for (int r = 0; r < mr; r++) sum[r] = scaled_dot(sum[r], c, q + r * k->cols, s);

@@ -291,4 +291,29 @@ static inline signed_codes less(codes c, int offset) {
 static inline ints unsigned_dot(codes c, const int8_t *q) { return signed_dot(less(c, 0), q); }
 #endif
 
+/* ---- a K-quant superblock's unit j of 32 codes, as the file stores them ---- */
+
+static inline codes q4_k_codes(const uint8_t *w, int j) {
+    return unit_nibbles(w + 16 + 32 * (j / 2), j % 2);
+}
+/* d | dmin | scales[12] | high bits[32] | codes[128]: bit j of high byte l is weight 32j + l's
+ * fifth */
+static inline codes q5_k_codes(const uint8_t *w, int j) {
+    return five_bits(w + 48 + 32 * (j / 2), j % 2, w + 16, j);
+}
+/* Q6_K: unit 4h + n (h, n < 4) takes nibble n / 2 of low bytes 64h + 32(n % 2) onwards and
+ * crumb n of high bytes 32h onwards (codes 0..63 for -32..31) */
+static inline codes q6_k_codes(const uint8_t *w, int j) {
+    const int h = j / 4, n = j % 4;
+    return six_bits(w + 64 * h + 32 * (n % 2), n / 2, w + 128 + 32 * h, n);
+}
+/* a unit's codes as 32 bytes at p */
+static inline void codes_store(codes c, uint8_t *p) {
+#ifdef INT8_SIMD
+    _mm256_storeu_si256((__m256i *)p, c);
+#else
+    memcpy(p, c.v, sizeof c.v);
+#endif
+}
+
 #endif

@@ -56,18 +56,17 @@
 
 /* ---- the repacking ---- */
 
-/* codes[256] (0..63) of a file superblock of `type`, scales[16] (Q4_K, Q5_K: the 8 units' in
- * the first 8, minimums in the next 8; Q6_K: the 16 halves', signed) */
-static void superblock_codes(int type, const uint8_t *w, uint8_t *codes, int8_t *scales) {
+/* values[256], the codes (0..63) of a file superblock of `type` (`gguf_int8.h`'s decoders, as
+ * the row kernels read them), and scales[16] (Q4_K, Q5_K: the 8 units' in the first 8,
+ * minimums in the next 8; Q6_K: the 16 halves', signed) */
+static void superblock_codes(int type, const uint8_t *w, uint8_t *values, int8_t *scales) {
+    for (int j = 0; j < 8; j++) {
+        const codes c = type == GGUF_Q4_K   ? q4_k_codes(w, j)
+                        : type == GGUF_Q5_K ? q5_k_codes(w, j)
+                                            : q6_k_codes(w, j);
+        codes_store(c, values + 32 * j);
+    }
     if (type == GGUF_Q6_K) {
-        for (int j = 0; j < 8; j++) {
-            const int h = j / 4, n = j % 4;
-            for (int l = 0; l < 32; l++) {
-                const int low = (w[64 * h + 32 * (n % 2) + l] >> (4 * (n / 2))) & 15;
-                const int top = (w[128 + 32 * h + l] >> (2 * n)) & 3;
-                codes[32 * j + l] = (uint8_t)(low | top << 4);
-            }
-        }
         memcpy(scales, w + 192, 16);
         return;
     }
@@ -76,12 +75,6 @@ static void superblock_codes(int type, const uint8_t *w, uint8_t *codes, int8_t 
     for (int j = 0; j < 8; j++) {
         scales[j] = (int8_t)(sc >> 8 * j);
         scales[8 + j] = (int8_t)(m >> 8 * j);
-        const uint8_t *nibbles = w + (type == GGUF_Q5_K ? 48 : 16) + 32 * (j / 2);
-        for (int l = 0; l < 32; l++) {
-            int c = (nibbles[l] >> (4 * (j % 2))) & 15;
-            if (type == GGUF_Q5_K) c |= ((w[16 + l] >> j) & 1) << 4;
-            codes[32 * j + l] = (uint8_t)c;
-        }
     }
 }
 
