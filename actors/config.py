@@ -14,6 +14,7 @@ from triode.wire.cluster_key import MAKE_ONE
 from triode.wire.kv_transfer import parse_kv_transfer_config
 from triode.wire.messages import MAX_LORA_NAME
 
+from .core.kv_events import parse_kv_events_config
 from .core.speculation.config import parse_speculative_config
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -154,6 +155,18 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             group="options",
         ),
     ] = None
+    # KV-cache events for routers, vLLM's `--kv-events-config`: JSON text or its dict; kept as
+    # the dict with defaults filled in (`core.kv_events.KVEventsConfig`)
+    kv_events_config: Annotated[
+        dict[str, Any] | str | None,
+        EngineFlag(
+            'KV-cache events for routers, as vLLM spells it: \'{"enable_kv_cache_events": true, '
+            '"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": null, "topic": ""}\' '
+            "(the endpoints are bound; the events carry prompt token ids)",
+            metavar="JSON",
+            group="options",
+        ),
+    ] = None
     # speculative decoding, vLLM's `--speculative-config`: JSON text or its dict; kept as the
     # dict with defaults filled in (`SpeculativeConfig`)
     speculative_config: Annotated[
@@ -290,6 +303,10 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             config = parse_kv_transfer_config(self.kv_transfer_config)
             self.kv_transfer_config = msgspec.to_builtins(config)
         self._check_generation_config()
+        if self.kv_events_config is not None:
+            self.kv_events_config = msgspec.to_builtins(
+                parse_kv_events_config(self.kv_events_config)
+            )
         if self.speculative_config is not None:
             config = parse_speculative_config(self.speculative_config)
             self.speculative_config = msgspec.to_builtins(config)

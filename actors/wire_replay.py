@@ -20,10 +20,10 @@ A recording is a file someone may hand over, so the engine arguments that reach 
 or process are not taken from it unless the caller trusts it (`trust_recorded_args`): the
 multi-node ones (`nnodes`, `node_rank`, `master_addr`, `master_port`, `cluster_key_file`: a
 replay would join, or wait for, a rendezvous somewhere else, with a key file the recording
-names) and `kv_transfer_config` (it would open a KV port, or connect to a producer named in the
-recording). A recording that sets any of them is refused, naming them, unless they are trusted
-or overridden. A replay never records (`record_wire`) and
-always runs one engine core.
+names), `kv_transfer_config` (it would open a KV port, or connect to a producer named in the
+recording) and `kv_events_config` (it would bind the event ports the recording names). A
+recording that sets any of them is refused, naming them, unless they are trusted or overridden.
+A replay never records (`record_wire`) and always runs one engine core.
 """
 
 from __future__ import annotations
@@ -239,6 +239,7 @@ async def replay(
 # Recorded engine arguments that reach past this host or process (see the module's docstring).
 UNTRUSTED_ARGS = (
     "nnodes", "node_rank", "master_addr", "master_port", "cluster_key_file", "kv_transfer_config",
+    "kv_events_config",
 )  # fmt: skip
 
 

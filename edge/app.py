@@ -82,7 +82,8 @@ class App:
         path = routed_path(scope)
         request = Request(scope, path, receive, send)
         cors = self._cors_headers(request)
-        send = request.send = _tracking(request, send, cors)
+        request.response_headers.extend(cors)
+        send = request.send = _tracking(request, send)
         try:
             if request.method == "OPTIONS":
                 await self._options(request, cors)
@@ -198,7 +199,8 @@ class App:
         await respond(request.send, 200, body, content_type=content_type)
 
     async def tokenize(self, request: Request) -> None:
-        req = decode_request(await request.read_body(self.settings.max_body_size), TokenizeRequest)
+        body = await request.read_body(self.settings.max_body_size)
+        req = decode_request(body, TokenizeRequest, request)
         await self.loras.pick(req.model)  # an adapter tokenizes as its base model does
         intake = self.engine.intake
         try:
@@ -229,9 +231,8 @@ class App:
         )
 
     async def detokenize(self, request: Request) -> None:
-        req = decode_request(
-            await request.read_body(self.settings.max_body_size), DetokenizeRequest
-        )
+        body = await request.read_body(self.settings.max_body_size)
+        req = decode_request(body, DetokenizeRequest, request)
         await self.loras.pick(req.model)
         self.serving.check_token_ids(prompt=req.tokens, prompt_field="tokens")
         text = await self.engine.intake.decode(req.tokens)
@@ -317,13 +318,14 @@ def match_route(
     return None
 
 
-def _tracking(request: Request, send: Send, extra: list[tuple[bytes, bytes]]) -> Send:
-    """`send` that notes when the response has started and adds `extra` headers to it."""
+def _tracking(request: Request, send: Send) -> Send:
+    """`send` that notes when the response has started and adds the request's
+    `response_headers` to it."""
 
     async def wrapped(message: Message) -> None:
         if message["type"] == "http.response.start":
             request.started = True
-            if extra:
+            if extra := request.response_headers:
                 message = {**message, "headers": [*message.get("headers", ()), *extra]}
         await send(message)
 

@@ -26,7 +26,7 @@ class Request:
 
     __slots__ = (
         "body", "body_read", "disconnected", "headers", "key_digest", "method", "path", "query",
-        "receive", "scope", "send", "started",
+        "receive", "response_headers", "scope", "send", "started",
     )  # fmt: skip
 
     def __init__(self, scope: Scope, path: str, receive: Receive, send: Send) -> None:
@@ -46,6 +46,8 @@ class Request:
         self.disconnected = False  # seen by `cancel_on_disconnect`
         # SHA-256 of the API key the request was authenticated with; None without one
         self.key_digest: bytes | None = None
+        # headers that whatever response this request gets carries (added by the app's `send`)
+        self.response_headers: Headers = []
 
     async def read_body(self, limit: int) -> bytes:
         """The whole body; a 413 `APIError` as soon as it is known to exceed `limit` bytes."""

@@ -71,6 +71,7 @@ class StubEngine:
     list_loras_calls: int = 0
     list_loras_delay: float = 0.0  # seconds each `list_loras` takes to answer
     generated: list[str | None] = field(default_factory=list)  # each generation's lora_name
+    sampled: list[SamplingParams | None] = field(default_factory=list)  # and its params
     _lora_ids: Any = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
@@ -131,6 +132,7 @@ class StubEngine:
         lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self.generated.append(lora_name)
+        self.sampled.append(params)
         n = 1 if params is None else params.n
         await trio.lowlevel.checkpoint()
         if lora_name is not None and lora_name not in self.loras:

@@ -42,6 +42,7 @@ from ..prompt_embeds import receive_prompt_embeds
 from ..vocabulary import out_of_vocabulary
 from . import loras
 from .executor import Executor
+from .kv_events import KVEventPublisher
 from .loras import LoRARegistry, LoRASettings
 from .operations import EngineOperations
 from .publisher import Publisher
@@ -73,8 +74,11 @@ class EngineCore:
         profiler_dir: str | None = None,
         world_size: int = 1,
         lora: LoRASettings | None = None,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
         self.scheduler = scheduler
+        # where the cache's changes go after each step (`kv_events.py`), when they are published
+        self.kv_events = kv_events
         self.executor = executor
         # what the sockets carry goes here too while the engine records (--record-wire)
         self.recorder = recorder
@@ -118,6 +122,8 @@ class EngineCore:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(publisher.run)
+            if self.kv_events is not None:
+                await nursery.start(self.kv_events.run)
             nursery.start_soon(self._receive, input_socket)
             await self._step_loop()
 
@@ -204,7 +210,14 @@ class EngineCore:
         for client, outputs in per_client.items():
             outputs.scheduler_stats = stats
             await self._to_publisher(client, outputs)
+        self._publish_kv_events()
         await self._broadcast_stats(stats, per_client)
+
+    def _publish_kv_events(self) -> None:
+        """The cache's changes since the last step (or operation) to the KV-event publisher."""
+        log_ = self.scheduler.kv_cache.events
+        if self.kv_events is not None and log_ is not None:
+            self.kv_events.publish(log_.take())
 
     async def _to_publisher(self, client: int, outputs: EngineCoreOutputs) -> None:
         """A step's outputs to the publisher without a checkpoint while its inbox has room:
@@ -423,6 +436,7 @@ class EngineCore:
         except Exception as e:
             log.exception("%s failed", call.method)
             result.failure_message = f"{call.method} failed: {type(e).__name__}: {e}"
+        self._publish_kv_events()  # an operation may have cleared the cache
         await self._outbox.send((call.client_index, EngineCoreOutputs(utility_output=result)))
 
     def _orphaned(self, client: int) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from triode.wire.messages import EngineCoreRequest
 
+from .kv_events import KVEventLog
 from .request import Request
 
 # The parent of a prompt's first block. Random per process, so that nobody outside can craft
@@ -109,8 +110,9 @@ class BlockPool:
     removal that a prefix hit on a free block needs.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KVEventLog | None = None) -> None:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.events = events  # told of each eviction and clearing, when events are published
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (block.block_id, block) for block in self.blocks
         )
@@ -132,6 +134,8 @@ class BlockPool:
             _, block = self.free_queue.popitem(last=False)
             if block.block_hash is not None:  # evict: its content is about to be overwritten
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             taken.append(block)
@@ -144,13 +148,16 @@ class BlockPool:
                 del self.free_queue[block.block_id]
             block.ref_cnt += 1
 
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        """Register a block that just became full. When another block already holds the same
-        content (the lookup was skipped or capped), this one stays unhashed: no de-duplication,
-        so block tables stay append-only, and the copy is the first to be reused once freed."""
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
+        """Register a block that just became full; whether it was. When another block already
+        holds the same content (the lookup was skipped or capped), this one stays unhashed: no
+        de-duplication, so block tables stay append-only, and the copy is the first to be
+        reused once freed."""
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            return True
+        return False
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in the order given (the order they will be
@@ -168,28 +175,48 @@ class BlockPool:
         request's registered blocks would silently lose their sharing."""
         if self.num_free != len(self.blocks):
             return False
+        self.forget()
+        return True
+
+    def forget(self) -> int:
+        """Drop every hash, in use or not; how many there were."""
+        forgotten = len(self.cached)
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
-        return True
+        if self.events is not None:
+            self.events.cleared()
+        return forgotten
 
 
 # a table's count of hashed blocks that no table reaches: it registers no more
 _NEVER = 1 << 62
 
 
+def _published(request: Request) -> bool:
+    """Whether the request's blocks go out as KV events (`kv_events.py`): not when a salt
+    keeps them to a tenant, nor when its token ids are placeholders for embeddings."""
+    return request.cache_salt is None and request.prompt_embeds is None
+
+
 class KVCacheManager:
     """Block tables of requests on top of a `BlockPool`, plus the prefix-cache policy."""
 
     def __init__(
-        self, num_blocks: int, block_size: int = 16, *, enable_prefix_caching: bool = True
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        *,
+        enable_prefix_caching: bool = True,
+        events: KVEventLog | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, events)
+        self.events = events
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # how many of a table's blocks are hashed
         self.prefix_cache_queries = 0  # tokens looked up
@@ -306,10 +333,7 @@ class KVCacheManager:
         how many were forgotten. The requests holding blocks now register none of theirs: a
         block they fill is computed over the old content. One preempted or finished later
         registers again from a clean table."""
-        forgotten = len(self.pool.cached)
-        for block in self.pool.cached.values():
-            block.block_hash = None
-        self.pool.cached.clear()
+        forgotten = self.pool.forget()
         for request_id in self.req_blocks:
             self._num_cached_blocks[request_id] = _NEVER
         return forgotten
@@ -323,9 +347,32 @@ class KVCacheManager:
         if num_full <= start:
             return
         hashes = self._block_hashes(request, num_full)
-        for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], hashes[i])
+        registered = [self.pool.cache_block(blocks[i], hashes[i]) for i in range(start, num_full)]
         self._num_cached_blocks[request.request_id] = num_full
+        if self.events is not None and any(registered) and _published(request):
+            self._stored(request, hashes, start, registered)
+
+    def _stored(
+        self, request: Request, hashes: list[bytes], start: int, registered: list[bool]
+    ) -> None:
+        """Tell the event log of the request's blocks from `start` on that were registered
+        just now (`registered`: a prefix hit, or a block whose content another one holds, was
+        not), one event per unbroken run."""
+        assert self.events is not None
+        lora = None if request.lora is None else (request.lora.lora_id, request.lora.name)
+        size, tokens = self.block_size, request.all_token_ids
+        i, end = 0, len(registered)
+        while i < end:
+            if not registered[i]:
+                i += 1
+                continue
+            j = i
+            while j < end and registered[j]:
+                j += 1
+            first, last = start + i, start + j
+            parent = hashes[first - 1] if first else None
+            self.events.stored(hashes[first:last], parent, tokens[first * size : last * size], lora)
+            i = j
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The request's block hashes, extended to at least `num_blocks` full blocks."""

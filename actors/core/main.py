@@ -27,6 +27,7 @@ from ..config import EngineArgs
 from .engine_core import EngineCore
 from .executor import generation_defaults, open_executor
 from .kv_connector import KVConnectorScheduler
+from .kv_events import KVEventLog, KVEventPublisher, parse_kv_events_config
 from .loras import LoRASettings
 from .publisher import OUTPUT_HWM
 from .scheduler import Scheduler
@@ -77,6 +78,13 @@ async def serve_engine_core(ctx: ChildContext) -> None:
             structured = StructuredOutputManager(
                 tokenizer_file, executor.vocab_size, [t for t in eos_ids if t is not None]
             )
+        events_config = (
+            None if args.kv_events_config is None else parse_kv_events_config(args.kv_events_config)
+        )
+        kv_events = None
+        if events_config is not None and events_config.publishes:
+            rank = ctx.options.get("engine_index", 0)
+            kv_events = KVEventPublisher(events_config, ctx.zmq_context, data_parallel_rank=rank)
         scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=executor.num_kv_blocks,
@@ -93,6 +101,7 @@ async def serve_engine_core(ctx: ChildContext) -> None:
             drafter=None
             if args.speculative_config is None
             else Drafter(parse_speculative_config(args.speculative_config)),
+            kv_events=None if kv_events is None else KVEventLog(executor.block_size),
         )
         core = EngineCore(
             scheduler,
@@ -104,6 +113,7 @@ async def serve_engine_core(ctx: ChildContext) -> None:
             profiler_dir=args.profiler_dir,
             world_size=args.world_size,
             lora=LoRASettings.from_engine_args(args),
+            kv_events=kv_events,
         )
         # before READY: an adapter that does not load fails the start, with the ranks' word
         await core.loras.load_modules()

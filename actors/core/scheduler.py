@@ -38,6 +38,7 @@ from triode.wire.step import (
 from ..prompt_embeds import embeds_error
 from .kv_cache import KVCacheBlock, KVCacheManager, hash_root
 from .kv_connector import KVConnectorScheduler
+from .kv_events import KVEventLog
 from .kv_transfers import KVTransfers
 from .request import Request, RequestStatus
 from .scheduler_config import SchedulerConfig
@@ -60,6 +61,7 @@ class Scheduler:
         connector: KVConnectorScheduler | None = None,
         structured: StructuredOutputManager | None = None,
         drafter: Drafter | None = None,
+        kv_events: KVEventLog | None = None,
     ) -> None:
         self.config = config
         # speculative decoding: which running requests propose tokens to verify each step
@@ -72,6 +74,7 @@ class Scheduler:
             config.num_blocks,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
+            events=kv_events,
         )
         # A sequence can never outgrow the whole cache: past that, the oldest request would
         # preempt itself forever. So the cache size caps the length like max_model_len does.

@@ -1,10 +1,12 @@
 """The request bodies of the OpenAI endpoints served here (chat, completions, tokenize,
 detokenize), as msgspec Structs, and their decoding.
 
-Requests are strict: unknown fields are refused, ranges are checked at decode, and every failure
-becomes a 400 naming the field. Fields of OpenAI's and vLLM's APIs that triode does not implement
-are still accepted, so a client that sends them as null or as their default never trips;
-`unsupported()` refuses the ones set to something that would change the answer.
+Ranges are checked at decode, and every failure becomes a 400 naming the field. Top-level fields
+triode does not know are accepted and ignored, as vLLM does, and named in the response
+(`edge/ignored_fields.py`); nested objects are strict. Fields of OpenAI's, vLLM's and the routers'
+APIs that triode does not implement are declared, so a client that sends them as null or as their
+default never trips; `unsupported()` refuses the ones set to something that would change the
+answer.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import msgspec
 from msgspec import Meta
 
 from ..errors import APIError, validation_error
+from ..http import Request
+from ..ignored_fields import announce, ignored_fields
 
 _TokenId = Annotated[int, Meta(ge=0)]
 _Count = Annotated[int, Meta(ge=1)]
@@ -38,7 +42,7 @@ _ACCEPTED: dict[str, tuple[Any, ...]] = {
 }
 
 
-class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class _Body(msgspec.Struct, kw_only=True):
     # Field -> the feature it asks for; the request is refused when the field is set.
     _REFUSED: ClassVar[dict[str, str]] = {}
 
@@ -124,6 +128,12 @@ class _GenerationRequest(_Body, kw_only=True):
     # `token_id:{id}` rather than by their text
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    # What vllm-router writes into every body it forwards (SGLang's names): `no_stop_trim`
+    # keeps the stop string in the output, as `include_stop_str_in_output` does; without a
+    # reasoning parser there is no reasoning to separate, so the other two change nothing.
+    no_stop_trim: bool = False
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
     # Accepted and ignored: they do not change the answer.
     metadata: Any = None
     store: Any = None
@@ -148,8 +158,10 @@ class _GenerationRequest(_Body, kw_only=True):
     bad_words: Any = None
     logits_processors: Any = None
     vllm_xargs: Any = None
+    return_hidden_states: bool | None = None
 
     _REFUSED = {
+        "return_hidden_states": "returning hidden states",
         "use_beam_search": "beam search",
         "truncate_prompt_tokens": "prompt truncation",
         "bad_words": "bad_words",
@@ -330,8 +342,9 @@ class DetokenizeRequest(_Body, kw_only=True):
 _RequestT = TypeVar("_RequestT", bound=_Body)
 
 
-def decode_request(body: bytes, kind: type[_RequestT]) -> _RequestT:
-    """Decode and validate a JSON body; any failure raises a 400 `APIError` naming the field."""
+def decode_request(body: bytes, kind: type[_RequestT], http: Request | None = None) -> _RequestT:
+    """Decode and validate a JSON body; any failure raises a 400 `APIError` naming the field.
+    The top-level fields it ignored are announced on `http`'s response."""
     try:
         request = _decoder(kind).decode(body)
     except (msgspec.DecodeError, ValueError) as e:
@@ -339,6 +352,8 @@ def decode_request(body: bytes, kind: type[_RequestT]) -> _RequestT:
     except RecursionError:  # msgspec's limit on nesting in `Any` fields
         raise APIError(400, "invalid JSON: nested too deeply") from None
     request.unsupported()
+    if http is not None:
+        announce(http, ignored_fields(body, kind))
     return request
 
 

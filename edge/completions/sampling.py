@@ -78,7 +78,7 @@ def sampling_params(
             min_tokens=req.min_tokens,
             stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
             stop_token_ids=list(req.stop_token_ids or []),
-            include_stop_str_in_output=req.include_stop_str_in_output,
+            include_stop_str_in_output=req.include_stop_str_in_output or req.no_stop_trim,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,

@@ -45,7 +45,7 @@ class Serving(Generation):
 
     async def chat(self, request: Request) -> None:
         body = await request.read_body(self.settings.max_body_size)
-        req = decode_request(body, ChatCompletionRequest)
+        req = decode_request(body, ChatCompletionRequest, request)
         lora_name = await self.loras.pick(req.model)
         check_engine_alive(self.engine)
         self.check_choices(req, 1)
@@ -134,7 +134,7 @@ class Serving(Generation):
 
     async def completions(self, request: Request) -> None:
         body = await request.read_body(self.settings.max_body_size)
-        req = decode_request(body, CompletionRequest)
+        req = decode_request(body, CompletionRequest, request)
         lora_name = await self.loras.pick(req.model)
         check_engine_alive(self.engine)
         # before any prompt costs a decode or a tokenization

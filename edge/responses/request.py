@@ -12,6 +12,8 @@ from msgspec import Meta
 
 from ..completions.request_bodies import MAX_CACHE_SALT
 from ..errors import APIError, validation_error
+from ..http import Request
+from ..ignored_fields import announce, ignored_fields
 from .input_items import convert_item
 
 # Characters of `instructions`: a system prompt this long is past any context window a server
@@ -29,8 +31,9 @@ class ResponsesStreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only
     include_obfuscation: bool | None = None
 
 
-class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A `POST /v1/responses` body."""
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    """A `POST /v1/responses` body. Top-level fields it does not know are ignored and named in
+    the response (`edge/ignored_fields.py`)."""
 
     input: str | list[dict[str, Any]]
     model: str | None = None
@@ -88,14 +91,18 @@ class ResponsesRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True)
 _request_decoder = msgspec.json.Decoder(ResponsesRequest)
 
 
-def decode_responses_request(body: bytes) -> ResponsesRequest:
-    """Decode and validate a body; any failure is a 400 `APIError` naming the field."""
+def decode_responses_request(body: bytes, http: Request | None = None) -> ResponsesRequest:
+    """Decode and validate a body; any failure is a 400 `APIError` naming the field. The
+    top-level fields it ignored are announced on `http`'s response."""
     try:
-        return _request_decoder.decode(body)
+        request = _request_decoder.decode(body)
     except (msgspec.DecodeError, ValueError) as e:
         raise validation_error(e) from e
     except RecursionError:  # msgspec's limit on nesting in `Any` fields
         raise APIError(400, "invalid JSON: nested too deeply") from None
+    if http is not None:
+        announce(http, ignored_fields(body, ResponsesRequest))
+    return request
 
 
 class McpToolSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -81,7 +81,7 @@ class Responses:
         is sent), a 503 one for a dead engine, and `ClientDisconnected` when the client of a
         foreground response leaves (its run is cancelled and its engine request aborted)."""
         body = await request.read_body(self.settings.max_body_size)
-        req = decode_responses_request(body)
+        req = decode_responses_request(body, request)
         lora_name = await self.loras.pick(req.model)
         check_engine_alive(self.engine)
         if req.background:
