@@ -32,6 +32,7 @@ from triode.wire.tensor_ipc import SharedTensor, TensorHandle
 
 from .admin import EngineAdmin
 from .config import EngineArgs, lora_name_problem
+from .core.kv_events import kv_event_sources
 from .core_client import EngineCoreClient, EngineDeadError
 from .errors import RequestError, RequestRefused
 from .generate_call import GenerateCall
@@ -83,6 +84,10 @@ class Engine:
         secret_file = ready.info.get("kv_secret_file")
         self.kv_secret: bytes | None = read_secret(secret_file) if secret_file else None
         self.data_parallel_size = len(clients)
+        # where each engine core publishes its KV-cache events, by data-parallel rank
+        self.kv_event_sources = kv_event_sources(
+            ready.info.get("kv_events_config"), self.data_parallel_size
+        )
         # this node's model worker processes (none when the model runs in the engine core)
         self.worker_pids: list[int] = [
             pid for e in self._endpoints for pid in e.ready.info.get("worker_pids") or []

@@ -23,8 +23,9 @@ from importlib.metadata import version
 import msgspec
 import trio
 
-from triode.actors import Engine, EngineDeadError
+from triode.actors import Engine
 
+from . import fleet_info
 from .admin import ADMIN_ROUTES, weight_version
 from .auth import UNAUTHORIZED_HEADERS, paths_without_key, requires_auth
 from .completions.request_bodies import DetokenizeRequest, TokenizeRequest, decode_request
@@ -51,8 +52,6 @@ from .settings import Settings
 log = logging.getLogger(__name__)
 
 Handler = Callable[["App", Request], Awaitable[None]]
-
-STATS_TIMEOUT = 1.0
 
 
 class App:
@@ -184,17 +183,7 @@ class App:
         await respond_json(request.send, ModelList(data=cards))
 
     async def metrics_endpoint(self, request: Request) -> None:
-        # the engine's own answer when it comes in time; else the stats of its last step
-        last = self.engine.stats
-        gauges = (last.num_running_reqs, last.num_waiting_reqs, last.kv_cache_usage)
-        if self.engine.dead is None:
-            with trio.move_on_after(STATS_TIMEOUT), contextlib.suppress(EngineDeadError):
-                fresh = await self.engine.get_stats()
-                self.metrics.update_engine(fresh)
-                gauges = (
-                    fresh["num_running_reqs"], fresh["num_waiting_reqs"], fresh["kv_cache_usage"]
-                )  # fmt: skip
-        self.metrics.update_scheduler(*gauges)
+        self.metrics.update_scheduler(*await fleet_info.scheduler_gauges(self))
         body, content_type = self.metrics.render()
         await respond(request.send, 200, body, content_type=content_type)
 
@@ -290,6 +279,10 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/tokenize": {"POST": App.tokenize},
     "/detokenize": {"POST": App.detokenize},
     "/v1/responses": {"POST": App.create_response},
+    # what vllm-router asks of its workers
+    "/get_load": {"GET": fleet_info.get_load},
+    "/get_server_info": {"GET": fleet_info.get_server_info},
+    "/kv_event_sources": {"GET": fleet_info.kv_event_sources},
 }
 
 # Routes with a path parameter, tried after the exact ones: (pattern, methods).

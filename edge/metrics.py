@@ -1,4 +1,7 @@
-"""Prometheus metrics under vLLM's names, prefixed `triode:`, each labelled with `model_name`.
+"""Prometheus metrics under vLLM's names, each labelled with `model_name`, exposed twice: as
+`triode:` and as `vllm:` (`vllm:num_requests_running`, `vllm:kv_cache_usage_perc`,
+`vllm:prefix_cache_hits`, ...), so that routers and dashboards made for vLLM read them as they
+are, and triode's own names stay stable.
 
 Nothing per request is exposed: no ids, prompts or users, and every label takes its values from
 a fixed set (the served name, the finish reasons, the prompt-token sources, the positions in a
@@ -142,7 +145,17 @@ class Metrics:
             registry = CollectorRegistry()
             MultiProcessCollector(registry, path=self._multiproc_dir)
             registry.register(self.engine)
-        return generate_latest(registry), CONTENT_TYPE_LATEST.encode()
+        return with_vllm_names(generate_latest(registry)), CONTENT_TYPE_LATEST.encode()
+
+
+def with_vllm_names(text: bytes) -> bytes:
+    """The exposition `text` followed by each of its `triode:` families again as `vllm:`."""
+    copies = [
+        line.replace(b"triode:", b"vllm:", 1)
+        for line in text.splitlines()
+        if line.startswith((b"triode:", b"# HELP triode:", b"# TYPE triode:"))
+    ]
+    return text + b"\n".join(copies) + b"\n" if copies else text
 
 
 # two counters, then two gauges: (name, the engine's stat, help)
@@ -151,6 +164,14 @@ _KV_TRANSFER_METRICS = (
     ("triode:kv_transfer_protocol_errors", "kv_protocol_errors", "Malformed KV messages."),
     ("triode:kv_transfer_loading_reqs", "num_loading_reqs", "Requests loading KV."),
     ("triode:kv_transfer_held_reqs", "num_held_reqs", "Finished requests holding KV."),
+)
+
+
+# the prefix cache's and the scheduler's counters, cumulative: (name, the engine's stat, help)
+_CACHE_METRICS = (
+    ("triode:prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up."),
+    ("triode:prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the cache."),
+    ("triode:num_preemptions", "num_preemptions", "Requests preempted."),
 )
 
 
@@ -196,6 +217,10 @@ class _EngineCollector(Collector):
         families = (CounterMetricFamily, CounterMetricFamily, GaugeMetricFamily, GaugeMetricFamily)
         for family, (name, key, doc) in zip(families, _KV_TRANSFER_METRICS, strict=True):
             metric = family(name, doc, labels=labels)
+            metric.add_metric([self.model_name], stats.get(key, 0))
+            yield metric
+        for name, key, doc in _CACHE_METRICS:
+            metric = CounterMetricFamily(name, doc, labels=labels)
             metric.add_metric([self.model_name], stats.get(key, 0))
             yield metric
         refused = CounterMetricFamily(

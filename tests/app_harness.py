@@ -62,6 +62,9 @@ class StubEngine:
     dead: BaseException | None = None
     intake: Any = field(default_factory=StubIntake)
     max_model_len: int = 2048
+    block_size: int = 16
+    data_parallel_size: int = 1
+    kv_event_sources: dict[str, dict[str, Any]] = field(default_factory=dict)
     vocab_size: int = 256
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     model_dir: Path = Path("stub")
@@ -93,7 +96,12 @@ class StubEngine:
         return 0.0
 
     async def get_stats(self) -> dict[str, Any]:
-        return {"num_running_reqs": 0, "num_waiting_reqs": 0, "kv_cache_usage": 0.0}
+        stats = self.stats
+        return {
+            "num_running_reqs": stats.num_running_reqs,
+            "num_waiting_reqs": stats.num_waiting_reqs,
+            "kv_cache_usage": stats.kv_cache_usage,
+        }
 
     async def list_loras(self) -> list[dict[str, Any]]:
         self.list_loras_calls += 1

@@ -6,9 +6,10 @@ in the prefix cache is `BlockStored`, one evicted is `BlockRemoved`, a cache for
 (`reset_prefix_cache`, sleep, a weight update) is `AllBlocksCleared`. After each step the
 events of that step leave as one msgpack `KVEventBatch` over a ZMQ PUB socket
 (`KVEventPublisher`), in vLLM's frames `[topic, sequence number (8 bytes, big-endian),
-payload]`; a ROUTER socket, where configured, resends the batches from a sequence number on:
-a request `[8-byte start]` is answered with `[seq, payload]` per batch kept, then
-`[-1, b""]`.
+payload]`, numbered from 0; a ROUTER socket, where configured, resends the batches from a
+sequence number on: a request `[b"", 8-byte start]` is answered with `[b"", topic, seq,
+payload]` per batch kept, then `[b"", b"", -1, b""]` (the frames vllm-router reads; vLLM's own
+publisher leaves the topic out).
 
 Block hashes go out as vLLM's `ExternalBlockHash`: the last 8 bytes of the block's SHA-256,
 as an unsigned big-endian integer. They are opaque names (each process chains its hashes from
@@ -98,8 +99,28 @@ def endpoint_of_rank(endpoint: str, rank: int) -> str:
     return f"{endpoint}_dp{rank}"
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """One change to the cache (vLLM's `KVCacheEvent`: tagged by class name, array-like)."""
+def kv_event_sources(config: dict[str, Any] | None, ranks: int) -> dict[str, dict[str, Any]]:
+    """Where each data-parallel rank publishes, keyed by rank (as text), in the shape a router
+    discovers sources by (vllm-router's `/kv_event_sources`); empty when none publishes."""
+    if config is None:
+        return {}
+    replay = config.get("replay_endpoint")
+    return {
+        str(rank): {
+            **config,
+            "endpoint": endpoint_of_rank(config["endpoint"], rank),
+            "replay_endpoint": None if replay is None else endpoint_of_rank(replay, rank),
+            "publisher": "zmq",
+            "encoding": "msgpack",
+            "schema_version": 1,
+        }
+        for rank in range(ranks)
+    }
+
+
+class KVCacheEvent(msgspec.Struct, gc=False, tag=True):
+    """One change to the cache (vLLM's `KVCacheEvent`): a map tagged `"type": <class name>`,
+    every field present, None or not (consumers require the keys)."""
 
 
 class BlockStored(KVCacheEvent):
@@ -125,6 +146,8 @@ Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """`[ts, events, data_parallel_rank]`: an array, as vLLM's `EventBatch`."""
+
     ts: float
     events: list[Event]
     data_parallel_rank: int | None = None
@@ -261,5 +284,6 @@ class KVEventPublisher:
                 client, start = frames[0], int.from_bytes(frames[2], "big")
                 for seq, payload in list(self._buffer):
                     if seq >= start:
-                        await router.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
-                await router.send_multipart([client, b"", END_SEQ, b""])
+                        frames = [client, b"", self._topic, seq.to_bytes(8, "big"), payload]
+                        await router.send_multipart(frames)
+                await router.send_multipart([client, b"", b"", END_SEQ, b""])

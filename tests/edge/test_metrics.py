@@ -191,3 +191,28 @@ def test_without_speculative_decoding_no_spec_family_is_exposed() -> None:
     assert "triode:prompt_tokens_by_source" in types
     assert not SPEC_FAMILIES & set(types)
     assert not [name for name, _ in samples if name.startswith("triode:spec_decode")]
+
+
+def test_every_family_is_exposed_under_vllms_prefix_too_with_the_same_samples() -> None:
+    """Routers and dashboards made for vLLM read `vllm:` names (vllm-router's load signals:
+    `vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`)."""
+    metrics = Metrics("m")
+    metrics.update_scheduler(3, 2, 0.25)
+    metrics.observe_request(3, 2, 0.1, [0.02], 0.5, "stop")
+    metrics.update_engine({"prefix_cache_queries": 64, "prefix_cache_hits": 48})
+    types, samples = _scrape(metrics)
+    triode = {n.removeprefix("triode:"): t for n, t in types.items() if n.startswith("triode:")}
+    vllm = {n.removeprefix("vllm:"): t for n, t in types.items() if n.startswith("vllm:")}
+    assert triode == vllm and len(vllm) > 10
+    assert len(types) == 2 * len(vllm)
+    ours = {(n.removeprefix("triode:"), labels): v for (n, labels), v in samples.items()
+            if n.startswith("triode:")}  # fmt: skip
+    theirs = {(n.removeprefix("vllm:"), labels): v for (n, labels), v in samples.items()
+              if n.startswith("vllm:")}  # fmt: skip
+    assert ours == theirs
+    model = _labels(model_name="m")
+    assert samples[("vllm:num_requests_running", model)] == 3
+    assert samples[("vllm:num_requests_waiting", model)] == 2
+    assert samples[("vllm:kv_cache_usage_perc", model)] == 0.25
+    assert samples[("vllm:prefix_cache_queries_total", model)] == 64
+    assert samples[("vllm:prefix_cache_hits_total", model)] == 48

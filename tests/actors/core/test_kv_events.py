@@ -114,7 +114,9 @@ def _request_hashes(kv: KVCacheManager, request_id: str) -> list[bytes]:
     return [block.block_hash for block in kv.req_blocks[request_id] if block.block_hash]
 
 
-def test_the_batch_is_vllms_msgpack_arrays() -> None:
+def test_the_batch_is_an_array_of_tagged_maps_with_every_key() -> None:
+    """What vllm-router 0.1.17 decodes: the batch an array, each event a map with a "type" and
+    every field, None or not."""
     batch = KVEventBatch(
         ts=1.5,
         events=[
@@ -125,16 +127,19 @@ def test_the_batch_is_vllms_msgpack_arrays() -> None:
         ],
         data_parallel_rank=0,
     )
+    stored = {"block_size": 4, "medium": "GPU"}
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(batch)) == [
         1.5,
         [
-            ["BlockStored", [2**64 - 1, 7], None, [1, 2, 3, 4, 5, 6, 7, 8], 4, None, "GPU", None],
-            ["BlockStored", [9], 7, [1, 2, 3, 4], 4, 3, "GPU", "sql"],
-            ["BlockRemoved", [7], "GPU"],
-            ["AllBlocksCleared"],
+            {"type": "BlockStored", "block_hashes": [2**64 - 1, 7], "parent_block_hash": None,
+             "token_ids": [1, 2, 3, 4, 5, 6, 7, 8], "lora_id": None, "lora_name": None, **stored},
+            {"type": "BlockStored", "block_hashes": [9], "parent_block_hash": 7,
+             "token_ids": [1, 2, 3, 4], "lora_id": 3, "lora_name": "sql", **stored},
+            {"type": "BlockRemoved", "block_hashes": [7], "medium": "GPU"},
+            {"type": "AllBlocksCleared"},
         ],
         0,
-    ]
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -191,12 +196,13 @@ async def test_the_publisher_frames_batches_and_replays_them_from_a_sequence_num
                 await dealer.send_multipart([b"", b"1", b"2"])
                 await dealer.send_multipart([b"", (start + 2).to_bytes(8, "big")])
                 replies = []
-                while not replies or replies[-1][1] != END_SEQ:
+                while not replies or replies[-1][2:3] != [END_SEQ]:
                     replies.append(await dealer.recv_multipart(copy=True))
-        # the buffer keeps the last 2: from start + 2 on
-        assert [int.from_bytes(r[1], "big") for r in replies[:-1]] == [start + 2, start + 3]
-        assert replies[0][2] == frames[1][2] and replies[1][2] == frames[2][2]
-        assert replies[-1] == [b"", END_SEQ, b""]
+        # the buffer keeps the last 2: from start + 2 on, as [b"", topic, seq, payload]
+        assert [r[:2] for r in replies[:-1]] == [[b"", b"kv"]] * 2
+        assert [int.from_bytes(r[2], "big") for r in replies[:-1]] == [start + 2, start + 3]
+        assert replies[0][3] == frames[1][2] and replies[1][3] == frames[2][2]
+        assert replies[-1] == [b"", b"", END_SEQ, b""]
         assert publisher.bad_replay_requests == 2  # the oversized one never arrived
         nursery.cancel_scope.cancel()
     context.term()

@@ -59,7 +59,6 @@ def test_a_minimal_request_decodes_with_the_api_defaults() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"temprature": 0.5}, "temprature"),
         ({"temperature": 3}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"max_output_tokens": 0}, "max_output_tokens"),

@@ -1,0 +1,59 @@
+"""What routers ask an instance (`edge/fleet_info.py`): its load, its model and block size,
+and where its KV-cache events are published; behind the key like every route but the probes.
+
+In-process over the stub engine (tests/app_harness.py)."""
+
+from __future__ import annotations
+
+import pytest
+from app_harness import SchedulerStats, StubEngine, call, make_app
+
+from triode.actors.core.kv_events import kv_event_sources
+from triode.edge.auth import ApiKeys
+
+KEY = "sk-router"
+
+
+@pytest.mark.parametrize("path", ["/get_load", "/get_server_info", "/kv_event_sources"])
+async def test_each_needs_the_key_where_keys_are_set(path: str) -> None:
+    app = make_app(api_keys=ApiKeys([KEY]))
+    assert (await call(app, "GET", path)).status == 401
+    assert (await call(app, "GET", path, key=KEY)).status == 200
+    assert (await call(app, "POST", path, key=KEY)).status == 405
+
+
+async def test_the_load_is_the_requests_running_and_waiting() -> None:
+    app = make_app()
+    engine: StubEngine = app.engine  # type: ignore[assignment]
+    engine.stats = SchedulerStats(num_running_reqs=3, num_waiting_reqs=4, kv_cache_usage=0.5)
+    answer = await call(app, "GET", "/get_load")
+    assert answer.json() == {"load": 7}
+
+
+async def test_server_info_names_the_model_and_the_block_size() -> None:
+    app = make_app(served_model_names=["smol", "alias"])
+    info = (await call(app, "GET", "/get_server_info")).json()
+    assert info["model_id"] == "smol"
+    assert info["kv_block_size"] == 16
+    assert info["kv_events"] is False
+
+
+async def test_event_sources_are_each_ranks_endpoints_in_the_shape_routers_discover() -> None:
+    app = make_app()
+    assert (await call(app, "GET", "/kv_event_sources")).json() == {}
+    engine: StubEngine = app.engine  # type: ignore[assignment]
+    config = {"enable_kv_cache_events": True, "publisher": None, "topic": "",
+              "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5567",
+              "buffer_steps": 10, "hwm": 100, "max_queue_size": 100}  # fmt: skip
+    engine.kv_event_sources = kv_event_sources(config, 2)
+    sources = (await call(app, "GET", "/kv_event_sources")).json()
+    assert sorted(sources) == ["0", "1"]
+    assert [sources[r]["endpoint"] for r in "01"] == [
+        "tcp://127.0.0.1:5557",
+        "tcp://127.0.0.1:5558",
+    ]
+    assert sources["1"]["replay_endpoint"] == "tcp://127.0.0.1:5568"
+    for source in sources.values():
+        assert (source["publisher"], source["encoding"], source["schema_version"]) == (
+            "zmq", "msgpack", 1,
+        )  # fmt: skip
