@@ -83,6 +83,9 @@ class Engine:
         # the KV connector's deployment secret: kv_transfer_params must carry its seals
         secret_file = ready.info.get("kv_secret_file")
         self.kv_secret: bytes | None = read_secret(secret_file) if secret_file else None
+        # a prefill seals an authenticated caller's unsealed do_remote_decode itself
+        # ("authenticated"), or takes only its proxy's ("never")
+        self.kv_unsealed_holds: str = ready.info.get("kv_unsealed_holds") or "never"
         self.data_parallel_size = len(clients)
         # where each engine core publishes its KV-cache events, by data-parallel rank
         self.kv_event_sources = kv_event_sources(

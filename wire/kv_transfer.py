@@ -33,16 +33,21 @@ EXTRA_DEFAULTS: dict[str, Any] = {
     "secret_file": None,  # the deployment's shared secret (`kv_seal.read_secret`): required
     "max_hold_fraction": 0.5,  # of a prefill's cache that blocks kept for decodes may take
     "max_concurrent_loads": 16,  # a decode's loads admitted at once; past it a 429
+    # whose unsealed do_remote_decode a prefill seals itself, so that it holds blocks:
+    # "never" (only the deployment's proxy may ask), or "authenticated" (a request that
+    # passed the server's --api-key check, e.g. vllm-router's prefill leg)
+    "unsealed_holds": "never",
 }
+UNSEALED_HOLDS = ("never", "authenticated")
 
 
 class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`--kv-transfer-config`, in vLLM's spelling. `kv_port` 0 binds each rank's KV server on
     any free port; otherwise rank r binds `kv_port + r`. `kv_connector_extra_config` takes
-    `transport`, `load_timeout`, `hold_timeout`, `max_hold_fraction`, `max_concurrent_loads`
-    and `secret_file`, which every instance needs: the instances of a deployment share its
-    secret, which seals the params they hand on and signs their KV requests (see
-    `EXTRA_DEFAULTS` and `triode.wire.kv_seal`)."""
+    `transport`, `load_timeout`, `hold_timeout`, `max_hold_fraction`, `max_concurrent_loads`,
+    `unsealed_holds` and `secret_file`, which every instance needs: the instances of a
+    deployment share its secret, which seals the params they hand on and signs their KV
+    requests (see `EXTRA_DEFAULTS` and `triode.wire.kv_seal`)."""
 
     kv_connector: str
     kv_role: str
@@ -88,6 +93,11 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 "kv_connector_extra_config: secret_file is required: the instances of a "
                 f"deployment share a secret; make one with: {SECRET_RECIPE}"
             )
+        if self.kv_connector_extra_config["unsealed_holds"] not in UNSEALED_HOLDS:
+            raise ValueError(
+                "kv_connector_extra_config: unsealed_holds must be one of "
+                + ", ".join(UNSEALED_HOLDS)
+            )
         loads = self.kv_connector_extra_config["max_concurrent_loads"]
         if isinstance(loads, bool) or not isinstance(loads, int) or not 1 <= loads <= 4096:
             raise ValueError("kv_connector_extra_config: max_concurrent_loads must be 1 to 4096")
@@ -124,6 +134,10 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         """The deployment's secret; `kv_seal.SecretFileError` (a ValueError, one line) when
         the file cannot serve as one."""
         return read_secret(self.secret_file)
+
+    @property
+    def unsealed_holds(self) -> str:
+        return str(self.kv_connector_extra_config["unsealed_holds"])
 
     @property
     def max_concurrent_loads(self) -> int:

@@ -139,6 +139,9 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                     # where the edges read the secret that the params they take must be
                     # sealed with: the path only, never the secret
                     "kv_secret_file": None if connector is None else connector.config.secret_file,
+                    "kv_unsealed_holds": None
+                    if connector is None
+                    else connector.config.unsealed_holds,
                     # where rank 0 publishes its KV-cache events (rank r: `endpoint_of_rank`)
                     "kv_events_config": None
                     if kv_events is None

@@ -15,7 +15,7 @@ import msgspec
 import trio
 
 from triode.actors import transfer_params_error
-from triode.wire import SamplingParams, StructuredOutputsParams
+from triode.wire import SamplingParams, StructuredOutputsParams, kv_seal
 
 from ..errors import APIError, check_engine_alive, validation_error
 from ..http import Request, respond_json
@@ -88,6 +88,7 @@ class Serving(Generation):
         prompts = [Prompt(token_ids, None, lora_name=lora_name)]
         self.check_logprobs_volume(req, prompts, params)
         self._salt(request, req.cache_salt, prompts)
+        req.kv_transfer_params = seal_for_caller(self.engine, request, req.kv_transfer_params)
         _check_transfer_params(req.kv_transfer_params, prompts, params)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -160,6 +161,7 @@ class Serving(Generation):
         )
         self.check_token_ids(params=params)
         self.check_logprobs_volume(req, prompts, params)
+        req.kv_transfer_params = seal_for_caller(self.engine, request, req.kv_transfer_params)
         _check_transfer_params(req.kv_transfer_params, prompts, params)
         self._salt(request, req.cache_salt, prompts)
         for prompt in prompts:
@@ -255,6 +257,28 @@ async def _structured(
     field, so = found
     await check_structured(so, param=field)
     return so
+
+
+def seal_for_caller(
+    engine: Any, request: Request, params: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """`params` sealed by this instance where it takes an authenticated caller's word for a
+    hold: a `do_remote_decode` without the proxy's seal (vllm-router's prefill leg sends one,
+    its other fields null), on a prefill whose KV config says `unsealed_holds: authenticated`,
+    from a request that passed the API-key check. Such a hold costs what a proxy's does: the
+    prompt's blocks, for at most `hold_timeout`, within `max_hold_fraction` of the cache, past
+    which the request finishes without one. Anything else is left as it came."""
+    if (
+        not params
+        or params.get("do_remote_decode") is not True
+        or kv_seal.SEAL in params
+        or engine.kv_secret is None
+        or engine.kv_unsealed_holds != "authenticated"
+        or request.key_digest is None
+    ):
+        return params
+    asked = {key: value for key, value in params.items() if value is not None}
+    return kv_seal.seal_remote_decode(engine.kv_secret, asked)
 
 
 def _check_transfer_params(

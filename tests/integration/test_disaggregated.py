@@ -32,6 +32,7 @@ import pytest
 import trio
 from kv_secret import secret_file
 from reference import Reference
+from router import pd_router_command, running_router_command
 from server import Server, free_port, running_server, running_servers
 
 from triode.wire.kv_seal import read_secret, seal, seal_remote_decode
@@ -45,11 +46,14 @@ PROMPTS = [
     "Here is a list of the planets of the solar system, from the sun outwards:",
 ]
 NEW_TOKENS = 12
+# the key vllm-router sends the instances (its OPENAI_API_KEY)
+ROUTER_KEY = "router-key"
+ROUTER_KEY_ARGS = ["--api-key", ROUTER_KEY]
 F32 = ["--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", "128MiB",
        "--served-model-name", "m"]  # fmt: skip
 
 
-def _kv(role: str, secret: str, transport: str = "tcp", **extra: float) -> list[str]:
+def _kv(role: str, secret: str, transport: str = "tcp", **extra: float | str) -> list[str]:
     config = {
         "kv_connector": "TriodeConnector",
         "kv_role": role,
@@ -126,8 +130,13 @@ def instances(tmp_path_factory: pytest.TempPathFactory, secret: str) -> Iterator
         ([*F32, *_kv("kv_producer", secret, "tcp")], logs / "tcp.log", None),
         ([*F32, *_kv("kv_producer", secret, "shm")], logs / "shm.log", None),
         ([*F32, *_kv("kv_consumer", secret, load_timeout=3.0)], logs / "d.log", None),
-    ) as [tcp, shm, decode]:
-        yield {"tcp": tcp, "shm": shm, "decode": decode}
+        (
+            [*F32, *_kv("kv_producer", secret, unsealed_holds="authenticated"), *ROUTER_KEY_ARGS],
+            logs / "routed.log",
+            None,
+        ),
+    ) as [tcp, shm, decode, routed]:
+        yield {"tcp": tcp, "shm": shm, "decode": decode, "routed": routed}
 
 
 @pytest.fixture(scope="module")
@@ -322,6 +331,69 @@ def test_a_clients_own_do_remote_decode_is_a_400_at_the_prefill(
     _settle(prefill)
     for server in instances.values():
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+def test_through_vllm_router_equals_transformers_and_the_decode_computes_one_token(
+    instances: dict[str, Server], expected: list[str], tmp_path: Path
+) -> None:
+    """vllm-router's P/D mode: its prefill leg asks for a hold without the proxy's seal, and
+    the prefill instance, whose KV config takes an authenticated caller's word for it
+    (`unsealed_holds: authenticated`), seals it itself; the decode still checks the seal the
+    prefill returns."""
+    prefill, decode = instances["routed"], instances["decode"]
+    before = _metrics(decode)
+    port = free_port()
+    command = pd_router_command(prefill.url, decode.url, port)
+    env = {"OPENAI_API_KEY": ROUTER_KEY}
+    with running_router_command(command, port, tmp_path / "router.log", env=env) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        texts = []
+        for prompt in PROMPTS:
+            out = client.completions.create(
+                model="m", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            texts.append(out.choices[0].text)
+        stream = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": PROMPTS[0]}],
+            max_tokens=NEW_TOKENS, temperature=0, stream=True,
+        )  # fmt: skip
+        with stream:
+            streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        client.close()
+    assert texts == expected
+    assert streamed
+    after = _metrics(decode)
+    computed = "triode:prompt_tokens_by_source_total/local_compute"
+    assert after[computed] - before[computed] == len(PROMPTS) + 1  # each prompt's last token
+    transferred = "triode:prompt_tokens_by_source_total/external_kv_transfer"
+    assert after[transferred] > before[transferred]
+    _settle(prefill, decode)
+
+
+def test_an_unsealed_hold_needs_the_key_and_the_instances_consent(
+    instances: dict[str, Server],
+) -> None:
+    """What a prefill takes from a router: with `unsealed_holds: authenticated` and the key,
+    its own seal on the params it returns; without the key a 401; an instance that did not
+    consent refuses the unsealed params (the test above the proxy's)."""
+    routed = instances["routed"]
+    body = {"prompt": PROMPTS[1], "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True, "remote_engine_id": None}}  # fmt: skip
+    assert httpx.post(f"{routed.url}/v1/completions", json=body, timeout=30).status_code == 401
+    answer = httpx.post(
+        f"{routed.url}/v1/completions", json=body, timeout=30,
+        headers={"authorization": f"Bearer {ROUTER_KEY}"},
+    )  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    params = answer.json()["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["seal"]
+    # the hold is released by its expiry or a decode's DONE; none comes here: free it by
+    # loading it once
+    loaded = _complete(instances["decode"], PROMPTS[1], params)
+    assert loaded.status_code == 200
+    _refused(_complete(instances["tcp"], PROMPTS[1], {"do_remote_decode": True}), "not sealed")
+    _settle(routed, instances["decode"])
 
 
 def test_a_kv_instance_without_a_secret_refuses_to_start(tmp_path: Path) -> None:
