@@ -43,6 +43,9 @@ BENCHMARKS = {
     "moe-dispatch": Benchmark(
         "triode.gpu.bench.moe", "one MoE block: TP against expert parallel's two dispatches"
     ),
+    "fleet": Benchmark(
+        "triode.edge.bench.fleet", "instances behind vllm-router: round robin, cache- and KV-aware"
+    ),
     "spec": Benchmark("triode.edge.bench.spec", "speculative decoding against none, served"),
     "step": Benchmark("triode.gpu.bench.step", "one decode step at several batch sizes, profiled"),
     "collectives": Benchmark(
