@@ -233,6 +233,12 @@ class App:
     async def completions(self, request: Request) -> None:
         await self.serving.completions(request)
 
+    async def render_chat(self, request: Request) -> None:
+        await self.serving.render_chat(request)
+
+    async def render_completions(self, request: Request) -> None:
+        await self.serving.render_completions(request)
+
     async def create_response(self, request: Request) -> None:
         await self.responses.create(request)
 
@@ -276,6 +282,8 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/v1/models": {"GET": App.models},
     "/v1/chat/completions": {"POST": App.chat},
     "/v1/completions": {"POST": App.completions},
+    "/v1/chat/completions/render": {"POST": App.render_chat},
+    "/v1/completions/render": {"POST": App.render_completions},
     "/tokenize": {"POST": App.tokenize},
     "/detokenize": {"POST": App.detokenize},
     "/v1/responses": {"POST": App.create_response},

@@ -48,7 +48,14 @@ import trio
 
 from triode.wire.ports import free_port
 
-from .fleet_report import DIRECT, CacheCounters, cache_counters, format_table, summarize
+from .fleet_report import (
+    DIRECT,
+    CacheCounters,
+    cache_counters,
+    format_table,
+    not_run,
+    summarize,
+)
 from .fleet_workload import Conversation, build_conversations, run_workload
 from .frontend import cpu_model
 from .router_process import POLICIES, kv_events_config, router_command
@@ -219,7 +226,7 @@ async def run_count(
                     )  # fmt: skip
                     after = await read_counters(client, instances)
             except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as e:
-                summaries.append(_not_run(config, count, expected, f"{type(e).__name__}: {e}"))
+                summaries.append(not_run(config, count, expected, f"{type(e).__name__}: {e}"))
                 continue
             summary = summarize(config, results, duration, before, after, expected)
             summary["requests"] = [{**asdict(r), "itl": None} for r in results]
@@ -237,15 +244,6 @@ async def _token_count(client: httpx.AsyncClient, instance: Instance, text: str)
     response = await client.post(f"{instance.url}/tokenize", json={"prompt": text})
     response.raise_for_status()
     return int(response.json()["count"])
-
-
-def _not_run(config: str, count: int, expected: int, error: str) -> dict[str, Any]:
-    nan = float("nan")
-    return {"config": config, "instances": count, "ok": 0, "failed": 0, "skipped": expected,
-            "duration_s": nan, "hit_rate": nan, "prefix_cache_queries": [0.0] * count,
-            "prefix_cache_hits": [0.0] * count, "ttft_p50_ms": nan, "ttft_p99_ms": nan,
-            "e2e_p50_ms": nan, "output_tokens": 0, "output_throughput": nan,
-            "errors": [error]}  # fmt: skip
 
 
 def _int_list(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:

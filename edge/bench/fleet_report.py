@@ -74,6 +74,16 @@ def summarize(
     }
 
 
+def not_run(config: str, count: int, expected: int, error: str) -> dict[str, Any]:
+    """`summarize`'s dict for a configuration that could not run: no figures, `error`."""
+    nan = math.nan
+    return {"config": config, "instances": count, "ok": 0, "failed": 0, "skipped": expected,
+            "duration_s": nan, "hit_rate": nan, "prefix_cache_queries": [0.0] * count,
+            "prefix_cache_hits": [0.0] * count, "ttft_p50_ms": nan, "ttft_p99_ms": nan,
+            "e2e_p50_ms": nan, "output_tokens": 0, "output_throughput": nan,
+            "errors": [error]}  # fmt: skip
+
+
 def _percentile(seconds: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(seconds), q)) * 1e3 if seconds else math.nan
 

@@ -51,32 +51,17 @@ class Serving(Generation):
         self.check_choices(req, 1)
         messages = msgspec.to_builtins(req.messages)
         tools = ChatTools.of(req, messages)
-        template_kwargs = req.chat_template_kwargs
         structured = await _structured(req)
-        if tools is not None:
-            template = self.engine.intake.chat_template
-            renders = template is not None and template_renders_tools(template.source)
-            messages, extra = tools.prepare(messages, renders_tools=renders)
-            template_kwargs = {**extra, **(template_kwargs or {})}
-            if tools.grammar is not None:
-                if structured is not None:
-                    raise APIError(
-                        400,
-                        "tool_choice: a required or named tool choice cannot be combined with "
-                        "a structured output constraint",
-                        param="tool_choice",
-                    )
-                structured = structured_from_grammar(tools.grammar)
-        try:
-            _, token_ids = await self.engine.intake.encode_chat(
-                messages,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                add_special_tokens=req.add_special_tokens,
-                template_kwargs=template_kwargs,
-            )
-        except ValueError as e:
-            raise validation_error(e) from e
+        if tools is not None and tools.grammar is not None:
+            if structured is not None:
+                raise APIError(
+                    400,
+                    "tool_choice: a required or named tool choice cannot be combined with "
+                    "a structured output constraint",
+                    param="tool_choice",
+                )
+            structured = structured_from_grammar(tools.grammar)
+        token_ids = await self.chat_token_ids(req, messages, tools)
         params = sampling_params(
             req,
             prompt_len=len(token_ids),
@@ -130,6 +115,58 @@ class Serving(Generation):
             weight_version=weight_version_of(prompts),
         )
         await respond_json(request.send, response)
+
+    async def chat_token_ids(
+        self, req: ChatCompletionRequest, messages: list[Any], tools: ChatTools | None
+    ) -> list[int]:
+        """The prompt's token ids: the messages (with the tools, as the template takes them)
+        through the chat template."""
+        template_kwargs = req.chat_template_kwargs
+        if tools is not None:
+            template = self.engine.intake.chat_template
+            renders = template is not None and template_renders_tools(template.source)
+            messages, extra = tools.prepare(messages, renders_tools=renders)
+            template_kwargs = {**extra, **(template_kwargs or {})}
+        try:
+            _, token_ids = await self.engine.intake.encode_chat(
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                add_special_tokens=req.add_special_tokens,
+                template_kwargs=template_kwargs,
+            )
+        except ValueError as e:
+            raise validation_error(e) from e
+        return token_ids
+
+    async def render_chat(self, request: Request) -> None:
+        """`POST /v1/chat/completions/render`: the token ids a chat request's prompt would run
+        as, without running it (what vllm-router's `kv_aware` matches cached blocks by)."""
+        body = await request.read_body(self.settings.max_body_size)
+        req = decode_request(body, ChatCompletionRequest, request)
+        await self.loras.pick(req.model)  # an adapter renders as its base model does
+        messages = msgspec.to_builtins(req.messages)
+        token_ids = await self.chat_token_ids(req, messages, ChatTools.of(req, messages))
+        await respond_json(request.send, {"token_ids": token_ids, "features": None})
+
+    async def render_completions(self, request: Request) -> None:
+        """`POST /v1/completions/render`: each prompt's token ids, in order (prompts given as
+        embeddings have none: a 400)."""
+        body = await request.read_body(self.settings.max_body_size)
+        req = decode_request(body, CompletionRequest, request)
+        await self.loras.pick(req.model)
+        if req.prompt_embeds is not None:
+            raise APIError(400, "prompt_embeds: have no token ids", param="prompt_embeds")
+        self.check_choices(req, len(req.prompts()))
+        rendered = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                ids = await self.engine.intake.encode(p, add_special_tokens=req.add_special_tokens)
+            else:
+                self.check_token_ids(prompt=p, prompt_field="prompt")
+                ids = list(p)
+            rendered.append({"token_ids": ids, "features": None})
+        await respond_json(request.send, rendered)
 
     # Completions
 

@@ -57,3 +57,36 @@ async def test_event_sources_are_each_ranks_endpoints_in_the_shape_routers_disco
         assert (source["publisher"], source["encoding"], source["schema_version"]) == (
             "zmq", "msgpack", 1,
         )  # fmt: skip
+
+
+async def test_render_gives_the_token_ids_a_request_would_run_as() -> None:
+    """vllm-router's kv_aware asks each instance for a request's token ids before it picks one
+    (`{"token_ids", "features"}` for chat, a list of them for completions)."""
+    app = make_app()
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "gateway": 1}
+    answer = await call(app, "POST", "/v1/chat/completions/render", chat)
+    assert answer.json() == {"token_ids": list(b"hi"), "features": None}
+    assert answer.headers[b"triode-ignored-fields"] == b"gateway"
+    prompts = {"model": "m", "prompt": ["ab", "c"]}
+    answer = await call(app, "POST", "/v1/completions/render", prompts)
+    assert answer.json() == [{"token_ids": list(b"ab"), "features": None},
+                             {"token_ids": list(b"c"), "features": None}]  # fmt: skip
+    ids = await call(app, "POST", "/v1/completions/render", {"prompt": [5, 6, 7]})
+    assert ids.json() == [{"token_ids": [5, 6, 7], "features": None}]
+    engine: StubEngine = app.engine  # type: ignore[assignment]
+    assert engine.sampled == []  # nothing ran
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "x", "prompt_embeds": "AAAA"}, "prompt_embeds"),
+        ({"prompt": [10**9]}, "prompt"),
+        ({"model": "nope", "prompt": "x"}, "model"),
+    ],
+)
+async def test_render_refuses_what_generation_would(body: dict[str, object], param: str) -> None:
+    app = make_app()
+    answer = await call(app, "POST", "/v1/completions/render", body)
+    assert answer.status in (400, 404)
+    assert answer.json()["error"]["param"] == param
