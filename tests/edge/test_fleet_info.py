@@ -22,6 +22,23 @@ async def test_each_needs_the_key_where_keys_are_set(path: str) -> None:
     assert (await call(app, "POST", path, key=KEY)).status == 405
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions/render", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions/render", {"prompt": "hi"}),
+    ],
+)
+async def test_render_needs_the_key_and_its_body_is_capped(
+    path: str, body: dict[str, object]
+) -> None:
+    app = make_app(api_keys=ApiKeys([KEY]), max_body_size=1024)
+    assert (await call(app, "POST", path, body)).status == 401
+    assert (await call(app, "POST", path, body, key=KEY)).status == 200
+    large = {**body, "padding": "x" * 2000}
+    assert (await call(app, "POST", path, large, key=KEY)).status == 413
+
+
 async def test_the_load_is_the_requests_running_and_waiting() -> None:
     app = make_app()
     engine: StubEngine = app.engine  # type: ignore[assignment]

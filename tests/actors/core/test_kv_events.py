@@ -142,6 +142,17 @@ def test_the_batch_is_an_array_of_tagged_maps_with_every_key() -> None:
     ]  # fmt: skip
 
 
+def test_events_are_off_and_on_loopback_unless_the_operator_says_otherwise() -> None:
+    """They carry prompt token ids: nothing is published unless asked, and then on loopback."""
+    config = parse_kv_events_config("{}")
+    assert not config.publishes
+    config = parse_kv_events_config('{"enable_kv_cache_events": true}')
+    assert config.publishes and config.endpoint == "tcp://127.0.0.1:5557"
+    assert config.replay_endpoint is None
+    off = parse_kv_events_config('{"enable_kv_cache_events": true, "publisher": "null"}')
+    assert not off.publishes
+
+
 @pytest.mark.parametrize(
     ("text", "problem"),
     [
