@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from .json_config import parse_config
 from .kv_seal import SECRET_RECIPE, read_secret
 from .messages import _HOT
 
@@ -146,16 +147,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
 def parse_kv_transfer_config(value: str | dict[str, Any] | KVTransferConfig) -> KVTransferConfig:
     """A config from its JSON text (the CLI's), a dict, or itself; ValueError when invalid."""
-    try:
-        if isinstance(value, KVTransferConfig):
-            return value
-        if isinstance(value, str):
-            return msgspec.json.decode(value, type=KVTransferConfig)
-        return msgspec.convert(value, KVTransferConfig)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"kv_transfer_config: {e}") from None
-    except msgspec.DecodeError as e:
-        raise ValueError(f"kv_transfer_config is not JSON: {e}") from None
+    return parse_config(value, KVTransferConfig, "kv_transfer_config")
 
 
 class KVExpose(msgspec.Struct, **_HOT):

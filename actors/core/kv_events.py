@@ -36,6 +36,7 @@ import trio
 import zmq
 
 from triode.wire import Socket
+from triode.wire.json_config import parse_config
 
 log = logging.getLogger(__name__)
 
@@ -75,17 +76,9 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 def parse_kv_events_config(value: str | dict[str, Any] | KVEventsConfig) -> KVEventsConfig:
-    """A config from its JSON text (the CLI's), a dict, or itself; ValueError when invalid."""
-    try:
-        if isinstance(value, KVEventsConfig):
-            return value
-        if isinstance(value, str):
-            return msgspec.json.decode(value, type=KVEventsConfig)
-        return msgspec.convert(value, KVEventsConfig)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"kv_events_config: {e}") from None
-    except msgspec.DecodeError as e:
-        raise ValueError(f"kv_events_config is not JSON: {e}") from None
+    """A config from its JSON text (the CLI's, at most 4096 characters), a dict, or itself;
+    ValueError when invalid."""
+    return parse_config(value, KVEventsConfig, "kv_events_config", max_chars=4096)
 
 
 def endpoint_of_rank(endpoint: str, rank: int) -> str:

@@ -6,11 +6,10 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import httpx
+from server import wait_for_health
 
 from triode.edge.bench.router_process import router_binary, router_command
 from triode.wire.ports import free_port
@@ -50,16 +49,7 @@ def running_router_command(
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"vllm-router exited early:\n{log.read_text(errors='replace')}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vllm-router did not come up:\n{log.read_text()}")
-            time.sleep(0.2)
+        wait_for_health(process, url, log, START_TIMEOUT)
         yield url
     finally:
         with contextlib.suppress(ProcessLookupError):

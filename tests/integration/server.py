@@ -115,13 +115,21 @@ def _started(args: list[str], log: Path, env: dict[str, str] | None) -> Iterator
 
 
 def _wait_healthy(server: Server) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
+    wait_for_health(server.process, server.url, server.log, START_TIMEOUT)
+
+
+def wait_for_health(
+    process: subprocess.Popen[bytes], url: str, log: Path, within: float, poll: float = 0.2
+) -> None:
+    """Until `GET {url}/health` answers 200: RuntimeError (with the log) if `process` exits
+    first, TimeoutError after `within` seconds."""
+    deadline = time.monotonic() + within
     while True:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"triode serve exited early:\n{server.output()}")
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args!r} exited early:\n{log.read_text('replace')}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"triode serve did not come up:\n{server.output()}")
-        time.sleep(0.2)
+            raise TimeoutError(f"{process.args!r} did not come up:\n{log.read_text('replace')}")
+        time.sleep(poll)

@@ -33,7 +33,7 @@ import trio
 from kv_secret import secret_file
 from reference import Reference
 from router import pd_router_command, running_router_command
-from server import Server, free_port, running_server, running_servers
+from server import Server, free_port, running_server, running_servers, wait_for_health
 
 from triode.wire.kv_seal import read_secret, seal, seal_remote_decode
 
@@ -74,14 +74,7 @@ def running_proxy(prefill: list[str], decode: list[str], secret: str, log: Path)
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert process.poll() is None, log.read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        wait_for_health(process, url, log, 30, poll=0.1)
         yield url
     finally:
         process.send_signal(signal.SIGINT)

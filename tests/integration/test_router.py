@@ -25,7 +25,7 @@ import openai
 import pytest
 import trio
 from router import running_router
-from server import Server, running_servers
+from server import START_TIMEOUT, Server, running_servers, wait_for_health
 
 from triode.edge.bench.router_process import kv_events_config
 from triode.edge.ignored_fields import HEADER
@@ -227,14 +227,7 @@ def _instance_on(port: int, args: list[str], log: Path) -> Iterator[subprocess.P
             start_new_session=True,
         )
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, log.read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        wait_for_health(process, f"http://127.0.0.1:{port}", log, START_TIMEOUT)
         yield process
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from triode.wire.json_config import parse_config
+
 METHODS = ("ngram", "suffix")
 # the most tokens one step may propose for a request: every one is a row of the verify forward
 MAX_SPECULATIVE_TOKENS = 32
@@ -73,15 +75,4 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 
 def parse_speculative_config(value: str | dict[str, Any] | SpeculativeConfig) -> SpeculativeConfig:
     """A config from its JSON text (the CLI's), a dict, or itself; ValueError when invalid."""
-    try:
-        if isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            if len(value) > 4096:
-                raise ValueError("speculative_config: over 4096 characters")
-            return msgspec.json.decode(value, type=SpeculativeConfig)
-        return msgspec.convert(value, SpeculativeConfig)
-    except msgspec.ValidationError as e:
-        raise ValueError(f"speculative_config: {e}") from None
-    except msgspec.DecodeError as e:
-        raise ValueError(f"speculative_config is not JSON: {e}") from None
+    return parse_config(value, SpeculativeConfig, "speculative_config", max_chars=4096)
