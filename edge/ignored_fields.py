@@ -10,6 +10,12 @@ an operator's command must not silently do something else.
 
 What is ignored never goes further than this module: the typed decode drops it, and the body
 limit counts it like any other byte. Nested objects (messages, content parts) stay strict.
+
+A body is decoded strictly first, which costs nothing more when every field is known (the
+common case). Only when the strict decode stops at an unknown top-level field is it decoded
+again without them, and its keys listed: all of them for a body of at most `MAX_SCANNED`
+bytes, else just the first (listing every key of a large body of tiny ones would cost many
+times its decode).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import types
+from typing import TypeVar
 
 import msgspec
 
@@ -30,16 +38,30 @@ HEADER = b"triode-ignored-fields"
 _NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}\Z")
 MAX_LISTED = 16  # names in one response's header
 MAX_LOGGED = 256  # distinct names logged by one process; a client inventing names logs no more
+MAX_SCANNED = 64 << 10  # bodies whose every unknown key is listed
 
 _keys = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _logged: set[str] = set()
+_UNKNOWN_AT_TOP = re.compile(r"Object contains unknown field `(.*)`\Z", re.S)
+
+_BodyT = TypeVar("_BodyT", bound=msgspec.Struct)
 
 
-def ignored_fields(body: bytes, kind: type[msgspec.Struct]) -> list[str]:
-    """The top-level keys of the JSON object `body` that `kind` has no field for, in the
-    order given. `body` must already have decoded as `kind`."""
+def decode_body(body: bytes, kind: type[_BodyT]) -> tuple[_BodyT, list[str]]:
+    """`body` as a `kind`, and the top-level fields it ignored (see the module's docstring).
+    Raises what msgspec's decoders raise for anything else wrong with it."""
+    strict, lenient = _decoders(kind)
+    try:
+        return strict.decode(body), []
+    except msgspec.ValidationError as e:
+        unknown = _UNKNOWN_AT_TOP.match(str(e))
+        if unknown is None:
+            raise
+    request = lenient.decode(body)
+    if len(body) > MAX_SCANNED:
+        return request, [unknown.group(1)]
     known = _known(kind)
-    return [name for name in _keys.decode(body) if name not in known]
+    return request, [name for name in _keys.decode(body) if name not in known]
 
 
 def announce(request: Request, names: list[str]) -> None:
@@ -57,6 +79,15 @@ def announce(request: Request, names: list[str]) -> None:
             request.path,
             ", ".join(new),
         )
+
+
+@functools.cache
+def _decoders(
+    kind: type[_BodyT],
+) -> tuple[msgspec.json.Decoder[_BodyT], msgspec.json.Decoder[_BodyT]]:
+    """A strict decoder of `kind` (a subclass that refuses unknown fields), and `kind`'s own."""
+    strict = types.new_class(kind.__name__, (kind,), {"forbid_unknown_fields": True})
+    return msgspec.json.Decoder(strict), msgspec.json.Decoder(kind)
 
 
 @functools.cache

@@ -50,6 +50,7 @@ STRING_IMPORTS = {
     "triode.edge.bench.lora",
     "triode.edge.bench.llamacpp",
     "triode.edge.bench.spec",
+    "triode.edge.bench.fleet",
     "triode.edge.bench.moe",
     "triode.edge.bench.serve",
     "triode.edge.bench.structured",

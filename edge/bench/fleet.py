@@ -32,7 +32,6 @@ each other, are what carry over.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shutil
@@ -56,7 +55,7 @@ from .fleet_report import (
     not_run,
     summarize,
 )
-from .fleet_workload import Conversation, build_conversations, run_workload
+from .fleet_workload import Conversation, build_conversations, probe, run_workload, warm_up
 from .frontend import cpu_model
 from .router_process import POLICIES, kv_events_config, router_command
 from .serve import KEEPALIVE_EXPIRY
@@ -176,19 +175,6 @@ async def reset_caches(client: httpx.AsyncClient, instances: Sequence[Instance])
             raise RuntimeError(f"{instance.url} did not reset its prefix cache: {response.text}")
 
 
-async def warm_up(client: httpx.AsyncClient, urls: Sequence[str], model: str, times: int) -> None:
-    """`times` short requests to `urls` in turn, not measured: the first request's costs (an
-    instance's first step, the router's connections). Raises `RuntimeError` if one fails."""
-    turn = itertools.cycle(urls)
-    conversation = Conversation(-1, -1, "Warm-up.", ("Hello?",))
-    for _ in range(times):
-        results, _ = await run_workload(
-            client, [next(turn)], [conversation], model=model, max_tokens=2, concurrency=1
-        )
-        if not results[0].ok:
-            raise RuntimeError(f"a warm-up request failed: {results[0].error}")
-
-
 async def run_count(
     count: int, args: argparse.Namespace, conversations: Sequence[Conversation]
 ) -> tuple[int, list[dict[str, Any]]]:
@@ -218,6 +204,9 @@ async def run_count(
             try:
                 async with open_entry(config, instances) as urls:
                     await warm_up(client, urls, model, count)
+                    idle = None
+                    if config == "round_robin":
+                        idle = await probe(client, urls[0], [i.url for i in instances], model)
                     await reset_caches(client, instances)
                     before = await read_counters(client, instances)
                     results, duration = await run_workload(
@@ -229,6 +218,8 @@ async def run_count(
                 summaries.append(not_run(config, count, expected, f"{type(e).__name__}: {e}"))
                 continue
             summary = summarize(config, results, duration, before, after, expected)
+            if idle is not None:
+                summary["idle_ttft_p50_ms"] = {"router": idle[0], "direct": idle[1]}
             summary["requests"] = [{**asdict(r), "itl": None} for r in results]
             summaries.append(summary)
     return system, summaries
@@ -296,9 +287,7 @@ def header(args: argparse.Namespace, argv: Sequence[str]) -> str:
     """What ran where, and what the figures mean."""
     cpus = sorted(os.sched_getaffinity(0))
     groups = -(-args.users // args.group_size)
-    shares = ", ".join(
-        f"{n} instances: {len(instance_cpus(0, n, cpus))} CPU(s) each" for n in args.instance_counts
-    )
+    shares = ", ".join(f"{n} instances: {_share(n, len(cpus))}" for n in args.instance_counts)
     pinning = (
         "pinned with taskset; triode runs a torch thread per CPU it may use"
         if shutil.which("taskset")
@@ -320,6 +309,30 @@ def header(args: argparse.Namespace, argv: Sequence[str]) -> str:
     ])  # fmt: skip
 
 
+def _share(count: int, cpus: int) -> str:
+    if count <= cpus:
+        return f"{cpus // count} CPU(s) each"
+    return f"1 CPU each, {-(-count // cpus)} to a CPU"
+
+
+def run_or_error(
+    count: int, args: argparse.Namespace, conversations: Sequence[Conversation]
+) -> tuple[int, list[dict[str, Any]]] | str:
+    """`run_count`'s result, or what stopped it (an instance that did not start or serve), its
+    exceptions' messages one after the other."""
+    try:
+        return trio.run(run_count, count, args, conversations)
+    except* (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as group:
+        errors = [f"{type(e).__name__}: {e}" for e in _leaves(group)]
+    return "\n".join(errors)
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for e in error.exceptions for leaf in _leaves(e)]
+    return [error]
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -329,12 +342,17 @@ def main(argv: list[str] | None = None) -> None:
     print(header(args, argv), flush=True)
     report: dict[str, Any] = {"config": {**vars(args), "json": str(args.json)}, "runs": []}
     for count in args.instance_counts:
-        system, summaries = trio.run(run_count, count, args, conversations)
-        print(f"system prompt of group 0: {system} tokens")
-        print(format_table(summaries) + "\n", flush=True)
-        report["runs"].append({"instances": count, "system_prompt_tokens": system,
-                               "summaries": summaries})  # fmt: skip
-        if args.json:
+        outcome = run_or_error(count, args, conversations)
+        if isinstance(outcome, str):
+            print(f"{count} instances did not run:\n{outcome}\n", flush=True)
+            report["runs"].append({"instances": count, "error": outcome})
+        else:
+            system, summaries = outcome
+            print(f"system prompt of group 0: {system} tokens")
+            print(format_table(summaries) + "\n", flush=True)
+            report["runs"].append({"instances": count, "system_prompt_tokens": system,
+                                   "summaries": summaries})  # fmt: skip
+        if args.json:  # after each count: a later one that hangs or is interrupted loses none
             args.json.write_text(json.dumps(json_safe(report), indent=2))
 
 

@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import random
+import statistics
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import aclosing
@@ -232,3 +233,36 @@ async def run_workload(
         for conversation in conversations:
             nursery.start_soon(user, conversation)
     return results, time.perf_counter() - start
+
+
+WARM_UP = Conversation(-1, -1, "Warm-up.", ("Hello?",))
+
+
+async def warm_up(client: httpx.AsyncClient, urls: Sequence[str], model: str, times: int) -> None:
+    """`times` short requests to `urls` in turn, not measured: the first request's costs (an
+    instance's first step, the router's connections). Raises `RuntimeError` if one fails."""
+    turn, body = itertools.cycle(urls), chat_body(model, messages_for(WARM_UP, 0, []), 2)
+    for _ in range(times):
+        result = await stream_chat(client, next(turn), body)
+        if not result.ok:
+            raise RuntimeError(f"a warm-up request failed: {result.error}")
+
+
+async def probe(
+    client: httpx.AsyncClient, router: str, urls: Sequence[str], model: str, pairs: int = 50
+) -> tuple[float, float]:
+    """TTFT medians in milliseconds of `pairs` one-token requests through `router` and as many
+    straight to `urls` in turn, one at a time and alternating, on an otherwise idle fleet: what
+    the router adds, without a loaded run's queueing noise. Raises `RuntimeError` if one
+    fails."""
+    body = chat_body(model, messages_for(WARM_UP, 0, []), 1)
+    direct = itertools.cycle(urls)
+    ttfts: tuple[list[float], list[float]] = ([], [])
+    for pair in range(pairs):
+        legs = [(router, ttfts[0]), (next(direct), ttfts[1])]
+        for url, times in legs[:: 1 if pair % 2 else -1]:
+            result = await stream_chat(client, url, body)
+            if not result.ok:
+                raise RuntimeError(f"a probe request failed: {result.error}")
+            times.append(result.ttft)
+    return statistics.median(ttfts[0]) * 1e3, statistics.median(ttfts[1]) * 1e3

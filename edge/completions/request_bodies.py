@@ -11,7 +11,6 @@ answer.
 
 from __future__ import annotations
 
-import functools
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgspec
@@ -19,7 +18,7 @@ from msgspec import Meta
 
 from ..errors import APIError, validation_error
 from ..http import Request
-from ..ignored_fields import announce, ignored_fields
+from ..ignored_fields import announce, decode_body
 
 _TokenId = Annotated[int, Meta(ge=0)]
 _Count = Annotated[int, Meta(ge=1)]
@@ -346,20 +345,15 @@ def decode_request(body: bytes, kind: type[_RequestT], http: Request | None = No
     """Decode and validate a JSON body; any failure raises a 400 `APIError` naming the field.
     The top-level fields it ignored are announced on `http`'s response."""
     try:
-        request = _decoder(kind).decode(body)
+        request, ignored = decode_body(body, kind)
     except (msgspec.DecodeError, ValueError) as e:
         raise validation_error(e) from e
     except RecursionError:  # msgspec's limit on nesting in `Any` fields
         raise APIError(400, "invalid JSON: nested too deeply") from None
     request.unsupported()
     if http is not None:
-        announce(http, ignored_fields(body, kind))
+        announce(http, ignored)
     return request
-
-
-@functools.cache
-def _decoder(kind: type[_RequestT]) -> msgspec.json.Decoder[_RequestT]:
-    return msgspec.json.Decoder(kind)
 
 
 def _check(ok: bool, field: str, why: str) -> None:

@@ -15,6 +15,7 @@ from app_harness import StubEngine, call
 
 from triode.edge import ignored_fields
 from triode.edge.app import App
+from triode.edge.completions.request_bodies import CompletionRequest
 from triode.edge.settings import Settings
 
 CHAT = "/v1/chat/completions"
@@ -166,3 +167,27 @@ async def test_responses_ignore_unknown_fields_too() -> None:
         )  # fmt: skip
     assert answer.status == 200, answer.body
     assert answer.headers[HEADER] == b"gateway_trace"
+
+
+async def test_a_large_body_of_unknown_keys_costs_one_more_decode_and_names_only_the_first() -> (
+    None
+):
+    """Listing every key of a large body of tiny ones would cost several times its decode:
+    past `MAX_SCANNED` bytes only the first unknown field is named (the strict decode stops
+    there)."""
+    app = _app()
+    many = {f"k{i}": 0 for i in range(ignored_fields.MAX_SCANNED // 8)}
+    body = _body(COMPLETIONS, **many)
+    answer = await call(app, "POST", COMPLETIONS, body)
+    assert answer.status == 200
+    assert answer.headers[HEADER] == b"k0"
+    few = await call(app, "POST", COMPLETIONS, _body(COMPLETIONS, a=1, b=2))
+    assert few.headers[HEADER] == b"a, b"
+
+
+def test_a_body_with_only_known_fields_decodes_once_strictly() -> None:
+    request, ignored = ignored_fields.decode_body(
+        b'{"prompt": "hi", "max_tokens": 2}', CompletionRequest
+    )
+    assert ignored == [] and isinstance(request, CompletionRequest)
+    assert request.max_tokens == 2

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from triode.edge.bench import fleet
 from triode.edge.bench.fleet import (
     CONFIGS,
     Instance,
@@ -31,9 +33,11 @@ from triode.edge.bench.fleet_workload import (
     ChatResult,
     build_conversations,
     messages_for,
+    probe,
     run_workload,
     stream_chat,
     system_prompt,
+    warm_up,
 )
 
 
@@ -163,6 +167,27 @@ async def test_a_failed_turn_ends_its_users_conversation() -> None:
     assert [(r.turn, r.ok, r.status) for r in results] == [(0, True, 200), (1, False, 500)]
 
 
+async def test_the_idle_probe_alternates_the_router_with_each_instance_in_turn() -> None:
+    hosts: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        hosts.append(request.url.host)
+        return httpx.Response(200, content=_sse(OPENING, _delta(content="x"), USAGE))
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        router, direct = await probe(client, "http://r", ["http://a", "http://b"], "m", pairs=4)
+
+    assert hosts == ["a", "r", "r", "b", "a", "r", "r", "b"]
+    assert router > 0 and direct > 0
+
+
+async def test_a_failed_warm_up_request_stops_the_run() -> None:
+    transport = httpx.MockTransport(lambda request: httpx.Response(404, content=b"no model"))
+    async with httpx.AsyncClient(transport=transport) as client:
+        with pytest.raises(RuntimeError, match="warm-up request failed: HTTP 404"):
+            await warm_up(client, ["http://a"], "m", 1)
+
+
 EXPOSITION = """\
 # HELP triode:prefix_cache_queries_total Prompt tokens looked up.
 # TYPE triode:prefix_cache_queries_total counter
@@ -220,7 +245,10 @@ def _rows(table: str) -> dict[str, list[str]]:
 def test_the_table_has_a_row_per_configuration_and_compares_with_round_robin() -> None:
     summaries = [
         _summary("direct", [0.100, 0.200], (300.0, 0.0)),
-        _summary("round_robin", [0.1005, 0.2005], (300.0, 0.0)),
+        {
+            **_summary("round_robin", [0.1005, 0.2005], (300.0, 0.0)),
+            "idle_ttft_p50_ms": {"router": 20.25, "direct": 20.0},
+        },
         _summary("kv_aware", [0.050, 0.150], (600.0, 0.0)),
     ]
 
@@ -230,8 +258,10 @@ def test_the_table_has_a_row_per_configuration_and_compares_with_round_robin() -
     assert list(rows) == ["direct", "round_robin", "kv_aware"]
     assert rows["kv_aware"][:2] == ["30.0", "100.0"]  # hit rate %, TTFT p50 ms
     assert rows["direct"][-2:] == ["2/0", "50/50"]
-    assert "router's added latency: +0.50 ms" in table and "target < 1 ms: met" in table
+    assert "router's added latency under load: +0.50 ms" in table
+    assert "added latency idle: +0.25 ms" in table and "target < 1 ms: met" in table
     assert "kv_aware hit rate: 2.00x round_robin's" in table and ">= 1.8x: met" in table
+    assert "a 100% hit rate would be 6.67x" in table
     assert "kv_aware TTFT p50: 100.0 ms vs round_robin 150.5 ms: lower" in table
 
 
@@ -297,3 +327,24 @@ def test_the_header_names_the_machine_the_command_and_the_workload() -> None:
 
     assert "cores" in text and "command: triode bench fleet --instances 2 --users 8" in text
     assert "8 users in 2 group(s) of 4" in text and "not a fleet's of real machines" in text
+
+
+def test_a_run_prints_a_table_per_instance_count_and_the_failed_counts_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def run_count(count: int, args: Any, conversations: Any) -> tuple[int, list[Any]]:
+        if count == 4:
+            raise RuntimeError("the server exited with status 1 before it was ready")
+        return 600, [_summary(c, [0.1, 0.2], (300.0, 0.0)) for c in args.policies]
+
+    monkeypatch.setattr(fleet, "run_count", run_count)
+    out = tmp_path / "fleet.json"
+
+    fleet.main(["--instances", "2,4", "--policies", "direct,round_robin", "--json", str(out)])
+
+    printed = capsys.readouterr().out
+    assert list(_rows(printed)) == ["direct", "round_robin"]
+    assert "4 instances did not run:\nRuntimeError: the server exited" in printed
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["instances"] for r in runs] == [2, 4] and "error" in runs[1]
+    assert runs[0]["system_prompt_tokens"] == 600
