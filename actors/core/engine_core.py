@@ -152,6 +152,9 @@ class EngineCore:
                 scheduler_output = self.scheduler.schedule(
                     max_requests=self._micro_batch(depth), preempt=not in_flight
                 )
+                # blocks are registered as they are scheduled: a router hears of them while
+                # the step computes them, not a step later
+                self._publish_kv_events()
                 self.loras.tend()  # load what waiting requests want, drop what none holds
                 if scheduler_output.requests or scheduler_output.kv_connector_metadata:
                     self.operations.timeline.scheduled(scheduler_output)

@@ -12,7 +12,8 @@ each starts cold; each router runs on free ports of its own and only for its con
 The workload: `--users` users in groups of `--group-size`, each group with a system prompt of
 about `--system-tokens` tokens of its own; each user sends `--turns` questions in order, turn k
 carrying the system prompt, the user's earlier questions with the answers it got, and a new
-question; greedy answers of `--max-tokens` tokens (`ignore_eos`), streamed. `--concurrency`
+question; greedy answers of `--max-tokens` tokens (`ignore_eos`), streamed; user i arrives
+`i * --arrival-interval` seconds after the first (default: all at once). `--concurrency`
 users (by default all) chat at once.
 
 Prints per configuration the prefix-cache hit rate (prompt tokens found in the cache over those
@@ -212,6 +213,7 @@ async def run_count(
                     results, duration = await run_workload(
                         client, urls, conversations, model=model,
                         max_tokens=args.max_tokens, concurrency=concurrency,
+                        arrival_interval=args.arrival_interval,
                     )  # fmt: skip
                     after = await read_counters(client, instances)
             except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as e:
@@ -266,6 +268,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--system-tokens", type=int, default=1000, help="system prompt length")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer")
     parser.add_argument("--concurrency", type=int, help="users at once (default: all)")
+    parser.add_argument(
+        "--arrival-interval",
+        type=float,
+        default=0.0,
+        help="seconds between two users' first requests (default 0: all arrive at once)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the summaries here")
     args = parser.parse_args(argv)
@@ -278,6 +286,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("users", "turns", "group_size", "system_tokens", "max_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.arrival_interval < 0:
+        parser.error("--arrival-interval must be >= 0")
     if args.concurrency is not None and args.concurrency < 1:
         parser.error("--concurrency must be >= 1")
     return args
@@ -300,7 +310,8 @@ def header(args: argparse.Namespace, argv: Sequence[str]) -> str:
         f"workload: {args.users} users in {groups} group(s) of {args.group_size} sharing a "
         f"~{args.system_tokens}-token system prompt, {args.turns} turns each, "
         f"{args.max_tokens} greedy tokens per answer, "
-        f"{args.concurrency or args.users} users at once",
+        f"{args.concurrency or args.users} users at once, arriving "
+        + (f"{args.arrival_interval:g} s apart" if args.arrival_interval else "together"),
         f"instances: the default model, --max-model-len {MAX_MODEL_LEN}; {shares} ({pinning})",
         "The instances, the router and this client share these cores: absolute tok/s and TTFT "
         "are not a fleet's of real machines; the hit rates, and each table's TTFTs against "

@@ -214,15 +214,18 @@ async def run_workload(
     model: str,
     max_tokens: int,
     concurrency: int,
+    arrival_interval: float = 0.0,
 ) -> tuple[list[ChatResult], float]:
-    """Every conversation, at most `concurrency` users at a time; their requests go to `urls`
-    in turn, request by request. The results in the order they ended, and the time taken.
-    Cancelling it abandons the requests in flight."""
+    """Every conversation, at most `concurrency` users at a time, user i arriving
+    `i * arrival_interval` seconds after the first; their requests go to `urls` in turn,
+    request by request. The results in the order they ended, and the time taken. Cancelling it
+    abandons the requests in flight."""
     limiter = trio.CapacityLimiter(concurrency)
     turn = itertools.cycle(urls)
     results: list[ChatResult] = []
 
-    async def user(conversation: Conversation) -> None:
+    async def user(index: int, conversation: Conversation) -> None:
+        await trio.sleep(index * arrival_interval)
         async with limiter:
             await run_user(
                 client, turn, conversation, model=model, max_tokens=max_tokens, results=results
@@ -230,8 +233,8 @@ async def run_workload(
 
     start = time.perf_counter()
     async with trio.open_nursery() as nursery:
-        for conversation in conversations:
-            nursery.start_soon(user, conversation)
+        for index, conversation in enumerate(conversations):
+            nursery.start_soon(user, index, conversation)
     return results, time.perf_counter() - start
 
 

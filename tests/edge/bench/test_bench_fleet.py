@@ -4,6 +4,7 @@ and the instances' command lines. No server and no router runs here."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import shutil
@@ -12,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+import trio
 
 from triode.edge.bench import fleet
 from triode.edge.bench.fleet import (
@@ -150,6 +152,24 @@ async def test_the_workload_takes_urls_in_turn_and_feeds_each_answer_to_the_next
     assert [host for host, _ in seen].count("a") == 3
     last = [messages for _, messages in seen if len(messages) == 6]
     assert [m["content"] for m in last[0] if m["role"] == "assistant"] == ["answer 0", "answer 1"]
+
+
+async def test_users_arrive_an_interval_apart() -> None:
+    """With `--arrival-interval`, user i's first request waits i intervals (trio's clock)."""
+    started: list[float] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        started.append(trio.current_time())
+        return httpx.Response(200, content=_sse(OPENING, _delta(content="a"), USAGE))
+
+    conversations = build_conversations(3, 1, 3, 40, seed=0)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        await run_workload(
+            client, ["http://a"], conversations, model="m", max_tokens=1, concurrency=3,
+            arrival_interval=0.2,
+        )  # fmt: skip
+    gaps = [b - a for a, b in itertools.pairwise(started)]
+    assert len(started) == 3 and all(0.15 < gap < 0.5 for gap in gaps), gaps
 
 
 async def test_a_failed_turn_ends_its_users_conversation() -> None:
@@ -291,7 +311,7 @@ def test_the_options_default_to_two_and_four_instances_under_every_configuration
 @pytest.mark.parametrize(
     "argv",
     [["--instances", "two"], ["--instances", "0"], ["--policies", "nearest"], ["--turns", "0"],
-     ["--concurrency", "0"]],
+     ["--concurrency", "0"], ["--arrival-interval", "-1"]],
 )  # fmt: skip
 def test_the_options_refuse_what_cannot_run(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
