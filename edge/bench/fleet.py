@@ -98,11 +98,15 @@ def instance_cpus(index: int, count: int, cpus: Sequence[int]) -> list[int]:
     return list(cpus[index * per : (index + 1) * per])
 
 
-def instance_command(instance: Instance, cpus: Sequence[int]) -> tuple[list[str], dict[str, str]]:
+def instance_command(
+    instance: Instance, cpus: Sequence[int], kv_cache_memory: str | None = None
+) -> tuple[list[str], dict[str, str]]:
     """The instance's command line, pinned to `cpus` with `taskset` where there is one (triode
     runs a torch thread per CPU it may use), and its environment."""
     command = serve_command(None, instance.port)
     command += ["--max-model-len", str(MAX_MODEL_LEN), "--enable-admin-api"]
+    if kv_cache_memory is not None:
+        command += ["--kv-cache-memory", kv_cache_memory]
     command += ["--kv-events-config", kv_events_config(instance.events_port, instance.replay_port)]
     taskset = shutil.which("taskset")
     if taskset:
@@ -112,7 +116,9 @@ def instance_command(instance: Instance, cpus: Sequence[int]) -> tuple[list[str]
 
 
 @asynccontextmanager
-async def open_instances(count: int) -> AsyncIterator[list[Instance]]:
+async def open_instances(
+    count: int, kv_cache_memory: str | None = None
+) -> AsyncIterator[list[Instance]]:
     """`count` instances, started at once, until each answers `/health`; all stop on exit.
     Raises what `open_server` raises for any of them."""
     instances = [Instance() for _ in range(count)]
@@ -120,7 +126,9 @@ async def open_instances(count: int) -> AsyncIterator[list[Instance]]:
     done = trio.Event()
 
     async def serve(instance: Instance, index: int, *, task_status: Any) -> None:
-        command, env = instance_command(instance, instance_cpus(index, count, cpus))
+        command, env = instance_command(
+            instance, instance_cpus(index, count, cpus), kv_cache_memory
+        )
         async with open_server(command, instance.url, ready_timeout=READY_TIMEOUT, env=env):
             task_status.started()
             await done.wait()
@@ -194,7 +202,7 @@ async def run_count(
     summaries = []
     print(f"starting {count} instances", file=sys.stderr)
     async with (
-        open_instances(count) as instances,
+        open_instances(count, args.kv_cache_memory) as instances,
         httpx.AsyncClient(limits=limits, timeout=timeout) as client,
     ):
         model = await _model_id(client, instances[0])
@@ -269,6 +277,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per answer")
     parser.add_argument("--concurrency", type=int, help="users at once (default: all)")
     parser.add_argument(
+        "--kv-cache-memory",
+        help="each instance's KV cache (triode serve --kv-cache-memory; default: its own): "
+        "a cache that cannot hold every group's prompt is where routing by cache matters",
+    )
+    parser.add_argument(
         "--arrival-interval",
         type=float,
         default=0.0,
@@ -312,7 +325,9 @@ def header(args: argparse.Namespace, argv: Sequence[str]) -> str:
         f"{args.max_tokens} greedy tokens per answer, "
         f"{args.concurrency or args.users} users at once, arriving "
         + (f"{args.arrival_interval:g} s apart" if args.arrival_interval else "together"),
-        f"instances: the default model, --max-model-len {MAX_MODEL_LEN}; {shares} ({pinning})",
+        f"instances: the default model, --max-model-len {MAX_MODEL_LEN}"
+        + (f", --kv-cache-memory {args.kv_cache_memory}" if args.kv_cache_memory else "")
+        + f"; {shares} ({pinning})",
         "The instances, the router and this client share these cores: absolute tok/s and TTFT "
         "are not a fleet's of real machines; the hit rates, and each table's TTFTs against "
         "each other, are the comparable figures.",

@@ -338,6 +338,9 @@ def test_an_instance_publishes_its_kv_events_and_serves_the_admin_api() -> None:
     assert env["OMP_NUM_THREADS"] == "1"
     if shutil.which("taskset"):
         assert command[1:3] == ["-c", "1"]
+    assert "--kv-cache-memory" not in command
+    small, _ = instance_command(instance, [1], "192MiB")
+    assert small[small.index("--kv-cache-memory") + 1] == "192MiB"
 
 
 def test_the_header_names_the_machine_the_command_and_the_workload() -> None:
