@@ -3,8 +3,9 @@ cached (vllm-router's `kv_aware`, llm-d, Dynamo).
 
 The engine core's cache records what changes as it changes (`KVEventLog`): a block registered
 in the prefix cache is `BlockStored`, one evicted is `BlockRemoved`, a cache forgotten at once
-(`reset_prefix_cache`, sleep, a weight update) is `AllBlocksCleared`. After each step the
-events of that step leave as one msgpack `KVEventBatch` over a ZMQ PUB socket
+(`reset_prefix_cache`, sleep, a weight update) is `AllBlocksCleared`. The changes leave as one
+msgpack `KVEventBatch` after each scheduling (blocks are registered as they are scheduled, so a
+router hears of a prefill while it computes), each step and each operation, over a ZMQ PUB socket
 (`KVEventPublisher`), in vLLM's frames `[topic, sequence number (8 bytes, big-endian),
 payload]`, numbered from 0; a ROUTER socket, where configured, resends the batches from a
 sequence number on: a request `[b"", 8-byte start]` is answered with `[b"", topic, seq,
@@ -47,6 +48,9 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 # A replay request is one 8-byte frame after the ROUTER's identity and delimiter; anything
 # larger is dropped by ZMQ before it is read.
 MAX_REPLAY_REQUEST = 64
+# The most batches kept for replay or queued: each is about half a KiB for a step of decodes,
+# more for prefills; vLLM's defaults are 10,000 and 100,000.
+MAX_BATCHES_KEPT = 1_000_000
 
 
 class KVEventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -65,8 +69,8 @@ class KVEventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def __post_init__(self) -> None:
         for name in ("buffer_steps", "max_queue_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"kv_events_config.{name} must be >= 1")
+            if not 1 <= getattr(self, name) <= MAX_BATCHES_KEPT:
+                raise ValueError(f"kv_events_config.{name} must be 1 to {MAX_BATCHES_KEPT}")
         if self.hwm < 0:
             raise ValueError("kv_events_config.hwm must be >= 0")
 

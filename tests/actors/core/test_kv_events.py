@@ -157,6 +157,8 @@ def test_events_are_off_and_on_loopback_unless_the_operator_says_otherwise() -> 
     ("text", "problem"),
     [
         ('{"enable_kv_cache_events": true, "buffer_steps": 0}', "buffer_steps"),
+        ('{"enable_kv_cache_events": true, "max_queue_size": 1000001}', "max_queue_size"),
+        ('{"topic": "' + "t" * 5000 + '"}', "4096 characters"),
         ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher"),
         ('{"enable_kv_cache_events": true, "endpont": "tcp://*:1"}', "endpont"),
         ("{", "not JSON"),
