@@ -118,6 +118,10 @@ def _wait_healthy(server: Server) -> None:
     wait_for_health(server.process, server.url, server.log, START_TIMEOUT)
 
 
+def _read(log: Path) -> str:
+    return log.read_text(errors="replace")
+
+
 def wait_for_health(
     process: subprocess.Popen[bytes], url: str, log: Path, within: float, poll: float = 0.2
 ) -> None:
@@ -126,10 +130,10 @@ def wait_for_health(
     deadline = time.monotonic() + within
     while True:
         if process.poll() is not None:
-            raise RuntimeError(f"{process.args!r} exited early:\n{log.read_text('replace')}")
+            raise RuntimeError(f"{process.args!r} exited early:\n{_read(log)}")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{process.args!r} did not come up:\n{log.read_text('replace')}")
+            raise TimeoutError(f"{process.args!r} did not come up:\n{_read(log)}")
         time.sleep(poll)

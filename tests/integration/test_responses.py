@@ -316,7 +316,7 @@ def test_a_down_slow_or_failing_tool_is_an_error_item_not_a_failure(
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"input": "x", "temprature": 1}, "temprature"),
+        ({"input": "x", "text": {"format": {"type": "text"}, "colour": 1}}, "text.colour"),
         ({"input": "x", "tools": [{"type": "web_search_preview"}]}, "tools[0].type"),
         ({"input": "x", "tools": [{"type": "mcp", "server_label": "x",
                                    "require_approval": "always"}]},
