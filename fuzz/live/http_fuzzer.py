@@ -72,8 +72,12 @@ def under_v1(target: bytes) -> bool:
 
 def needs_key(target: bytes) -> bool:
     """Whether a request target names, by any reading, a route that only a key may reach:
-    anything under `/v1`, `/tokenize` and `/detokenize`."""
-    return under_v1(target) or _any_reading(target) in ("/tokenize", "/detokenize")
+    anything under `/v1`, `/tokenize`, `/detokenize` and what routers ask (`/get_load`,
+    `/get_server_info`, `/kv_event_sources`)."""
+    return under_v1(target) or _any_reading(target) in _KEYED
+
+
+_KEYED = ("/tokenize", "/detokenize", "/get_load", "/get_server_info", "/kv_event_sources")
 
 
 def _any_reading(target: bytes) -> str:

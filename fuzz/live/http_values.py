@@ -8,8 +8,14 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-GET_ROUTES = [b"/v1/models", b"/health", b"/version", b"/metrics"]
-POST_ROUTES = [b"/v1/completions", b"/v1/chat/completions", b"/tokenize", b"/detokenize"]
+GET_ROUTES = [
+    b"/v1/models", b"/health", b"/version", b"/metrics", b"/get_load", b"/get_server_info",
+    b"/kv_event_sources",
+]  # fmt: skip
+POST_ROUTES = [
+    b"/v1/completions", b"/v1/chat/completions", b"/tokenize", b"/detokenize",
+    b"/v1/completions/render", b"/v1/chat/completions/render",
+]  # fmt: skip
 METHODS = [
     b"GET", b"POST", b"PUT", b"DELETE", b"OPTIONS", b"PATCH", b"HEAD", b"TRACE", b"CONNECT",
     b"get", b"Post", b"PROPFIND", b"FUZZ", b"G" * 1000, b"G\x00T", b"G\xc3\xa9T", b"", b"GET GET",
