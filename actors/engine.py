@@ -140,8 +140,16 @@ class Engine:
         """The scheduler's stats as of the last output received, summed over engine cores."""
         return sum_stats([c.stats for c in self._clients])
 
-    def _pick(self) -> EngineCoreClient:
-        """The live engine core with the shortest queue; ties go round in turn."""
+    def _pick(self, rank: int | None = None) -> EngineCoreClient:
+        """Engine core `rank` where one is asked for and it lives; else the live engine core
+        with the shortest queue, ties going round in turn."""
+        if rank is not None:
+            if not 0 <= rank < len(self._clients):
+                raise RequestError(
+                    f"data_parallel_rank must be 0 to {len(self._clients) - 1}, not {rank}"
+                )
+            if self._clients[rank].dead is None:
+                return self._clients[rank]
         live = [c for c in self._clients if c.dead is None]
         if not live:
             raise self._clients[0].dead or EngineDeadError("no engine core is running")
@@ -161,6 +169,7 @@ class Engine:
         prompt_embeds: Any = None,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Generate for one prompt, yielding cumulative `RequestOutput`s until it finishes.
 
@@ -187,6 +196,10 @@ class Engine:
         (`list_loras`; None: the base model); one the engine core does not have is refused
         (`RequestError`). Its cached prefix blocks are shared only with requests of the same
         adapter's content, and `kv_transfer_params` made for it only serve it.
+
+        `data_parallel_rank` runs it on that engine core (vLLM's: a router that knows where its
+        prefix is cached asks for it); one out of range is refused (`RequestError`), a dead one
+        leaves the choice to the queues, as when none is asked for.
         """
         params = params or SamplingParams()
         try:
@@ -201,7 +214,7 @@ class Engine:
             self._check_transfer_params(
                 kv_transfer_params, prompt_ids, kv_salt(cache_salt, lora_name)
             )
-            client = self._pick()
+            client = self._pick(data_parallel_rank)
             shared: list[tuple[TensorHandle, SharedTensor]] = []
             if prompt_embeds is not None:
                 shared = share_prompt_embeds(prompt_embeds, params.n)

@@ -75,6 +75,7 @@ class StubEngine:
     list_loras_delay: float = 0.0  # seconds each `list_loras` takes to answer
     generated: list[str | None] = field(default_factory=list)  # each generation's lora_name
     sampled: list[SamplingParams | None] = field(default_factory=list)  # and its params
+    ranks: list[int | None] = field(default_factory=list)  # and the engine core it asked for
     _lora_ids: Any = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
@@ -138,8 +139,10 @@ class StubEngine:
         prompt_embeds: Any = None,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self.generated.append(lora_name)
+        self.ranks.append(data_parallel_rank)
         self.sampled.append(params)
         n = 1 if params is None else params.n
         await trio.lowlevel.checkpoint()

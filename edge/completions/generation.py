@@ -214,6 +214,7 @@ class Generation:
         Raises `ClientDisconnected`, or an `APIError` for a refused request (400), a full
         queue (429) or a dead engine (503).
         """
+        rank = data_parallel_rank(request)
         send_channel, receive_channel = trio.open_memory_channel[
             tuple[int, RequestOutput] | BaseException
         ](0)
@@ -233,6 +234,7 @@ class Generation:
                         prompt_embeds=prompt.embeds,
                         cache_salt=prompt.cache_salt,
                         lora_name=prompt.lora_name,
+                        data_parallel_rank=rank,
                     )
                     with scopes[index]:
                         async with aclosing(generation) as outputs:
@@ -293,3 +295,14 @@ class Generation:
             e2e=now - prompt.start,
             finished_reason=next(iter(reasons)) if len(reasons) == 1 else "stop",
         )
+
+
+def data_parallel_rank(request: Request) -> int | None:
+    """The engine core an `X-data-parallel-rank` header asks for (vLLM's: vllm-router sends it
+    to an instance with several), or None; a 400 when it is not a small non-negative integer."""
+    value = request.headers.get(b"x-data-parallel-rank")
+    if value is None:
+        return None
+    if not (value.isdigit() and len(value) <= 4):
+        raise APIError(400, "X-data-parallel-rank: must be an engine core's index (0, 1, ...)")
+    return int(value)

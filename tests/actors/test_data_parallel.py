@@ -10,7 +10,7 @@ import pytest
 import trio
 from processes import alive
 
-from triode.actors import EngineDeadError, SamplingParams, open_engine
+from triode.actors import EngineDeadError, RequestError, SamplingParams, open_engine
 
 pytestmark = pytest.mark.slow
 
@@ -127,3 +127,19 @@ async def test_a_dead_engine_fails_its_requests_and_the_other_serves_on(tiny_mod
         stats = await engine.get_stats()
         assert stats["num_running_reqs"] == 0 and len(stats["engines"]) == 1
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+async def test_a_request_may_ask_for_its_engine_core(tiny_model: Path) -> None:
+    """`data_parallel_rank` (a router's X-data-parallel-rank) runs the request on that engine
+    core; one out of range is refused."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    async with open_engine(str(tiny_model), **_engine_args(data_parallel_size=2)) as two:
+        for _ in range(3):
+            async for _ in two.generate(PROMPTS[0], params, data_parallel_rank=1):
+                pass
+        stats = await two.get_stats()
+        with pytest.raises(RequestError, match="data_parallel_rank must be 0 to 1"):
+            async for _ in two.generate(PROMPTS[0], params, data_parallel_rank=2):
+                pass
+    computed = [e["prompt_tokens_computed"] for e in stats["engines"]]
+    assert computed[0] == 0 and computed[1] > 0, computed

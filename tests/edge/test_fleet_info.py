@@ -107,3 +107,20 @@ async def test_render_refuses_what_generation_would(body: dict[str, object], par
     answer = await call(app, "POST", "/v1/completions/render", body)
     assert answer.status in (400, 404)
     assert answer.json()["error"]["param"] == param
+
+
+async def test_an_x_data_parallel_rank_header_picks_the_engine_core() -> None:
+    """vllm-router sends it to an instance with several engine cores (vLLM's header)."""
+    app = make_app()
+    engine: StubEngine = app.engine  # type: ignore[assignment]
+    body = {"model": "m", "prompt": "hi", "max_tokens": 1}
+    headers = [(b"x-data-parallel-rank", b"1")]
+    assert (await call(app, "POST", "/v1/completions", body, headers=headers)).status == 200
+    assert (await call(app, "POST", "/v1/completions", body)).status == 200
+    assert engine.ranks == [1, None]
+    for bad in (b"-1", b"one", b"99999", b""):
+        answer = await call(
+            app, "POST", "/v1/completions", body, headers=[(b"x-data-parallel-rank", bad)]
+        )
+        assert answer.status == 400 and "X-data-parallel-rank" in answer.json()["error"]["message"]
+    assert engine.ranks == [1, None]
