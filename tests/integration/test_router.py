@@ -199,6 +199,46 @@ def test_kv_aware_sends_a_cached_prefix_to_the_instance_that_holds_it(
     assert after[holder] == 5 and sum(after) == 5, (after, tmp_path / "router.log")
 
 
+def test_kv_aware_over_a_data_parallel_instance_sends_a_prefix_to_its_rank(
+    tmp_path: Path,
+) -> None:
+    """An instance with two engine cores publishes each one's events on its own port; the
+    router, told both, sends a prefix's later requests to the rank holding it (its
+    X-data-parallel-rank header), so all of them hit the cache there."""
+    pub = free_port()
+    while free_port() != pub + 1:  # rank 1 binds the next port
+        pub = free_port()
+    args = [*ARGS, "-dp", "2", "--kv-events-config", kv_events_config(pub)]
+    with running_servers((args, tmp_path / "dp.log", None)) as [server]:
+        sources = f"tcp://127.0.0.1:{pub},tcp://127.0.0.1:{pub + 1}"
+        with running_router(
+            [server.url], tmp_path / "router.log", policy="kv_aware",
+            kv_events={server.url: sources}, model=MODEL,
+            extra=["--intra-node-data-parallel-size", "2"],
+        ) as url:  # fmt: skip
+            client = _client(url)
+            _completion(client, f"{PREFIX} Case dp. Question 0:")
+            time.sleep(0.5)
+            before = _hits(server.url)
+            for n in range(1, 5):
+                _completion(client, f"{PREFIX} Case dp. Question {n}:")
+            client.close()
+        blocks = (len(_tokens(server.url, f"{PREFIX} Case dp.")) // 16) * 16
+        assert _hits(server.url) - before >= 4 * blocks - 16 * 4, (before, _hits(server.url))
+
+
+def _hits(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        map(float, re.findall(r"^triode:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.M))
+    )
+
+
+def _tokens(url: str, text: str) -> list[int]:
+    answer = httpx.post(f"{url}/tokenize", json={"prompt": text}, timeout=10).json()
+    return list(answer["tokens"])
+
+
 def _rejoins(client: openai.OpenAI, url: str, within: float = 30.0) -> bool:
     """Whether requests through the router (`client`) reach the instance at `url` again
     within `within` seconds, as its health checks see it up."""
