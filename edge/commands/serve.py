@@ -309,12 +309,21 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_server(serve: Any, *args: Any) -> int:
     """`trio.run(serve, *args)`; an engine core that fails to start is one line on stderr and
-    exit status 2, its traceback a debug log (`--log-level debug`)."""
+    exit status 2, its traceback a debug log (`--log-level debug`). A SIGINT that finds no
+    graceful shutdown to start (a second one, as `timeout` and process managers send, or one
+    during start-up) stops everything at once: one log line, no traceback, exit status 130
+    (the shell's for SIGINT); the engine cores and workers are ended on the way out."""
     failed: BaseExceptionGroup | None = None
+    interrupted = False
     try:
         trio.run(serve, *args)
     except* EngineCoreStartError as group:
         failed = group
+    except* KeyboardInterrupt:
+        interrupted = True
+    if interrupted:
+        logging.getLogger("triode.serve").info("interrupted again: stopped at once")
+        return 130
     if failed is None:
         return 0
     logging.getLogger("triode.serve").debug("the engine core's start", exc_info=failed)
