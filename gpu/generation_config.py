@@ -21,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 FILE = "generation_config.json"
+# The default model (SmolLM2-135M-Instruct, as a GGUF with no generation config) as its model
+# card recommends sampling it: at vLLM's neutral temperature 1 it answers with word salad.
+DEFAULT_MODEL_CARD: dict[str, Any] = {"temperature": 0.2, "top_p": 0.9}
 # a generation config is a few hundred bytes; anything near this is no model's
 MAX_FILE_BYTES = 1 << 20
 # generation_config.json's keys that vLLM takes -> the request field each is the default of
@@ -44,15 +47,19 @@ def request_defaults(
     model_dir: str | Path | None,
     generation_config: str = "auto",
     override: Mapping[str, Any] | str | None = None,
+    *,
+    card: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The request defaults (`REQUEST_FIELDS`' request names -> value) for the model in
     `model_dir`: its generation config as `generation_config` chooses it ("auto": the model's
-    file, if it has one; "vllm": none; else a directory holding the file), `override` laid over
-    it. Raises `GenerationConfigError`."""
+    file, if it has one, else `card`, what its model card recommends; "vllm": none; else a
+    directory holding the file), `override` laid over it. Raises `GenerationConfigError`."""
     config: dict[str, Any] = {}
     if generation_config == "auto":
         if model_dir is not None and (Path(model_dir) / FILE).is_file():
             config = _read(Path(model_dir) / FILE)
+        elif card is not None:
+            config = dict(card)
     elif generation_config != "vllm":
         path = Path(generation_config).expanduser() / FILE
         if not path.is_file():

@@ -174,9 +174,12 @@ def generation_defaults(args: EngineArgs, model_dir: Path) -> dict[str, Any]:
     choose them (`triode.gpu.generation_config`; no torch). ValueError for flags that cannot
     give any."""
     # here, not at the top: this module is the actors' one door into triode.gpu
-    from triode.gpu.generation_config import request_defaults
+    from triode.gpu.generation_config import DEFAULT_MODEL_CARD, request_defaults
 
-    return request_defaults(model_dir, args.generation_config, args.override_generation_config)
+    card = DEFAULT_MODEL_CARD if args.model is None else None
+    return request_defaults(
+        model_dir, args.generation_config, args.override_generation_config, card=card
+    )
 
 
 @asynccontextmanager

@@ -158,6 +158,8 @@ def describe_defaults(defaults: dict[str, Any], args: EngineArgs) -> str:
         return "vLLM's neutral ones (temperature 1, top_p 1, top_k and min_p off)"
     values = ", ".join(f"{key} {value}" for key, value in defaults.items())
     source = f"--generation-config {args.generation_config}"
+    if args.model is None and args.generation_config == "auto":
+        source = "the default model's card, as --generation-config auto takes it"
     if args.override_generation_config:
         source += " and --override-generation-config"
     return f"{values} (from {source}; --generation-config vllm for vLLM's neutral ones)"

@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from triode.gpu.generation_config import GenerationConfigError, parse_override, request_defaults
+from triode.gpu.generation_config import (
+    DEFAULT_MODEL_CARD,
+    GenerationConfigError,
+    parse_override,
+    request_defaults,
+)
 
 MODEL_FILE = {
     "bos_token_id": 1,
@@ -101,3 +106,17 @@ def test_a_file_over_a_mebibyte_is_refused_unread(tmp_path: Path) -> None:
     (tmp_path / "generation_config.json").write_text(json.dumps({"pad": "x" * (1 << 20)}))
     with pytest.raises(GenerationConfigError, match="over 1048576 bytes"):
         request_defaults(tmp_path)
+
+
+def test_a_model_card_stands_in_for_a_missing_file_under_auto_only(tmp_path: Path) -> None:
+    """The default model's GGUF carries no generation config; its card's recommendation is the
+    default then, as a file would be: `vllm` drops it, an override lies over it, and a file
+    the model has wins."""
+    (tmp_path / "bare").mkdir()
+    bare = tmp_path / "bare"
+    assert request_defaults(bare, card=DEFAULT_MODEL_CARD) == {"temperature": 0.2, "top_p": 0.9}
+    assert request_defaults(bare, "vllm", card=DEFAULT_MODEL_CARD) == {}
+    over = request_defaults(bare, "auto", '{"temperature": 0.7}', card=DEFAULT_MODEL_CARD)
+    assert over == {"temperature": 0.7, "top_p": 0.9}
+    model = _dir(tmp_path / "model", MODEL_FILE)
+    assert request_defaults(model, card=DEFAULT_MODEL_CARD)["temperature"] == 0.6
