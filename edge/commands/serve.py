@@ -310,9 +310,10 @@ def run(args: argparse.Namespace) -> int:
 def _run_server(serve: Any, *args: Any) -> int:
     """`trio.run(serve, *args)`; an engine core that fails to start is one line on stderr and
     exit status 2, its traceback a debug log (`--log-level debug`). A SIGINT that finds no
-    graceful shutdown to start (a second one, as `timeout` and process managers send, or one
-    during start-up) stops everything at once: one log line, no traceback, exit status 130
-    (the shell's for SIGINT); the engine cores and workers are ended on the way out."""
+    graceful shutdown to start (a second one while the engine core stops, as `timeout` and
+    process managers send, or one during start-up) stops everything at once: one log line, no
+    traceback, exit status 130 (the shell's for SIGINT); the engine cores and workers are ended
+    on the way out."""
     failed: BaseExceptionGroup | None = None
     interrupted = False
     try:
@@ -322,7 +323,7 @@ def _run_server(serve: Any, *args: Any) -> int:
     except* KeyboardInterrupt:
         interrupted = True
     if interrupted:
-        logging.getLogger("triode.serve").info("interrupted again: stopped at once")
+        logging.getLogger("triode.serve").info("interrupted: stopped at once")
         return 130
     if failed is None:
         return 0
