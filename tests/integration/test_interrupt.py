@@ -32,7 +32,24 @@ def _group_alive(pgid: int) -> bool:
 def test_a_second_sigint_while_the_engine_core_stops_stops_at_once_quietly(
     tmp_path: Path,
 ) -> None:
-    port, log = free_port(), tmp_path / "serve.log"
+    """The second signal must land while the engine core stops (a second or less): a run
+    whose stop ended first exits 0, and another is tried; none may print a traceback."""
+    statuses = []
+    for attempt in range(3):
+        status, output = _interrupt_twice(tmp_path / f"serve{attempt}.log")
+        assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+        statuses.append(status)
+        if status == 130:
+            assert "stopped at once" in output.splitlines()[-1]
+            break
+        assert status == 0, output
+    assert statuses[-1] == 130, statuses
+
+
+def _interrupt_twice(log: Path) -> tuple[int, str]:
+    """Serve tiny-random, SIGINT it, and SIGINT it again as soon as it stops its engine core:
+    its exit status and output, once no process of it is left."""
+    port = free_port()
     with log.open("wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "triode.edge.cli", "serve", "tiny-random", "--port", str(port)],
@@ -45,17 +62,18 @@ def test_a_second_sigint_while_the_engine_core_stops_stops_at_once_quietly(
         process.send_signal(signal.SIGINT)  # drains, then stops the engine core ...
         deadline = time.monotonic() + 30
         while "stopping the engine core" not in log.read_text(errors="replace"):
-            assert time.monotonic() < deadline and process.poll() is None, log.read_text()
-            time.sleep(0.01)
-        process.send_signal(signal.SIGINT)  # ... which this one cuts short
-        assert process.wait(30) == 130
-        output = log.read_text(errors="replace")
-        assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
-        assert "stopped at once" in output.splitlines()[-1]
+            if process.poll() is not None:
+                break
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.005)
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(signal.SIGINT)  # ... which this one cuts short
+        status = process.wait(30)
         deadline = time.monotonic() + 10
         while _group_alive(process.pid):
             assert time.monotonic() < deadline, "a process of the server outlived it"
             time.sleep(0.1)
+        return status, log.read_text(errors="replace")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
