@@ -97,7 +97,7 @@ async def _stop(process: trio.Process, grace: float) -> None:
     with trio.move_on_after(grace):
         await process.wait()
         # and its children, which may outlive it by their own clean-up (shared memory, ...)
-        while _group_alive(process.pid):  # noqa: ASYNC110 - other processes: we can only poll
+        while group_alive(process.pid):  # noqa: ASYNC110 - other processes: we can only poll
             await trio.sleep(0.1)
     if process.returncode is None:
         process.kill()
@@ -108,7 +108,8 @@ async def _stop(process: trio.Process, grace: float) -> None:
         pass  # nothing of it is left
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the process group `pgid` is left."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:

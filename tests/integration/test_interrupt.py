@@ -16,17 +16,10 @@ from pathlib import Path
 import pytest
 from server import START_TIMEOUT, wait_for_health
 
+from triode.edge.bench.server_process import group_alive
 from triode.wire.ports import free_port
 
 pytestmark = pytest.mark.slow
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_a_second_sigint_while_the_engine_core_stops_stops_at_once_quietly(
@@ -46,6 +39,10 @@ def test_a_second_sigint_while_the_engine_core_stops_stops_at_once_quietly(
     assert statuses[-1] == 130, statuses
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt_twice(log: Path) -> tuple[int, str]:
     """Serve tiny-random, SIGINT it, and SIGINT it again as soon as it stops its engine core:
     its exit status and output, once no process of it is left."""
@@ -56,6 +53,9 @@ def _interrupt_twice(log: Path) -> tuple[int, str]:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # as from a terminal: pytest-xdist's workers ignore SIGINT, and a child inherits
+            # that (Python then keeps ignoring it, as it should for a background job)
+            preexec_fn=_default_sigint,
         )
     try:
         wait_for_health(process, f"http://127.0.0.1:{port}", log, START_TIMEOUT)
@@ -70,7 +70,7 @@ def _interrupt_twice(log: Path) -> tuple[int, str]:
             process.send_signal(signal.SIGINT)  # ... which this one cuts short
         status = process.wait(30)
         deadline = time.monotonic() + 10
-        while _group_alive(process.pid):
+        while group_alive(process.pid):
             assert time.monotonic() < deadline, "a process of the server outlived it"
             time.sleep(0.1)
         return status, log.read_text(errors="replace")
