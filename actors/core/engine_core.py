@@ -77,7 +77,8 @@ class EngineCore:
         kv_events: KVEventPublisher | None = None,
     ) -> None:
         self.scheduler = scheduler
-        # where the cache's changes go after each step (`kv_events.py`), when they are published
+        # where the cache's changes go after each step (`kv_events.py`), when they are published;
+        # the scheduler's cache records them in its `log`
         self.kv_events = kv_events
         self.executor = executor
         # what the sockets carry goes here too while the engine records (--record-wire)
@@ -218,9 +219,8 @@ class EngineCore:
 
     def _publish_kv_events(self) -> None:
         """The cache's changes since the last step (or operation) to the KV-event publisher."""
-        log_ = self.scheduler.kv_cache.events
-        if self.kv_events is not None and log_ is not None:
-            self.kv_events.publish(log_.take())
+        if self.kv_events is not None:
+            self.kv_events.flush()
 
     async def _to_publisher(self, client: int, outputs: EngineCoreOutputs) -> None:
         """A step's outputs to the publisher without a checkpoint while its inbox has room:

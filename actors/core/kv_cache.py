@@ -9,6 +9,7 @@ Freed blocks keep their hash and stay revivable in an LRU free queue until they 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from array import array
 from collections import OrderedDict
@@ -216,11 +217,15 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, events)
-        self.events = events
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # how many of a table's blocks are hashed
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def events(self) -> KVEventLog | None:
+        """Where the cache's changes are recorded, when KV events are published."""
+        return self.pool.events
 
     @property
     def num_free_blocks(self) -> int:
@@ -361,18 +366,15 @@ class KVCacheManager:
         assert self.events is not None
         lora = None if request.lora is None else (request.lora.lora_id, request.lora.name)
         size, tokens = self.block_size, request.all_token_ids
-        i, end = 0, len(registered)
-        while i < end:
-            if not registered[i]:
-                i += 1
-                continue
-            j = i
-            while j < end and registered[j]:
-                j += 1
-            first, last = start + i, start + j
-            parent = hashes[first - 1] if first else None
-            self.events.stored(hashes[first:last], parent, tokens[first * size : last * size], lora)
-            i = j
+        first = start
+        for new, run in itertools.groupby(registered):
+            last = first + len(list(run))
+            if new:
+                parent = hashes[first - 1] if first else None
+                self.events.stored(
+                    hashes[first:last], parent, tokens[first * size : last * size], lora
+                )
+            first = last
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The request's block hashes, extended to at least `num_blocks` full blocks."""

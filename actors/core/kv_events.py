@@ -210,16 +210,18 @@ class KVEventLog:
 class KVEventPublisher:
     """The PUB socket's and the replay socket's one owner: sends each batch under the topic
     with the next sequence number, keeps the last `buffer_steps` for replay, and answers
-    replay requests."""
+    replay requests. Its `log` is what the cache records its changes in (`flush` sends them)."""
 
     def __init__(
         self,
         config: KVEventsConfig,
         context: zmq.Context,
         *,
+        block_size: int,
         data_parallel_rank: int = 0,
     ) -> None:
         self.config = config
+        self.log = KVEventLog(block_size)
         self.rank = data_parallel_rank
         self.endpoint = endpoint_of_rank(config.endpoint, data_parallel_rank)
         replay = config.replay_endpoint
@@ -231,6 +233,10 @@ class KVEventPublisher:
         self.seq = 0  # the next batch's
         self.dropped = 0  # batches the queue had no room for
         self.bad_replay_requests = 0
+
+    def flush(self) -> None:
+        """Queue what `log` recorded since the last flush (`publish`)."""
+        self.publish(self.log.take())
 
     def publish(self, events: list[Event]) -> None:
         """Queue a step's events; never waits. A full queue drops the batch (counted): the

@@ -27,7 +27,7 @@ from ..config import EngineArgs
 from .engine_core import EngineCore
 from .executor import generation_defaults, open_executor
 from .kv_connector import KVConnectorScheduler
-from .kv_events import KVEventLog, KVEventPublisher, parse_kv_events_config
+from .kv_events import KVEventPublisher, parse_kv_events_config
 from .loras import LoRASettings
 from .publisher import OUTPUT_HWM
 from .scheduler import Scheduler
@@ -84,7 +84,12 @@ async def serve_engine_core(ctx: ChildContext) -> None:
         kv_events = None
         if events_config is not None and events_config.publishes:
             rank = ctx.options.get("engine_index", 0)
-            kv_events = KVEventPublisher(events_config, ctx.zmq_context, data_parallel_rank=rank)
+            kv_events = KVEventPublisher(
+                events_config,
+                ctx.zmq_context,
+                block_size=executor.block_size,
+                data_parallel_rank=rank,
+            )
         scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=executor.num_kv_blocks,
@@ -101,7 +106,7 @@ async def serve_engine_core(ctx: ChildContext) -> None:
             drafter=None
             if args.speculative_config is None
             else Drafter(parse_speculative_config(args.speculative_config)),
-            kv_events=None if kv_events is None else KVEventLog(executor.block_size),
+            kv_events=None if kv_events is None else kv_events.log,
         )
         core = EngineCore(
             scheduler,

@@ -176,7 +176,7 @@ async def test_the_publisher_frames_batches_and_replays_them_from_a_sequence_num
          "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": "kv", "buffer_steps": 2}
     )  # fmt: skip
     context = zmq.Context()
-    publisher = KVEventPublisher(config, context)
+    publisher = KVEventPublisher(config, context, block_size=SIZE)
     sub = Socket.open(context, zmq.SUB, connect=f"tcp://127.0.0.1:{port}", subscribe=b"kv")
     async with trio.open_nursery() as nursery, sub:
         await nursery.start(publisher.run)
@@ -223,7 +223,7 @@ async def test_the_publisher_frames_batches_and_replays_them_from_a_sequence_num
 
 def test_a_full_queue_drops_the_batch_and_counts_it() -> None:
     config = parse_kv_events_config({"enable_kv_cache_events": True, "max_queue_size": 1})
-    publisher = KVEventPublisher(config, zmq.Context.instance())
+    publisher = KVEventPublisher(config, zmq.Context.instance(), block_size=SIZE)
     publisher.publish([AllBlocksCleared()])
     publisher.publish([AllBlocksCleared()])
     assert publisher.dropped == 1
