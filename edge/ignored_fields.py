@@ -28,6 +28,7 @@ from typing import TypeVar
 
 import msgspec
 
+from .errors import APIError, validation_error
 from .http import Request
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,20 @@ _logged: set[str] = set()
 _UNKNOWN_AT_TOP = re.compile(r"Object contains unknown field `(.*)`\Z", re.S)
 
 _BodyT = TypeVar("_BodyT", bound=msgspec.Struct)
+
+
+def decode_request_body(body: bytes, kind: type[_BodyT], http: Request | None) -> _BodyT:
+    """`body` as a `kind`, its ignored top-level fields announced on `http`'s response; any
+    failure is a 400 `APIError` naming the field."""
+    try:
+        request, ignored = decode_body(body, kind)
+    except (msgspec.DecodeError, ValueError) as e:
+        raise validation_error(e) from e
+    except RecursionError:  # msgspec's limit on nesting in `Any` fields
+        raise APIError(400, "invalid JSON: nested too deeply") from None
+    if http is not None:
+        announce(http, ignored)
+    return request
 
 
 def decode_body(body: bytes, kind: type[_BodyT]) -> tuple[_BodyT, list[str]]:

@@ -16,9 +16,9 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
-from ..errors import APIError, validation_error
+from ..errors import APIError
 from ..http import Request
-from ..ignored_fields import announce, decode_body
+from ..ignored_fields import decode_request_body
 
 _TokenId = Annotated[int, Meta(ge=0)]
 _Count = Annotated[int, Meta(ge=1)]
@@ -344,15 +344,8 @@ _RequestT = TypeVar("_RequestT", bound=_Body)
 def decode_request(body: bytes, kind: type[_RequestT], http: Request | None = None) -> _RequestT:
     """Decode and validate a JSON body; any failure raises a 400 `APIError` naming the field.
     The top-level fields it ignored are announced on `http`'s response."""
-    try:
-        request, ignored = decode_body(body, kind)
-    except (msgspec.DecodeError, ValueError) as e:
-        raise validation_error(e) from e
-    except RecursionError:  # msgspec's limit on nesting in `Any` fields
-        raise APIError(400, "invalid JSON: nested too deeply") from None
+    request = decode_request_body(body, kind, http)
     request.unsupported()
-    if http is not None:
-        announce(http, ignored)
     return request
 
 

@@ -73,8 +73,9 @@ class Serving(Generation):
         prompts = [Prompt(token_ids, None, lora_name=lora_name)]
         self.check_logprobs_volume(req, prompts, params)
         self._salt(request, req.cache_salt, prompts)
-        req.kv_transfer_params = seal_for_caller(self.engine, request, req.kv_transfer_params)
-        _check_transfer_params(req.kv_transfer_params, prompts, params)
+        req.kv_transfer_params = _transfer_params(
+            self.engine, request, req.kv_transfer_params, prompts, params
+        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
             chat_stream = ChatStream(self, req, request_id, prompts[0], tools)
@@ -158,14 +159,7 @@ class Serving(Generation):
         if req.prompt_embeds is not None:
             raise APIError(400, "prompt_embeds: have no token ids", param="prompt_embeds")
         self.check_choices(req, len(req.prompts()))
-        rendered = []
-        for p in req.prompts():
-            if isinstance(p, str):
-                ids = await self.engine.intake.encode(p, add_special_tokens=req.add_special_tokens)
-            else:
-                self.check_token_ids(prompt=p, prompt_field="prompt")
-                ids = list(p)
-            rendered.append({"token_ids": ids, "features": None})
+        rendered = [{"token_ids": p.token_ids, "features": None} for p in await self._prompts(req)]
         await respond_json(request.send, rendered)
 
     # Completions
@@ -178,14 +172,7 @@ class Serving(Generation):
         # before any prompt costs a decode or a tokenization
         self.check_choices(req, len(req.embeds_prompts()) + len(req.prompts()))
         intake = self.engine.intake
-        prompts = await self._embeds_prompts(req)
-        for p in req.prompts():
-            if isinstance(p, str):
-                ids = await intake.encode(p, add_special_tokens=req.add_special_tokens)
-                prompts.append(Prompt(ids, p))
-            else:
-                self.check_token_ids(prompt=p, prompt_field="prompt")
-                prompts.append(Prompt(list(p), None))
+        prompts = await self._embeds_prompts(req) + await self._prompts(req)
         if any(not p.token_ids for p in prompts):
             raise APIError(400, "prompt: must not be empty", param="prompt")
         longest = max(prompts, key=lambda p: len(p.token_ids))
@@ -198,8 +185,9 @@ class Serving(Generation):
         )
         self.check_token_ids(params=params)
         self.check_logprobs_volume(req, prompts, params)
-        req.kv_transfer_params = seal_for_caller(self.engine, request, req.kv_transfer_params)
-        _check_transfer_params(req.kv_transfer_params, prompts, params)
+        req.kv_transfer_params = _transfer_params(
+            self.engine, request, req.kv_transfer_params, prompts, params
+        )
         self._salt(request, req.cache_salt, prompts)
         for prompt in prompts:
             prompt.lora_name = lora_name
@@ -240,6 +228,19 @@ class Serving(Generation):
             weight_version=weight_version_of(prompts),
         )
         await respond_json(request.send, response)
+
+    async def _prompts(self, req: CompletionRequest) -> list[Prompt]:
+        """The prompts given as text (tokenized) or token ids (checked against the
+        vocabulary), in order."""
+        prompts = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                ids = await self.engine.intake.encode(p, add_special_tokens=req.add_special_tokens)
+                prompts.append(Prompt(ids, p))
+            else:
+                self.check_token_ids(prompt=p, prompt_field="prompt")
+                prompts.append(Prompt(list(p), None))
+        return prompts
 
     async def _embeds_prompts(self, req: CompletionRequest) -> list[Prompt]:
         """The prompts given as embeddings, decoded off the event loop. Raises a 400 for a
@@ -318,15 +319,22 @@ def seal_for_caller(
     return kv_seal.seal_remote_decode(engine.kv_secret, asked)
 
 
-def _check_transfer_params(
-    params: dict[str, Any] | None, prompts: list[Prompt], sampling: SamplingParams
-) -> None:
-    """A 400 for `kv_transfer_params` of the wrong shape, or on a request that is not one
-    generation (one prompt, n = 1): a transfer hands on one sequence's KV."""
+def _transfer_params(
+    engine: Any,
+    request: Request,
+    params: dict[str, Any] | None,
+    prompts: list[Prompt],
+    sampling: SamplingParams,
+) -> dict[str, Any] | None:
+    """The request's `kv_transfer_params` as the engine takes them (`seal_for_caller`); a 400
+    for ones of the wrong shape, or on a request that is not one generation (one prompt,
+    n = 1): a transfer hands on one sequence's KV."""
+    params = seal_for_caller(engine, request, params)
     if not params:
-        return
+        return params
     problem = transfer_params_error(params)
     if problem is None and (len(prompts) != 1 or sampling.n != 1):
         problem = "kv_transfer_params: work with one prompt and n = 1 only"
     if problem is not None:
         raise APIError(400, problem, param="kv_transfer_params")
+    return params

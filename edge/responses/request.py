@@ -11,9 +11,9 @@ import msgspec
 from msgspec import Meta
 
 from ..completions.request_bodies import MAX_CACHE_SALT
-from ..errors import APIError, validation_error
+from ..errors import APIError
 from ..http import Request
-from ..ignored_fields import announce, decode_body
+from ..ignored_fields import decode_request_body
 from .input_items import convert_item
 
 # Characters of `instructions`: a system prompt this long is past any context window a server
@@ -91,15 +91,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
 def decode_responses_request(body: bytes, http: Request | None = None) -> ResponsesRequest:
     """Decode and validate a body; any failure is a 400 `APIError` naming the field. The
     top-level fields it ignored are announced on `http`'s response."""
-    try:
-        request, ignored = decode_body(body, ResponsesRequest)
-    except (msgspec.DecodeError, ValueError) as e:
-        raise validation_error(e) from e
-    except RecursionError:  # msgspec's limit on nesting in `Any` fields
-        raise APIError(400, "invalid JSON: nested too deeply") from None
-    if http is not None:
-        announce(http, ignored)
-    return request
+    return decode_request_body(body, ResponsesRequest, http)
 
 
 class McpToolSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
