@@ -109,6 +109,13 @@ def validation_error(exc: msgspec.ValidationError | msgspec.DecodeError | ValueE
     return APIError(400, f"{path}: {detail}", param=path)
 
 
+def leaf_errors(error: BaseException) -> list[BaseException]:
+    """The exceptions an exception group holds, however nested (`error` itself otherwise)."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for e in error.exceptions for leaf in leaf_errors(e)]
+    return [error]
+
+
 def _join(path: str | None, name: str) -> str:
     return f"{path}.{name}" if path else name
 

@@ -48,6 +48,7 @@ import trio
 
 from triode.wire.ports import free_port
 
+from ..errors import leaf_errors
 from .fleet_report import (
     DIRECT,
     CacheCounters,
@@ -59,7 +60,7 @@ from .fleet_report import (
 from .fleet_workload import Conversation, build_conversations, probe, run_workload, warm_up
 from .frontend import cpu_model
 from .router_process import POLICIES, kv_events_config, router_command
-from .serve import KEEPALIVE_EXPIRY
+from .serve import KEEPALIVE_EXPIRY, concurrency_list
 from .serve_report import json_safe
 from .server_process import open_server, serve_command
 
@@ -247,16 +248,6 @@ async def _token_count(client: httpx.AsyncClient, instance: Instance, text: str)
     return int(response.json()["count"])
 
 
-def _int_list(parser: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        parser.error(f"{flag} takes comma-separated integers, e.g. 2,4")
-    if min(values) < 1:
-        parser.error(f"{flag} must be >= 1")
-    return values
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, with `--instances` as `instance_counts` and `--policies` as a list."""
     parser = argparse.ArgumentParser(
@@ -291,7 +282,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the summaries here")
     args = parser.parse_args(argv)
 
-    args.instance_counts = _int_list(parser, "--instances", args.instances)
+    args.instance_counts = concurrency_list(parser, args.instances, "--instances")
     args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     unknown = [p for p in args.policies if p not in (DIRECT, *POLICIES)]
     if unknown or not args.policies:
@@ -349,14 +340,8 @@ def run_or_error(
     try:
         return trio.run(run_count, count, args, conversations)
     except* (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as group:
-        errors = [f"{type(e).__name__}: {e}" for e in _leaves(group)]
+        errors = [f"{type(e).__name__}: {e}" for e in leaf_errors(group)]
     return "\n".join(errors)
-
-
-def _leaves(error: BaseException) -> list[BaseException]:
-    if isinstance(error, BaseExceptionGroup):
-        return [leaf for e in error.exceptions for leaf in _leaves(e)]
-    return [error]
 
 
 def main(argv: list[str] | None = None) -> None:

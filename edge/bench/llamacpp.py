@@ -53,6 +53,7 @@ import trio
 
 from triode.wire.ports import free_port
 
+from ..errors import leaf_errors
 from .llamacpp_report import format_report
 from .llamacpp_server import (
     LLAMA_SERVER,
@@ -177,17 +178,11 @@ async def run_round(model: Path, args: argparse.Namespace, round_: int) -> list[
             try:
                 rows += await measure(server, model, concurrencies, args, round_)
             except* (RuntimeError, TimeoutError) as group:
-                error = "\n".join(str(e) for e in _leaves(group))
+                error = "\n".join(str(e) for e in leaf_errors(group))
                 print(f"{server} on {model.name}: {error}", file=sys.stderr)
                 rows.append({"server": server, "file": model.name, "round": round_,
                              "concurrency": None, "error": error})  # fmt: skip
     return rows
-
-
-def _leaves(error: BaseException) -> list[BaseException]:
-    if isinstance(error, BaseExceptionGroup):
-        return [leaf for e in error.exceptions for leaf in _leaves(e)]
-    return [error]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

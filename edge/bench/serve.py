@@ -66,15 +66,18 @@ def synthetic_prompts(n: int, input_len: int, seed: int) -> list[str]:
     return [" ".join(rng.choices(WORDS, k=input_len)) for _ in range(n)]
 
 
-def concurrency_list(parser: argparse.ArgumentParser, text: str) -> list[int]:
-    """`--concurrencies` (comma-separated stream counts) as ints; the parser's error, which
-    exits, for anything else."""
+def concurrency_list(
+    parser: argparse.ArgumentParser, text: str, flag: str = "--concurrencies"
+) -> list[int]:
+    """`flag`'s comma-separated counts (stream counts, instance counts) as ints; the parser's
+    error, which exits, for anything else."""
     try:
         counts = [int(c) for c in text.split(",")]
     except ValueError:
-        parser.error(f"--concurrencies takes integers, e.g. {parser.get_default('concurrencies')}")
+        example = parser.get_default(flag.removeprefix("--").replace("-", "_"))
+        parser.error(f"{flag} takes integers, e.g. {example}")
     if not counts or min(counts) < 1:
-        parser.error("--concurrencies must be >= 1")
+        parser.error(f"{flag} must be >= 1")
     return counts
 
 

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from mcp import MCPError
     from mcp.types import CallToolResult, Tool
 
+from ..errors import leaf_errors
 from .destinations import DestinationRefused
 
 log = logging.getLogger("triode.edge.mcp")
@@ -75,21 +76,13 @@ def is_connection_error(exc: BaseException) -> bool:
     return isinstance(exc, _CONNECTION_ERRORS)
 
 
-def _leaves(exc: BaseException) -> Iterator[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
-
-
 def describe(errors: BaseException | None) -> str:
     """The distinct messages of the exceptions in `errors`, each with its type's name."""
     if errors is None:
         return "the session was cancelled"
     messages: list[str] = []
     mcp_error = _mcp_error()
-    for exc in _leaves(errors):
+    for exc in leaf_errors(errors):
         text = exc.message if isinstance(exc, mcp_error) else str(exc)
         message = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
         if message not in messages:
@@ -100,7 +93,7 @@ def describe(errors: BaseException | None) -> str:
 def summary(errors: BaseException) -> str:
     """What went wrong, in words of this module's (never an exception's own text, which may
     carry a server's answer or this host's internals): the first cause that says something."""
-    for exc in _leaves(errors):
+    for exc in leaf_errors(errors):
         for cause in _causes(exc):
             if isinstance(cause, DestinationRefused):
                 return str(cause)  # written by destinations.py: names the host and address
@@ -116,7 +109,7 @@ def summary(errors: BaseException) -> str:
                 return "timed out"
             if isinstance(cause, _mcp_error()):
                 return f"the server answered with MCP error {cause.code}"
-    for exc in _leaves(errors):
+    for exc in leaf_errors(errors):
         if is_connection_error(exc):
             return "the connection failed"
     return "an unexpected error (the server log has it)"
