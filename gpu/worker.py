@@ -47,9 +47,9 @@ from triode.wire.ring_wait import RingClosed, RingTimeout
 from triode.wire.shm_ring import RingHandle, ShmRingReader
 
 from . import parallel_state
-from .model_runner import ModelRunner
 from .operations import Operations
 from .parallel_state import ParallelLayout
+from .runners import open_runner
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class Worker:
         self.key = ClusterKey.for_world(self.multi_node, key_file)
         client_options = self.key.client_options() if self.key is not None else []
         cluster = self._cluster()
-        self.runner = ModelRunner.from_engine_args(
+        self.runner = open_runner(
             options.engine_args,
             device=str(self.device),
             num_threads=len(cpus),
@@ -176,6 +176,7 @@ class Worker:
                 "rank": self.layout.rank,
                 "pid": os.getpid(),
                 "kv_endpoints": runner.kv_endpoints,
+                "pooling": None if runner.pooling_spec is None else runner.pooling_spec.as_dict(),
             },
         )
 

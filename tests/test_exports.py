@@ -17,7 +17,7 @@ WIRE = {
     "RingTimeout", "ShmRingReader", "ShmRingWriter", "KVConnectorMetadata", "KVConnectorOutput",
     "KVExpose", "KVGeometry", "KVLoad", "KVReply", "KVRequest", "KVShmRef", "KVTransferConfig",
     "TensorHandle", "Record", "Recorder", "open_recorder", "read_meta", "read_records",
-    "OperationError", "WorkerCall", "WorkerReply",
+    "OperationError", "WorkerCall", "WorkerReply", "PoolingParams",
 }  # fmt: skip
 ACTORS = {
     "ActorDied", "ActorError", "Child", "ChildContext", "HandshakeError", "RemoteError",
@@ -28,7 +28,7 @@ ACTORS = {
     "Bridge", "EngineCoreEndpoint", "Intake", "UntrustedRecordingError", "check_grammar",
     "check_prompt_embeds", "connect_engine", "describe_prompt_embeds", "grammar_of",
     "open_bridge", "open_engine_cores", "out_of_vocabulary", "parse_size", "replay",
-    "serve_headless", "transfer_params_error",
+    "serve_headless", "transfer_params_error", "MAX_POOLING_INPUTS", "PooledOutput",
 }  # fmt: skip
 
 

@@ -40,6 +40,7 @@ from .messages import EngineCoreRequest as EngineCoreRequest
 from .messages import EngineCoreRequestType as EngineCoreRequestType
 from .messages import FinishReason as FinishReason
 from .messages import Logprobs as Logprobs
+from .messages import PoolingParams as PoolingParams
 from .messages import SamplingParams as SamplingParams
 from .messages import SchedulerStats as SchedulerStats
 from .messages import StructuredOutputsParams as StructuredOutputsParams

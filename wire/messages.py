@@ -207,6 +207,24 @@ class SamplingParams(msgspec.Struct, **_HOT):
         return self.temperature == 0.0
 
 
+class PoolingParams(msgspec.Struct, **_HOT):
+    """What makes a request a pooling one (embeddings, scores): its prompt is computed in full
+    and the model's pooled output comes back in place of generated tokens; nothing is sampled
+    and no KV is kept for it after its step.
+
+    `task` is "embed" (the pooled hidden state, as the model's pooling says) or "classify"
+    (a classification head's logits: a cross-encoder's score). `pair_boundary` is where the
+    second text of a pair starts in the prompt (its segment ids are 1 from there on); 0: one
+    text.
+    """
+
+    task: str = "embed"
+    pair_boundary: Annotated[int, msgspec.Meta(ge=0, lt=2**31)] = 0
+
+    def __post_init__(self) -> None:
+        _check(self.task in ("embed", "classify"), "task", 'must be "embed" or "classify"')
+
+
 class EngineCoreRequest(msgspec.Struct, **_HOT):
     """A tokenized request, ready for the scheduler."""
 
@@ -230,6 +248,8 @@ class EngineCoreRequest(msgspec.Struct, **_HOT):
     # The LoRA adapter the request runs with, by the name the engine core registered it under
     # (None: the base model). The engine core resolves it when the request arrives.
     lora_name: str | None = None
+    # Set for a pooling request (`PoolingParams`): no tokens are generated for it.
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.request_id), "request_id", "must not be empty")
@@ -290,6 +310,8 @@ class EngineCoreOutput(msgspec.Struct, **_HOT):
     # which weights made these tokens: 0 those the engine started with, then one more per
     # weight update (`OperationError`-free `finish_weight_update`, `update_weights_from_disk`)
     weight_version: int = 0
+    # a pooling request's result (float32 [dimensions]), with its finish
+    pooled: np.ndarray | None = None
 
     @property
     def finished(self) -> bool:

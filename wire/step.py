@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 
 from .kv_transfer import KVConnectorMetadata, KVConnectorOutput
-from .messages import _HOT, Logprobs, SamplingParams
+from .messages import _HOT, Logprobs, PoolingParams, SamplingParams
 
 
 class NewRequestData(msgspec.Struct, **_HOT):
@@ -28,6 +28,8 @@ class NewRequestData(msgspec.Struct, **_HOT):
     # The LoRA adapter the request runs with: the id the engine core loaded it on every rank
     # under (`add_lora`); 0 is the base model.
     lora_id: int = 0
+    # a pooling request: the runner pools its prompt's hidden states where it would sample
+    pooling_params: PoolingParams | None = None
 
 
 class ScheduledRequest(msgspec.Struct, **_HOT):
@@ -102,6 +104,9 @@ class RequestStepResult(msgspec.Struct, **_HOT):
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
     accepted_token_ids: list[int] = []
+    # a pooling request's output (float32 [dimensions]) from the step that ends its prompt,
+    # in place of a token
+    pooled: np.ndarray | None = None
 
 
 class ModelRunnerOutput(msgspec.Struct, **_HOT):

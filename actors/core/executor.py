@@ -47,6 +47,9 @@ class Executor(Protocol):
     max_concurrent_batches: int
     worker_pids: list[int]  # this node's model worker processes
     kv_endpoints: list[str]  # each rank's KV server, with a KV connector; else empty
+    # what the model pools (`PoolingSpec.as_dict`), when it is served for embeddings or scores
+    pooling: dict[str, Any] | None
+    is_encoder: bool  # no KV cache: each prompt is computed whole, in one step
 
     async def execute(
         self, scheduler_output: SchedulerOutput, fill_bitmask: FillBitmask | None = None
@@ -86,12 +89,12 @@ class InProcessExecutor:
 
     def __init__(self, args: EngineArgs, thread: ModelThread) -> None:
         # torch and the model, in this process only when the model runs here
-        from triode.gpu.model_runner import ModelRunner
         from triode.gpu.operations import Operations
+        from triode.gpu.runners import open_runner
 
         started = time.perf_counter()
         log.info("loading %s (dtype %s)", args.model or "the default model", args.dtype)
-        self._runner = ModelRunner.from_engine_args(msgspec.to_builtins(args))
+        self._runner = open_runner(msgspec.to_builtins(args))
         self.model_dir = self._runner.model_dir
         self.num_kv_blocks = self._runner.num_kv_blocks
         self.block_size = self._runner.block_size
@@ -102,6 +105,9 @@ class InProcessExecutor:
         self.hidden_size = self._runner.hidden_size
         self.dtype = str(self._runner.dtype).removeprefix("torch.")
         self.kv_endpoints = self._runner.kv_endpoints
+        spec = self._runner.pooling_spec
+        self.pooling: dict[str, Any] | None = None if spec is None else spec.as_dict()
+        self.is_encoder = self._runner.whole_prompts
         log.info(
             "model loaded in %.1fs: %s%s, %d KV blocks of %d tokens",
             time.perf_counter() - started,

@@ -33,7 +33,8 @@ import trio
 from triode.wire.messages import EngineCoreOutput, FinishReason
 from triode.wire.operations import OperationError
 
-from ..config import EngineArgs, LoRAModule, lora_name_problem
+from ..config import EngineArgs
+from ..lora_modules import LoRAModule, lora_name_problem
 from .request import Request, RequestStatus
 
 if TYPE_CHECKING:

@@ -98,8 +98,12 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 max_new_prompt_tokens=args.max_new_prompt_tokens,
                 max_model_len=executor.max_model_len,
-                enable_prefix_caching=args.enable_prefix_caching,
+                # an encoder's blocks hold nothing to share
+                enable_prefix_caching=args.enable_prefix_caching and not executor.is_encoder,
                 max_waiting_requests=args.max_waiting_requests,
+                pooling_tasks=frozenset([executor.pooling["task"]] if executor.pooling else []),
+                generates=executor.pooling is None,
+                whole_prompts=executor.is_encoder,
             ),
             connector,
             structured,
@@ -135,6 +139,9 @@ async def serve_engine_core(ctx: ChildContext) -> None:
                     "vocab_size": executor.vocab_size,
                     "hidden_size": executor.hidden_size,
                     "dtype": executor.dtype,
+                    "max_num_seqs": args.max_num_seqs,
+                    # what the model pools, when it is served for embeddings or scores
+                    "pooling": executor.pooling,
                     "tensor_parallel_size": args.tensor_parallel_size,
                     "pipeline_parallel_size": args.pipeline_parallel_size,
                     "worker_pids": executor.worker_pids,

@@ -195,6 +195,8 @@ class MultiprocExecutor:
         self.hidden_size: int = info.get("hidden_size", 0)
         self.dtype: str = info.get("dtype", "")
         self.kv_endpoints: list[str] = list(info.get("kv_endpoints") or [])
+        self.pooling: dict[str, Any] | None = info.get("pooling")
+        self.is_encoder = False  # encoders run in the engine core's process only
 
     @property
     def worker_pids(self) -> list[int]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from triode.wire.kv_seal import kv_salt
-from triode.wire.messages import EngineCoreRequest, FinishReason, SamplingParams
+from triode.wire.messages import EngineCoreRequest, FinishReason, PoolingParams, SamplingParams
 
 if TYPE_CHECKING:
     from .loras import LoRAEntry
@@ -87,6 +87,7 @@ class Request:
         "num_prompt_logprobs_sent",
         "num_prompt_tokens",
         "output_token_ids",
+        "pooling_params",
         "priority",
         "prompt_embeds",
         "prompt_embeds_dtype",
@@ -117,6 +118,7 @@ class Request:
         cache_salt: str | bytes | None = None,
         hash_root: bytes | None = None,
         lora: LoRAEntry | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -160,6 +162,8 @@ class Request:
         self.lora = lora
         if lora is not None:
             lora.users += 1
+        # a pooling request: it ends with its prompt's step, its pooled output in place of a token
+        self.pooling_params = pooling_params
 
     @classmethod
     def from_engine_core_request(
@@ -189,6 +193,7 @@ class Request:
             cache_salt=kv_salt(request.cache_salt, None if lora is None else lora.name),
             hash_root=hash_root,
             lora=lora,
+            pooling_params=request.pooling_params,
         )
 
     @property

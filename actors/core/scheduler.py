@@ -36,6 +36,7 @@ from triode.wire.step import (
 )
 
 from ..prompt_embeds import embeds_error
+from .admission import prompt_error, task_error
 from .kv_cache import KVCacheBlock, KVCacheManager, hash_root
 from .kv_connector import KVConnectorScheduler
 from .kv_events import KVEventLog
@@ -167,19 +168,7 @@ class Scheduler:
             return f"request id {request.request_id!r} is already in use by a live request"
         if request.request_id in self.loading:  # aborted, its blocks still being written
             return f"request id {request.request_id!r} is still in use by an aborted request"
-        num_prompt = len(request.prompt_token_ids)
-        if num_prompt >= self.config.max_model_len:
-            return (
-                f"the prompt has {num_prompt} tokens, but the model's context length is "
-                f"{self.config.max_model_len} and at least one token must be generated"
-            )
-        if num_prompt >= self.max_len:
-            blocks = -(-(num_prompt + 1) // self.config.block_size)
-            return (
-                f"the prompt has {num_prompt} tokens and needs {blocks} KV cache blocks to "
-                f"generate one token, but the whole cache has {self.config.num_blocks}"
-            )
-        return None
+        return task_error(self.config, request) or prompt_error(self.config, self.max_len, request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Finish requests at once and free all their blocks. Idempotent; unknown ids are
@@ -296,6 +285,8 @@ class Scheduler:
                         self.waiting.pop(head)  # parked until its KV is loaded
                         continue
             num_new = min(req.num_tokens - num_hit, budget)
+            if self.config.whole_prompts and num_new < req.num_tokens - num_hit:
+                break  # an encoder's prompt is never split: the next step starts it
             if limit and new_prompt_tokens and new_prompt_tokens + num_new > limit:
                 break  # the next step starts it
             if self.kv_cache.allocate_slots(req, num_new, hit_blocks) is None:
@@ -378,7 +369,11 @@ class Scheduler:
             )
             if not req.runner_knows:
                 entry.new = NewRequestData(
-                    req.prompt_token_ids, req.sampling_params, req.prompt_embeds_dtype, req.lora_id
+                    req.prompt_token_ids,
+                    req.sampling_params,
+                    req.prompt_embeds_dtype,
+                    req.lora_id,
+                    req.pooling_params,
                 )
                 req.runner_knows = True
             if req.prompt_embeds is not None and start < req.num_prompt_tokens:

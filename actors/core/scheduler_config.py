@@ -21,6 +21,12 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     # requests that may wait to start; one past it is refused, to be retried (0: no bound)
     max_waiting_requests: int = 0
+    # what pooling requests the model runs ("embed", "classify"; `PoolingParams.task`), and
+    # whether it generates at all: a model served for pooling takes no other requests
+    pooling_tasks: frozenset[str] = frozenset()
+    generates: bool = True
+    # an encoder (bidirectional attention, no KV cache) computes each prompt in one step
+    whole_prompts: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -30,5 +36,7 @@ class SchedulerConfig:
             raise ValueError("max_new_prompt_tokens must be >= 0")
         if self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
+        if self.whole_prompts and self.enable_prefix_caching:
+            raise ValueError("whole_prompts (an encoder, no KV cache) needs prefix caching off")
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")

@@ -27,6 +27,8 @@ def apply_result(
     A speculating request emits the proposals the model accepted and one token of its own;
     its computed tokens go back to the end of the accepted ones, and blocks that only held
     rejected proposals are freed. Tokens after one that stops the request are dropped."""
+    if req.pooling_params is not None:
+        return _pooled(scheduler, req, entry, result)
     prompt_logprobs = unsent_prompt_logprobs(req, entry, result.prompt_logprobs)
     new_token_ids: list[int] = []
     if result.token_id is not None and entry.sample:
@@ -62,6 +64,24 @@ def apply_result(
         kv_transfer_params=req.kv_transfer_params_out,
         num_cached_tokens=max(0, req.num_cached_tokens),
         weight_version=scheduler.weight_version,
+    )
+
+
+def _pooled(
+    scheduler: Scheduler, req: Request, entry: ScheduledRequest, result: RequestStepResult
+) -> EngineCoreOutput | None:
+    """A pooling request's step: the one that ends its prompt finishes it with its pooled
+    output (and frees its blocks); a step before that has nothing to say."""
+    if result.pooled is None or not entry.sample:
+        return None
+    scheduler.running.remove(req)
+    scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+    return EngineCoreOutput(
+        req.request_id,
+        finish_reason=req.status.finish_reason,
+        num_cached_tokens=max(0, req.num_cached_tokens),
+        weight_version=scheduler.weight_version,
+        pooled=result.pooled,
     )
 
 

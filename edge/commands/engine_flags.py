@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from triode.actors import EngineArgs, EngineFlag
+from triode.actors import EngineArgs, EngineFlag, parse_size
 
 _FIELDS = msgspec.structs.fields(EngineArgs)
 
@@ -76,3 +76,21 @@ def add_engine_flags(groups: dict[str, Any]) -> None:
 def given_engine_args(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags given on the command line, as `EngineArgs` keyword arguments."""
     return {name: value for name in FLAG_FIELDS if (value := getattr(args, name)) is not None}
+
+
+def kv_cache_check_flags(engine_args: dict[str, Any]) -> list[str]:
+    """The flags of the model check (`python -m triode.gpu.checks.model`) that have it refuse a
+    `--kv-cache-memory` that can never hold `--max-model-len`, before a GGUF file's conversion:
+    the size in bytes, the length and what shapes a rank's cache. Empty unless both are given:
+    with "auto", or the model's own context, the engine fits the context to the cache."""
+    try:
+        memory = parse_size(engine_args["kv_cache_memory"])
+    except (KeyError, ValueError):  # not given, "auto", or not a size (`EngineArgs` says so)
+        return []
+    if not memory or engine_args.get("max_model_len") is None:
+        return []
+    flags = ["--kv-cache-memory", str(memory)]
+    for name in ("max_model_len", "dtype", "tensor_parallel_size", "pipeline_parallel_size"):
+        if engine_args.get(name) is not None:
+            flags += [f"--{name.replace('_', '-')}", str(engine_args[name])]
+    return flags

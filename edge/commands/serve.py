@@ -18,7 +18,7 @@ from triode.actors import EngineArgs, EngineCoreStartError, parse_size, serve_he
 from triode.wire.cluster_key import ClusterKey, ClusterKeyError
 from triode.wire.kv_transfer import parse_kv_transfer_config
 
-from .engine_flags import add_engine_flags, given_engine_args
+from .engine_flags import add_engine_flags, given_engine_args, kv_cache_check_flags
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -357,16 +357,17 @@ def _model_refused(model: str | None, engine_args: dict[str, object]) -> bool:
 
 def model_problem(model: str | None, engine_args: dict[str, object]) -> str | None:
     """Why `model` cannot be served, as far as its files tell without loading it (the
-    architecture, config.json's sizes, the weights' shapes, the generation config flags), or
-    None. The model process's side of triode, which the edge does not import, checks: its
-    check costs a tenth of a second, the engine core's failure several seconds and a
-    traceback."""
+    architecture, config.json's sizes, the weights' shapes, the generation config flags, a KV
+    cache too small for the context length asked for), or None. The model process's side of
+    triode, which the edge does not import, checks: its check costs a tenth of a second, the
+    engine core's failure several seconds and a traceback (after a GGUF file's conversion)."""
     command = [sys.executable, "-m", "triode.gpu.checks.model", *([] if model is None else [model])]
     for flag in ("generation_config", "override_generation_config"):
         value = engine_args.get(flag)
         if value is not None:
             text = value if isinstance(value, str) else json.dumps(value)
             command += [f"--{flag.replace('_', '-')}", text]
+    command += kv_cache_check_flags(engine_args)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode == 0:
         return None

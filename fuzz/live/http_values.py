@@ -14,7 +14,8 @@ GET_ROUTES = [
 ]  # fmt: skip
 POST_ROUTES = [
     b"/v1/completions", b"/v1/chat/completions", b"/tokenize", b"/detokenize",
-    b"/v1/completions/render", b"/v1/chat/completions/render",
+    b"/v1/completions/render", b"/v1/chat/completions/render", b"/v1/embeddings", b"/pooling",
+    b"/score", b"/v1/score", b"/rerank", b"/v1/rerank", b"/v2/rerank",
 ]  # fmt: skip
 METHODS = [
     b"GET", b"POST", b"PUT", b"DELETE", b"OPTIONS", b"PATCH", b"HEAD", b"TRACE", b"CONNECT",

@@ -15,7 +15,10 @@ directory, a .gguf file, `tiny-random`, or nothing for the default model. It che
   shape, and each layer has tensors (from the safetensors headers: 8 bytes of length, then
   JSON);
 - `--generation-config` and `--override-generation-config` give defaults
-  (`generation_config.py`).
+  (`generation_config.py`);
+- a `--kv-cache-memory` given with a `--max-model-len` can hold that many tokens at all (the
+  context length, layers, KV heads and head size from config.json or the GGUF header, before a
+  GGUF file's conversion; at the dtype's smallest size, so only what never fits is refused).
 
 A model that passes may still fail to load (a tensor this check has no shape for, a default
 model never fetched); the engine core then reports that in one line as well. Exit status 0,
@@ -36,7 +39,9 @@ from typing import Any
 
 from ..cache_paths import TINY_RANDOM, default_gguf, tiny_random_dir
 from ..generation_config import GenerationConfigError, request_defaults
+from ..kv_sizing import ITEMSIZES, KVCacheAsked, KVSizes, config_kv_sizes
 from ..models.architectures import UnsupportedArchitecture, supported_architecture
+from ..pooling_spec import is_encoder
 
 # what every family builds its model from
 REQUIRED_FIELDS = (
@@ -58,14 +63,20 @@ class ModelProblem(Exception):
 
 
 def check_model(
-    model: str | None, generation_config: str = "auto", override: str | None = None
+    model: str | None,
+    generation_config: str = "auto",
+    override: str | None = None,
+    kv_cache: KVCacheAsked | None = None,
 ) -> None:
-    """Raise `ModelProblem` if `model` (as `triode serve` takes it) cannot be served."""
+    """Raise `ModelProblem` if `model` (as `triode serve` takes it) cannot be served, or
+    cannot serve `kv_cache`'s `max_model_len` in its memory."""
+    gguf = None
     if model is None:
         # a missing one is the engine core's to report (one line too, naming `make model`),
         # so that the rest of a command line is checkable where the model was never fetched
         if default_gguf().is_file():
-            check_gguf(default_gguf())
+            gguf = default_gguf()
+            check_gguf(gguf)
         model_dir = None
     elif model == TINY_RANDOM:
         # built by this package, on first use: a check of a directory it will write is moot
@@ -77,7 +88,7 @@ def check_model(
             model_dir = path
         elif path.suffix == ".gguf" and path.is_file():
             check_gguf(path)
-            model_dir = None  # converted on first use; its generation config is checked then
+            gguf, model_dir = path, None  # converted on first use; its generation config then
         elif not path.exists():
             raise ModelProblem(f"{model}: no such file or directory")
         else:
@@ -86,6 +97,36 @@ def check_model(
         request_defaults(model_dir, generation_config, override)
     except GenerationConfigError as e:
         raise ModelProblem(str(e)) from None
+    if kv_cache is not None:
+        problem = kv_cache.problem(kv_sizes(gguf, model_dir))
+        if problem is not None:
+            raise ModelProblem(problem)
+
+
+def kv_sizes(gguf: Path | None, model_dir: Path | None) -> KVSizes | None:
+    """What the model's KV cache is sized by, from the GGUF file's header or config.json; None
+    where they do not say, or the model keeps no KV cache (an encoder)."""
+    if gguf is not None:
+        return gguf_kv_sizes(gguf)
+    if model_dir is None:
+        return None
+    # a JSON object: `check_model_dir` read it, or this package wrote it (`tiny-random`)
+    config = json.loads((model_dir / "config.json").read_text())
+    return None if is_encoder(config.get("architectures")) else config_kv_sizes(config)
+
+
+def gguf_kv_sizes(path: Path) -> KVSizes | None:
+    """The KV sizes the GGUF file's header gives, or None where it does not give them all as
+    scalars (KV heads per layer, as some families store them)."""
+    architecture = gguf_fields(path, {"general.architecture"})["general.architecture"]
+    names = ("context_length", "block_count", "attention.head_count_kv", "attention.head_count")
+    names += ("attention.key_length", "embedding_length")
+    found = gguf_fields(path, {f"{architecture}.{name}" for name in names})
+    context, layers, kv_heads, heads, head_dim, hidden = (
+        found.get(f"{architecture}.{name}") for name in names
+    )
+    kv_heads = heads if kv_heads is None else kv_heads
+    return KVSizes.of(context, layers, kv_heads, head_dim, hidden_size=hidden, heads=heads)
 
 
 def check_model_dir(path: Path) -> None:
@@ -111,6 +152,8 @@ def check_model_dir(path: Path) -> None:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelProblem(f"{path} has no *.safetensors weights")
+    if is_encoder(config.get("architectures")):
+        return  # an encoder's loader checks its tensors' names and shapes as it reads them
     shapes: dict[str, list[int]] = {}
     for file in files:
         shapes.update(safetensors_shapes(file))
@@ -277,9 +320,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("model", nargs="?", default=None)
     parser.add_argument("--generation-config", default="auto")
     parser.add_argument("--override-generation-config", default=None)
+    kv = parser.add_argument_group("a KV cache given with a context length (both, or neither)")
+    kv.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES")
+    kv.add_argument("--max-model-len", type=int, default=None)
+    kv.add_argument("--dtype", default="auto", choices=sorted(ITEMSIZES))
+    kv.add_argument("--tensor-parallel-size", type=int, default=1)
+    kv.add_argument("--pipeline-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
+    kv_cache = None
+    if args.kv_cache_memory is not None and args.max_model_len is not None:
+        kv_cache = KVCacheAsked(
+            args.kv_cache_memory,
+            args.max_model_len,
+            args.dtype,
+            args.tensor_parallel_size,
+            args.pipeline_parallel_size,
+        )
     try:
-        check_model(args.model, args.generation_config, args.override_generation_config)
+        check_model(args.model, args.generation_config, args.override_generation_config, kv_cache)
     except ModelProblem as e:
         print(e, file=sys.stderr)
         return 2

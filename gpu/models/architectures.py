@@ -14,6 +14,9 @@ SUPPORTED = frozenset(
         "Gemma3ForCausalLM",
         "Qwen3MoeForCausalLM",
         "MixtralForCausalLM",
+        # encoders, served for embeddings and scores (`pooling_spec.ENCODER_ARCHITECTURES`)
+        "BertModel",
+        "BertForSequenceClassification",
     }
 )
 

@@ -13,8 +13,9 @@ import torch
 from triode.actors import SamplingParams, open_engine
 from triode.gpu import loader, model_runner
 from triode.gpu.cache_paths import DEFAULT_GGUF, TINY_RANDOM, converted_dir
+from triode.gpu.dtypes import cpu_has_native_bf16, resolve_dtype
 from triode.gpu.loader import resolve_model
-from triode.gpu.model_runner import ModelRunner, cpu_has_native_bf16, resolve_dtype
+from triode.gpu.model_runner import ModelRunner
 from triode.gpu.tiny_model import build_tiny_model
 
 

@@ -444,6 +444,7 @@ DEFAULT_REQUEST = {
     "prompt_embeds": None,
     "cache_salt": None,
     "lora_name": None,
+    "pooling_params": None,
 }
 _SHM = "triode_tensor_" + "ab" * 16
 
@@ -540,6 +541,9 @@ def test_hand_built_valid_request_decodes() -> None:
         {"lora_name": ""},
         {"lora_name": "a" * 257},
         {"lora_name": 7},
+        {"pooling_params": ["generate", 0]},
+        {"pooling_params": ["embed", -1]},
+        {"pooling_params": ["embed", 2**31]},
     ],
     ids=repr,
 )
