@@ -391,6 +391,10 @@ async def connect_engine(
     tokenizer = await trio.to_thread.run_sync(
         Tokenizer.from_file, str(Path(first.info["model_dir"]) / "tokenizer.json")
     )
+    # an encoder's tokenizer.json may pad and cut every encoding (all-MiniLM-L6-v2's: to 128):
+    # a prompt is its own tokens, and the engine checks and cuts lengths itself
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
     zctx = zmq.Context()
     sockets: list[Socket] = []
     try:

@@ -80,3 +80,54 @@ async def test_a_generating_model_refuses_embeddings(tiny_model: Path) -> None:
         assert engine.pooling is None
         with pytest.raises(RequestError, match="generates text"):
             await engine.embed(PROMPTS[:1])
+
+
+WORDS = "the a cat dog sat on mat rain fell over city streets quick brown fox river".split()
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random BERT cross-encoder (one label) with a tokenizer of its own words."""
+    # transformers writes the checkpoint the engine and sentence-transformers both read
+    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+
+    path = tmp_path_factory.mktemp("cross") / "encoder"
+    torch.manual_seed(0)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    config = BertConfig(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=37, max_position_embeddings=128, initializer_range=0.2, num_labels=1,
+        architectures=["BertForSequenceClassification"],
+    )  # fmt: skip
+    BertForSequenceClassification(config).eval().save_pretrained(path)
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizerFast(vocab_file=str(path / "vocab.txt")).save_pretrained(path)
+    return path
+
+
+async def test_a_cross_encoder_scores_pairs_as_sentence_transformers_does(
+    cross_encoder: Path,
+) -> None:
+    sentence_transformers = pytest.importorskip("sentence_transformers")
+    queries = ["the cat sat", "a dog", "quick brown fox over the river"]
+    documents = ["the cat sat on the mat", "rain fell over city streets", "a quick fox"]
+    pairs = [(q, d) for q in queries for d in documents]
+    want = sentence_transformers.CrossEncoder(str(cross_encoder), device="cpu").predict(pairs)
+    args = {"dtype": "float32", "max_num_batched_tokens": 256}
+    async with open_engine(str(cross_encoder), **args) as engine:
+        assert engine.pooling is not None and engine.pooling["task"] == "classify"
+        scores = await engine.score([q for q, _ in pairs], [d for _, d in pairs])
+        # cut to 8 tokens in all: the longer text loses tokens first, [CLS] and both [SEP] stay
+        cut = await engine.score(["the cat sat on the mat"], ["a dog"], truncate_prompt_tokens=8)
+        with pytest.raises(RequestError, match="serves classification"):
+            await engine.embed(["the cat"])
+        with pytest.raises(RequestError, match="pooling requests only"):
+            async for _ in engine.generate("the cat", SamplingParams(max_tokens=2)):
+                pass
+    got = np.array([s.data[0] for s in scores])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert cut[0].num_prompt_tokens == 8
+    expected_cut = sentence_transformers.CrossEncoder(
+        str(cross_encoder), device="cpu", max_length=8
+    ).predict([("the cat sat on the mat", "a dog")])
+    np.testing.assert_allclose(cut[0].data, expected_cut, atol=1e-5)
