@@ -28,6 +28,9 @@ BENCHMARKS = {
     "llamacpp": Benchmark(
         "triode.edge.bench.llamacpp", "triode beside llama.cpp's llama-server on GGUF files"
     ),
+    "embed": Benchmark(
+        "triode.edge.bench.embed", "/v1/embeddings against sentence-transformers and vLLM"
+    ),
     "frontend": Benchmark(
         "triode.edge.bench.frontend", "the API servers alone, 1, 2, 4 ... processes"
     ),

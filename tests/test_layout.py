@@ -45,6 +45,7 @@ STRING_IMPORTS = {
     "triode.actors.core.main:serve_engine_core",
     "triode.edge.api_servers:serve_api_server",
     "triode.edge.bench.ab",
+    "triode.edge.bench.embed",
     "triode.edge.bench.frontend",
     "triode.edge.bench.gguf_models",
     "triode.edge.bench.lora",
