@@ -65,12 +65,12 @@ class KVGeometry:
 @dataclass(frozen=True)
 class KVLimits:
     """What a rank's cache is sized by: `memory` bytes (`AUTO`: from the machine), the
-    `max_model_len` to serve, the model's own context `model_len` (a shorter `max_model_len`
-    was asked for: it is not lowered), and `max_num_seqs`."""
+    `max_model_len` to serve, whether it was `given` (asked for: never lowered, an error where
+    it does not fit; else the model's own context, lowered to what fits), and `max_num_seqs`."""
 
     memory: int
     max_model_len: int
-    model_len: int
+    given: bool
     max_num_seqs: int
 
 
@@ -92,9 +92,8 @@ def size_kv_cache(
         needed = limits.max_num_seqs * geometry.bytes_for(limits.max_model_len)
         memory = device_kv_memory(device, needed, layout.world_size, announce=announce)
     num_blocks = world_min(memory // geometry.block_bytes)
-    given = limits.max_model_len < limits.model_len
     length = fitted_max_model_len(
-        geometry, num_blocks, memory, limits.max_model_len, given=given, announce=announce
+        geometry, num_blocks, memory, limits.max_model_len, given=limits.given, announce=announce
     )
     return num_blocks, length
 

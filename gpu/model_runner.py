@@ -130,6 +130,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.max_model_len = context_limit(self.config, max_model_len)
+        self._max_model_len_given = max_model_len is not None  # never lowered to fit the cache
         self.vocab_size: int = self.config.vocab_size
         self.hidden_size: int = self.config.hidden_size
         eos = eos_token_ids(self.model_dir, self.config)
@@ -257,7 +258,7 @@ class ModelRunner:
         """Allocate this rank's KV cache, fit `max_model_len` to it: `kv_sizing.size_kv_cache`."""
         layers = [layer.self_attn.attn for layer in self.model.model.stage_layers]
         dims = (len(layers), layers[0].num_kv_heads, head_dim(self.config), self.dtype.itemsize)
-        limits = (memory, self.max_model_len, context_limit(self.config, None), self.max_num_seqs)
+        limits = (memory, self.max_model_len, self._max_model_len_given, self.max_num_seqs)
         num_blocks, self.max_model_len = kv_sizing.size_kv_cache(
             kv_sizing.KVGeometry(*dims, self.block_size),
             kv_sizing.KVLimits(*limits),

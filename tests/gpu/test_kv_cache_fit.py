@@ -66,6 +66,8 @@ def test_a_max_model_len_asked_for_that_the_cache_cannot_hold_is_refused(tiny: P
         f"it at least {63 * BLOCK} bytes or lower max_model_len"
     )
     assert _runner(tiny, kv_cache_memory=32 * BLOCK, max_model_len=500).max_model_len == 500
+    with pytest.raises(ValueError, match="less than max_model_len 1024"):  # the model's own, asked
+        _runner(tiny, kv_cache_memory=32 * BLOCK, max_model_len=1024)
 
 
 def test_auto_takes_what_every_sequence_at_full_length_needs_and_says_so(

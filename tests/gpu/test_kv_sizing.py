@@ -109,7 +109,7 @@ def test_a_cache_of_less_than_two_tokens_is_refused_even_for_the_models_context(
 
 
 def test_an_explicit_size_is_taken_as_it_is_and_the_world_takes_its_fewest_blocks() -> None:
-    limits = KVLimits(memory=64 * MiB, max_model_len=8192, model_len=8192, max_num_seqs=256)
+    limits = KVLimits(memory=64 * MiB, max_model_len=8192, given=False, max_num_seqs=256)
     blocks, length = size_kv_cache(SMOLLM2, limits, None, World(), lambda value: value)
     assert blocks == 64 * MiB // SMOLLM2.block_bytes and length == blocks * 16
     # another rank holds fewer: every rank takes that count, and the length follows it
@@ -120,7 +120,7 @@ def test_an_explicit_size_is_taken_as_it_is_and_the_world_takes_its_fewest_block
 def test_auto_on_this_cpu_is_within_its_bounds_and_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    limits = KVLimits(memory=0, max_model_len=8192, model_len=8192, max_num_seqs=256)
+    limits = KVLimits(memory=0, max_model_len=8192, given=False, max_num_seqs=256)
     with caplog.at_level(logging.INFO, logger=kv_sizing.__name__):
         blocks, length = size_kv_cache(
             SMOLLM2, limits, torch.device("cpu"), World(), lambda value: value
@@ -135,7 +135,7 @@ def test_auto_on_this_cpu_is_within_its_bounds_and_says_so(
 
 
 def test_auto_takes_no_more_than_every_sequence_at_full_length_needs() -> None:
-    limits = KVLimits(memory=0, max_model_len=100, model_len=100, max_num_seqs=2)
+    limits = KVLimits(memory=0, max_model_len=100, given=False, max_num_seqs=2)
     blocks, length = size_kv_cache(
         SMOLLM2, limits, torch.device("cpu"), World(), lambda value: value
     )
