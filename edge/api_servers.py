@@ -266,6 +266,8 @@ async def _until_signalled(
             name = signal.Signals(signum).name
             if servers.draining:
                 log.warning("%s again: stopping without waiting for requests", name)
+                if signum == signal.SIGINT:  # an interrupt: the command exits 130
+                    raise KeyboardInterrupt
                 break
             log.info("%s: API servers finish their in-flight requests, then shut down", name)
             servers.drain()

@@ -70,12 +70,16 @@ async def serve_asgi(
 
 
 async def _on_signals(shutdown: trio.Event, scope: trio.CancelScope) -> None:
-    """The first SIGINT/SIGTERM drains; a second one stops at once."""
+    """The first SIGINT/SIGTERM drains; a second one stops at once: a SIGINT as an interrupt
+    (KeyboardInterrupt, which the commands turn into exit status 130, as a shell does), a
+    SIGTERM by ending the server as a drain would."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
             name = signal.Signals(signum).name
             if shutdown.is_set():
                 log.warning("%s again: stopping without waiting for requests", name)
+                if signum == signal.SIGINT:
+                    raise KeyboardInterrupt
                 scope.cancel()
                 return
             log.info("%s: finishing in-flight requests, then shutting down", name)

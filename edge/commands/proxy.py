@@ -108,5 +108,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if keys:
         logging.getLogger("triode.proxy").info("API keys required: %d configured", len(keys))
-    trio.run(serve_proxy, options)
+    interrupted = False
+    try:
+        trio.run(serve_proxy, options)
+    except* KeyboardInterrupt:  # a second SIGINT, or one before the proxy drains
+        interrupted = True
+    if interrupted:
+        logging.getLogger("triode.proxy").info("interrupted: stopped at once")
+        return 130
     return 0

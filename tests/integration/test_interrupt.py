@@ -6,6 +6,8 @@ drain short: `edge/asgi_server.py`.)"""
 from __future__ import annotations
 
 import contextlib
+import http.client
+import json
 import os
 import signal
 import subprocess
@@ -74,6 +76,50 @@ def _interrupt_twice(log: Path) -> tuple[int, str]:
             assert time.monotonic() < deadline, "a process of the server outlived it"
             time.sleep(0.1)
         return status, log.read_text(errors="replace")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def test_a_second_sigint_while_requests_drain_stops_at_once_quietly(tmp_path: Path) -> None:
+    """A stream in flight keeps the first SIGINT's drain going; the second one ends it at once,
+    as an interrupt: exit status 130, one line, no traceback, no process left."""
+    port = free_port()
+    log = tmp_path / "drain.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "triode.edge.cli", "serve", "tiny-random", "--port", str(port),
+             "--graceful-timeout", "60"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_default_sigint,
+        )  # fmt: skip
+    try:
+        wait_for_health(process, f"http://127.0.0.1:{port}", log, START_TIMEOUT)
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        body = {"prompt": "Hi", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        connection.request(
+            "POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"}
+        )
+        stream = connection.getresponse()
+        assert stream.status == 200
+        assert stream.readline().startswith(b"data: ")  # it is streaming
+        process.send_signal(signal.SIGINT)  # drains: the stream goes on ...
+        deadline = time.monotonic() + 30
+        while "finishing in-flight requests" not in log.read_text(errors="replace"):
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.005)
+        process.send_signal(signal.SIGINT)  # ... until this one
+        status = process.wait(30)
+        connection.close()
+        deadline = time.monotonic() + 10
+        while group_alive(process.pid):
+            assert time.monotonic() < deadline, "a process of the server outlived it"
+            time.sleep(0.1)
+        output = log.read_text(errors="replace")
+        assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+        assert status == 130, output
+        assert "stopped at once" in output.splitlines()[-1]
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
