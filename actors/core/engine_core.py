@@ -148,7 +148,7 @@ class EngineCore:
                 if idle:  # a stall counts from when the work came, not from the last step
                     self._parked = trio.Event()
                     self._progress_at = trio.current_time()
-            if len(in_flight) < depth and not self.holds:
+            if len(in_flight) < depth and not self.holds and self._another_step(len(in_flight)):
                 started = time.perf_counter()
                 scheduler_output = self.scheduler.schedule(
                     max_requests=self._micro_batch(depth), preempt=not in_flight
@@ -164,7 +164,9 @@ class EngineCore:
                             scheduler_output, self.scheduler.fill_bitmask
                         )
                         await self._publish_step(scheduler_output, output)
-                        self._timed(scheduler_output, time.perf_counter() - started)
+                        if self.scheduler.drafter is not None:
+                            seconds = time.perf_counter() - started
+                            self.scheduler.drafter.observe_step(scheduler_output, seconds)
                         if not scheduler_output.requests:  # the KV connector's poll
                             await self._poll_pause()
                         continue
@@ -184,20 +186,18 @@ class EngineCore:
             if not scheduler_output.requests and not in_flight:
                 await self._poll_pause()
 
-    def _timed(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
-        """Tell the drafter what a step of decodes (and proposals) took, scheduling and
-        publishing included: what its cost model of a row is fitted to."""
-        drafter = self.scheduler.drafter
-        requests = scheduler_output.requests
-        if drafter is None or not requests:
-            return
-        if any(len(r.token_ids) - r.num_draft_tokens > 1 for r in requests):
-            return  # prompt rows cost otherwise
-        drafter.observe(scheduler_output.num_scheduled_tokens, seconds)
+    def _another_step(self, in_flight: int) -> bool:
+        """Whether to start a step beside the `in_flight` ones: one per pipeline stage; an
+        encoder's second only for a backlog of half a step's tokens, a smaller one waits to
+        join the next step rather than make a step of its own."""
+        config = self.scheduler.config
+        if not in_flight or not config.whole_prompts:
+            return True
+        return 2 * self.scheduler.waiting_tokens() >= config.max_num_batched_tokens
 
     def _micro_batch(self, depth: int) -> int | None:
         """The most requests one step takes: an equal share of the live ones per stage."""
-        if depth == 1:
+        if depth == 1 or self.scheduler.config.whole_prompts:  # steps in flight, no stages
             return None
         return max(1, -(-len(self.scheduler.requests) // depth))
 

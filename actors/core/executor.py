@@ -23,7 +23,7 @@ import trio
 from triode.wire import ModelRunnerOutput, SchedulerOutput
 
 from ..config import EngineArgs
-from .model_thread import ModelThread
+from .model_thread import ModelThread, Pending
 from .multiproc import open_multiproc_executor
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,12 @@ class InProcessExecutor:
             self.block_size,
         )
 
+        # An encoder's requests end with the step that computes them, so the next step never
+        # waits for this one's results: two steps in flight keep the model's thread busy
+        # while the engine core publishes one and schedules the next (a decoder's next step
+        # needs the tokens this one samples).
+        self.max_concurrent_batches = 2 if self.is_encoder else 1
+        self._pending: dict[int, Pending[ModelRunnerOutput]] = {}
         self._operations = Operations(self._runner)
         self._thread = thread
         self._filler = trio.CapacityLimiter(1)
@@ -159,10 +165,19 @@ class InProcessExecutor:
     async def submit(
         self, scheduler_output: SchedulerOutput, fill_bitmask: FillBitmask | None = None
     ) -> None:
-        raise RuntimeError("the in-process executor runs one step at a time: call execute")
+        """Hand an encoder's step to the model's thread without waiting for it (see
+        `max_concurrent_batches`). Not a checkpoint."""
+        if self.max_concurrent_batches == 1:
+            raise RuntimeError("this model runs one step at a time: call execute")
+        assert not scheduler_output.grammar_request_ids, "an encoder samples nothing"
+        pending = self._thread.start(self._runner.execute, scheduler_output)
+        self._pending[scheduler_output.step] = pending
 
     async def receive(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        raise RuntimeError("the in-process executor runs one step at a time: call execute")
+        """A submitted step's output, once it ran. A checkpoint."""
+        if scheduler_output.step not in self._pending:
+            raise RuntimeError("this model runs one step at a time: call execute")
+        return await self._pending.pop(scheduler_output.step).result()
 
     async def call_workers(self, method: str, **kwargs: Any) -> list[dict[str, Any]]:
         """On the model's thread, between steps, one call at a time; not abandoned when

@@ -13,7 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import outcome
 import trio
@@ -57,6 +57,23 @@ class ModelThread:
         self._jobs.put(job)
         return await trio.lowlevel.wait_task_rescheduled(abort)  # type: ignore[no-any-return]
 
+    def start(self, fn: Callable[..., T], *args: Any) -> Pending[T]:
+        """`fn(*args)` on the thread, after the calls handed over before it, without waiting:
+        its result is awaited apart (`Pending.result`), so the caller can hand over the next
+        call while this one runs. No checkpoint."""
+        pending: Pending[T] = Pending()
+        token = trio.lowlevel.current_trio_token()
+
+        def job() -> None:
+            result = outcome.capture(fn, *args)
+            try:
+                token.run_sync_soon(pending.settle, result)
+            except trio.RunFinishedError:
+                pass  # the caller's trio run has ended: nobody waits for it
+
+        self._jobs.put(job)
+        return pending
+
     def close(self, *, wait: bool = True) -> None:
         """End the thread once the calls handed over have run, and (`wait`) wait for that."""
         self._jobs.put(None)
@@ -66,3 +83,22 @@ class ModelThread:
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             job()
+
+
+class Pending(Generic[T]):
+    """A call handed to the model's thread by `ModelThread.start`, and in time its result."""
+
+    def __init__(self) -> None:
+        self._done = trio.Event()
+        self._result: outcome.Outcome[T] | None = None
+
+    def settle(self, result: outcome.Outcome[T]) -> None:
+        self._result = result
+        self._done.set()
+
+    async def result(self) -> T:
+        """The call's return value, or its exception, once it ran. A checkpoint; cancelled,
+        the call goes on and its result is dropped."""
+        await self._done.wait()
+        assert self._result is not None
+        return self._result.unwrap()

@@ -462,6 +462,10 @@ class Scheduler:
     def kv_protocol_errors(self) -> int:
         return 0 if self.transfers is None else self.transfers.protocol_errors
 
+    def waiting_tokens(self) -> int:
+        """The prompt tokens of the requests waiting to start."""
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -95,7 +95,7 @@ def cross_encoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
     config = BertConfig(
         vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=37, max_position_embeddings=128, initializer_range=0.2, num_labels=1,
+        intermediate_size=37, max_position_embeddings=32, initializer_range=0.2, num_labels=1,
         architectures=["BertForSequenceClassification"],
     )  # fmt: skip
     BertForSequenceClassification(config).eval().save_pretrained(path)
@@ -110,12 +110,14 @@ async def test_a_cross_encoder_scores_pairs_as_sentence_transformers_does(
     sentence_transformers = pytest.importorskip("sentence_transformers")
     queries = ["the cat sat", "a dog", "quick brown fox over the river"]
     documents = ["the cat sat on the mat", "rain fell over city streets", "a quick fox"]
-    pairs = [(q, d) for q in queries for d in documents]
+    pairs = [(q, d) for q in queries for d in documents] * 20
     want = sentence_transformers.CrossEncoder(str(cross_encoder), device="cpu").predict(pairs)
-    args = {"dtype": "float32", "max_num_batched_tokens": 256}
+    # a step holds two or three pairs: 180 make a backlog, and steps overlap
+    args = {"dtype": "float32", "max_num_batched_tokens": 32}
     async with open_engine(str(cross_encoder), **args) as engine:
         assert engine.pooling is not None and engine.pooling["task"] == "classify"
         scores = await engine.score([q for q, _ in pairs], [d for _, d in pairs])
+        assert (await engine.get_stats())["overlapped_steps"] > 0
         # cut to 8 tokens in all: the longer text loses tokens first, [CLS] and both [SEP] stay
         cut = await engine.score(["the cat sat on the mat"], ["a dog"], truncate_prompt_tokens=8)
         with pytest.raises(RequestError, match="serves classification"):

@@ -25,10 +25,14 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..request import Request
 from .config import SpeculativeConfig
 from .proposer import Proposer, make_proposer
+
+if TYPE_CHECKING:
+    from triode.wire import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +180,14 @@ class Drafter:
     def observe(self, rows: int, seconds: float) -> None:
         """A step of `rows` rows, decodes and proposals only, took `seconds`."""
         self.step_cost.observe(rows, seconds)
+
+    def observe_step(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        """A step took `seconds`, scheduling and publishing included: what the cost model of
+        a row is fitted to, from steps of decodes (and proposals) only (prompt rows cost
+        otherwise)."""
+        requests = scheduled.requests
+        if requests and all(len(r.token_ids) - r.num_draft_tokens <= 1 for r in requests):
+            self.observe(scheduled.num_scheduled_tokens, seconds)
 
     def plan(self, running: Sequence[Request], max_len: int) -> dict[str, list[int]]:
         """Each running request's proposals for the next step (none for most): only requests

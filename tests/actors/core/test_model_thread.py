@@ -111,3 +111,26 @@ async def test_cancelling_waits_for_the_call_unless_it_may_be_abandoned(
     assert trio.current_time() - started < 0.25 and done == ["waited"]
     assert await model_thread.run(lambda: "next") == "next"  # after the abandoned one ends
     assert done == ["waited", "abandoned"]
+
+
+async def test_started_calls_run_in_order_while_the_caller_goes_on(
+    model_thread: ModelThread,
+) -> None:
+    gate = threading.Event()
+    ran: list[int] = []
+
+    def call(i: int) -> int:
+        gate.wait(5)
+        ran.append(i)
+        if i == 2:
+            raise ValueError("two")
+        return i * 10
+
+    first = model_thread.start(call, 1)
+    second = model_thread.start(call, 2)
+    assert ran == []  # handed over, not waited for: the caller went on
+    gate.set()
+    with pytest.raises(ValueError, match="two"):
+        await second.result()
+    assert await first.result() == 10
+    assert ran == [1, 2]
