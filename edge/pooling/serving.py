@@ -72,13 +72,7 @@ class Pooling:
         req = await self._read(request, EmbeddingRequest)
         spec = await self._spec(req.model, "embeddings", tasks=("embed",))
         inputs = self._inputs(req)
-        call = functools.partial(
-            self.engine.embed,
-            inputs,
-            dimensions=check_dimensions(req.dimensions, spec),
-            normalize=req.wants_normalized(),
-            truncate_prompt_tokens=req.truncate_prompt_tokens,
-        )
+        call = self._embed_call(req, spec, inputs)
         request_id = f"embd-{uuid.uuid4().hex}"
         outputs = await self._run(request, call, request_id)
         response = embedding_response(
@@ -100,13 +94,7 @@ class Pooling:
         inputs = self._inputs(req)
         call: PoolingCall
         if task == "embed":
-            call = functools.partial(
-                self.engine.embed,
-                inputs,
-                dimensions=check_dimensions(req.dimensions, spec),
-                normalize=req.wants_normalized(),
-                truncate_prompt_tokens=req.truncate_prompt_tokens,
-            )
+            call = self._embed_call(req, spec, inputs)
         else:
             for name in ("dimensions", "normalize"):
                 if getattr(req, name) is not None:
@@ -129,6 +117,18 @@ class Pooling:
             endianness=req.endianness,
         )
         await respond_json(request.send, response)
+
+    def _embed_call(
+        self, req: EmbeddingRequest | PoolingRequest, spec: dict[str, Any], inputs: Any
+    ) -> PoolingCall:
+        """`engine.embed` of `inputs` as the request asks (dimensions, normalisation, cut)."""
+        return functools.partial(
+            self.engine.embed,
+            inputs,
+            dimensions=check_dimensions(req.dimensions, spec),
+            normalize=req.wants_normalized(),
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
+        )
 
     async def score(self, request: Request) -> None:
         req = await self._read(request, ScoreRequest)
