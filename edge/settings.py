@@ -26,6 +26,8 @@ class Settings:
     tool_call_timeout: float = 30.0
     max_tool_turns: int = 8
     max_stored_responses: int = 1000
+    # the stored finished responses' bytes as JSON, all together (`responses.store`)
+    max_stored_response_bytes: int = 256 << 20
     # "key": requests share cached prefix blocks only with requests under the same API key
     prefix_cache_isolation: Isolation = "none"
     # caps on what one request may cost (edge/completions/): its choices (prompts x n), the

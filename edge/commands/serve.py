@@ -156,6 +156,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="responses kept for retrieval and previous_response_id; the oldest finished go first",
     )
     stored.add_argument(
+        "--max-stored-response-bytes",
+        default="256MiB",
+        help="what the stored finished responses may hold in all, as JSON (default 256MiB); "
+        "past it the least recently used go first",
+    )
+    stored.add_argument(
         "--max-background-responses",
         type=int,
         default=32,
@@ -235,6 +241,12 @@ def run(args: argparse.Namespace) -> int:
         )
     if not args.response_ttl > 0:
         raise SystemExit("triode serve: --response-ttl must be positive")
+    try:
+        stored_bytes = parse_size(args.max_stored_response_bytes)
+    except ValueError as e:
+        raise SystemExit(f"triode serve: --max-stored-response-bytes: {e}") from None
+    if stored_bytes < 1:
+        raise SystemExit("triode serve: --max-stored-response-bytes must be positive")
     if not 1 <= args.api_server_count <= 64:
         raise SystemExit("triode serve: --api-server-count must be between 1 and 64")
     if args.prefix_cache_isolation == "key" and not keys:
@@ -268,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
             max_prompt_embeds_bytes=max_prompt_embeds,
             health_stall_timeout=args.health_stall_timeout,
             max_stored_responses=args.max_stored_responses,
+            max_stored_response_bytes=stored_bytes,
             metrics_require_key=args.metrics_require_key,
             max_background_responses=args.max_background_responses,
             response_ttl=args.response_ttl,

@@ -16,6 +16,8 @@ from ..http import Request
 from ..ignored_fields import decode_request_body
 from .input_items import convert_item
 
+# Characters of `user`, an end user's identifier
+MAX_USER = 256
 # Characters of `instructions`: a system prompt this long is past any context window a server
 # runs (about 250k tokens); it is stored with the response, so it is capped like metadata
 # (OpenAI's 16 pairs of 64-character keys and 512-character values).
@@ -53,7 +55,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     metadata: dict[str, Annotated[str, Meta(max_length=512)]] | None = None
-    user: str | None = None
+    # kept with the response: capped as metadata's values are (OpenAI's identifiers are short)
+    user: Annotated[str, Meta(max_length=MAX_USER)] | None = None
     truncation: Literal["disabled", "auto"] | None = None
     include: list[str] | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None

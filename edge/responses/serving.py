@@ -57,7 +57,11 @@ class Responses:
         self.metrics = metrics
         self.loras = loras
         self.model_name = settings.served_model_names[0]
-        self.store = ResponseStore(settings.max_stored_responses, ttl=settings.response_ttl)
+        self.store = ResponseStore(
+            settings.max_stored_responses,
+            ttl=settings.response_ttl,
+            max_bytes=settings.max_stored_response_bytes,
+        )
         self._background_count = 0  # queued or running
         self.tool_servers = ToolServers(
             settings.tool_servers,

@@ -13,6 +13,11 @@ the store is over `capacity`. A running background response is never dropped: it
 with nobody able to cancel it, and dropping by cancelling would let any client's burst of new
 responses cancel another's work. Their number is bounded by the caller
 (`--max-background-responses`), so the store holds at most `capacity` plus that many.
+
+The finished responses' bytes (each its response and conversation as JSON, counted when its run
+ends) are bounded too, by `max_bytes` (`--max-stored-response-bytes`): past it the least
+recently used finished ones go, the one just finished last (a response larger than the whole
+budget is answered, then not kept). A count alone let 1,000 responses of 4 MiB each hold 4 GiB.
 """
 
 from __future__ import annotations
@@ -24,9 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import trio
 
 from .response import TERMINAL, Response
+
+# what the finished responses of one server process may hold at most, by default
+DEFAULT_MAX_BYTES = 256 << 20
+_JSON = msgspec.json.Encoder()
 
 
 @dataclass
@@ -38,6 +48,7 @@ class StoredResponse:
     done: trio.Event = field(default_factory=trio.Event)
     owner: bytes = b""  # the SHA-256 digest of the creating key; b"" on a server without keys
     ended_at: float = math.inf  # the store's clock when the run ended
+    nbytes: int = 0  # its response and conversation as JSON, counted when its run ended
 
     @property
     def running(self) -> bool:
@@ -56,14 +67,19 @@ class ResponseStore:
         capacity: int = 1000,
         *,
         ttl: float = math.inf,
+        max_bytes: int = DEFAULT_MAX_BYTES,
         clock: Callable[[], float] = trio.current_time,
     ) -> None:
         if capacity < 1:
             raise ValueError("capacity: must be at least 1")
         if not ttl > 0:
             raise ValueError("ttl: must be positive")
+        if max_bytes < 1:
+            raise ValueError("max_bytes: must be at least 1")
         self.capacity = capacity
         self.ttl = ttl
+        self.max_bytes = max_bytes
+        self.nbytes = 0  # the finished responses' (`StoredResponse.nbytes`)
         self._clock = clock
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
 
@@ -88,11 +104,24 @@ class ResponseStore:
             k for k, e in self._entries.items() if e.running and e.scope is None and k != new
         ]
         for victim in [*finished, *foreground][:excess]:
-            del self._entries[victim]
+            self._drop(victim)
 
     def ended(self, entry: StoredResponse) -> None:
-        """Note that `entry`'s run has ended: its time to live starts now."""
+        """Note that `entry`'s run has ended: its time to live starts now, and its bytes count
+        against `max_bytes` (the least recently used finished responses go past it)."""
         entry.ended_at = self._clock()
+        if entry.response.id not in self._entries or entry.nbytes:
+            return
+        entry.nbytes = len(_JSON.encode(entry.response)) + len(_JSON.encode(entry.conversation))
+        self.nbytes += entry.nbytes
+        if entry.nbytes > self.max_bytes:  # answered; kept, it would push out every other
+            self._drop(entry.response.id)
+            return
+        self._entries.move_to_end(entry.response.id)
+        for key in [k for k, e in self._entries.items() if e.nbytes]:
+            if self.nbytes <= self.max_bytes:
+                break
+            self._drop(key)
 
     def get(self, response_id: str, owner: bytes = b"") -> StoredResponse | None:
         """The response `response_id` if `owner` created it and it has not expired."""
@@ -100,7 +129,7 @@ class ResponseStore:
         if entry is None:
             return None
         if self._expired(entry):
-            del self._entries[response_id]
+            self._drop(response_id)
             return None
         if not secrets.compare_digest(entry.owner, owner):
             return None
@@ -108,7 +137,13 @@ class ResponseStore:
         return entry
 
     def pop(self, response_id: str) -> StoredResponse | None:
-        return self._entries.pop(response_id, None)
+        entry = self._entries.pop(response_id, None)
+        if entry is not None:
+            self.nbytes -= entry.nbytes
+        return entry
+
+    def _drop(self, response_id: str) -> None:
+        self.nbytes -= self._entries.pop(response_id).nbytes
 
     def _expired(self, entry: StoredResponse) -> bool:
         if entry.ended_at == math.inf or entry.running_in_background:
@@ -117,4 +152,4 @@ class ResponseStore:
 
     def _expire(self) -> None:
         for key in [k for k, e in self._entries.items() if self._expired(e)]:
-            del self._entries[key]
+            self._drop(key)
