@@ -315,6 +315,14 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             metavar="DIR",
         ),
     ] = []
+    allowed_weight_paths: Annotated[
+        list[str],
+        EngineFlag(
+            "directories under which /update_weights_from_disk may read a checkpoint (the "
+            "served model's own directory always may)",
+            metavar="DIR",
+        ),
+    ] = []
 
     def __post_init__(self) -> None:
         memory = self.kv_cache_memory
@@ -440,8 +448,9 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(
                 f"lora_dtype must be auto, float32, bfloat16 or float16, not {self.lora_dtype!r}"
             )
-        if any(not isinstance(p, str) or not p.strip() for p in self.allowed_lora_paths):
-            raise ValueError("allowed_lora_paths must name directories")
+        for name in ("allowed_lora_paths", "allowed_weight_paths"):
+            if any(not isinstance(p, str) or not p.strip() for p in getattr(self, name)):
+                raise ValueError(f"{name} must name directories")
         names = [module.name for module in self.lora_module_list()]
         for name in names:
             problem = lora_name_problem(name)

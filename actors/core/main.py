@@ -124,6 +124,7 @@ async def serve_engine_core(ctx: ChildContext) -> None:
             lora=LoRASettings.from_engine_args(args),
             kv_events=kv_events,
         )
+        core.operations.allow_weight_paths(args.allowed_weight_paths)
         # before READY: an adapter that does not load fails the start, with the ranks' word
         await core.loras.load_modules()
         await ctx.ready(

@@ -78,6 +78,29 @@ class EngineOperations:
         self.timeline = StepTimeline()
         self._busy: str | None = None
         self._drained: trio.Event | None = None  # while a `wait` pause waits
+        # where update_weights_from_disk may read, as real paths: under these, or the served
+        # model's own directory (`allow_weight_paths`)
+        self._weight_paths: tuple[str, ...] = ()
+
+    def _check_weight_path(self, model_path: str) -> None:
+        """OperationError unless `model_path` is the served model's own directory or lies under
+        one of --allowed-weight-paths, symbolic links resolved: an admin key reads weights
+        only where the operator said. Not in a worker thread: a few stat calls on the
+        engine's own host, for a rare admin call (the ranks read the files right after)."""
+        real = os.path.realpath(model_path)
+        if real == os.path.realpath(self.core.executor.model_dir):
+            return
+        if not any(os.path.commonpath([real, p]) == p for p in self._weight_paths):
+            raise OperationError(
+                "invalid",
+                f"the path {model_path!r} is neither the served model's directory nor under "
+                "--allowed-weight-paths",
+            )
+
+    def allow_weight_paths(self, paths: list[str]) -> None:
+        """--allowed-weight-paths, resolved once, here (the engine core's working directory
+        resolves relative ones)."""
+        self._weight_paths = tuple(os.path.realpath(p) for p in paths)
 
     # sleep and wake
 
@@ -240,6 +263,7 @@ class EngineOperations:
             raise OperationError(
                 "invalid", f"model_path must be a path of 1 to {MAX_MODEL_PATH} characters"
             )
+        self._check_weight_path(model_path)
         with self._operation("update_weights_from_disk"):
             if self.updating:
                 raise OperationError("conflict", "a weight update from a trainer is in progress")

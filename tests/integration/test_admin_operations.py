@@ -217,21 +217,33 @@ async def test_pause_abort_wait_and_keep_with_requests_in_flight(tiny: Path) -> 
 
 
 async def test_update_weights_from_disk_serves_the_new_weights(tiny: Path, tmp_path: Path) -> None:
-    changed = perturbed(tiny, tmp_path / "changed")
+    # the engine may read new weights under `allowed` only (or from its own directory)
+    allowed = tmp_path / "checkpoints"
+    allowed.mkdir()
+    changed = perturbed(tiny, allowed / "changed")
     prompts = [[1, *range(30, 50)], [1, *range(70, 75)]]
     async with open_engine(str(changed), dtype="float32") as fresh:
         expected = await _tokens(fresh, prompts)
     # two data-parallel engine cores: each takes every operation
-    async with open_engine(str(tiny), dtype="float32", data_parallel_size=2) as engine:
+    outside = perturbed(tiny, tmp_path / "outside")
+    (allowed / "escape").symlink_to(outside)
+    async with open_engine(
+        str(tiny), dtype="float32", data_parallel_size=2, allowed_weight_paths=[str(allowed)]
+    ) as engine:
         old = await _tokens(engine, prompts * 2)
         assert old[:2] == old[2:] and old[:2] != expected
         assert (await _generate(engine, prompts[0])).num_cached_tokens > 0
 
-        wrong = build_tiny_model(tmp_path / "wrong", hidden_size=64)
-        for path, kind in ((wrong, "invalid"), (tmp_path / "nowhere", "invalid")):
+        wrong = build_tiny_model(allowed / "wrong", hidden_size=64)
+        for path, why in (
+            (wrong, "hidden_size is 64"),
+            (allowed / "nowhere", ""),
+            (outside, "--allowed-weight-paths"),
+            (allowed / "escape", "--allowed-weight-paths"),  # a link out of the allowed ones
+        ):
             with pytest.raises(OperationError) as refused:
                 await engine.admin.update_weights_from_disk(str(path))
-            assert refused.value.kind == kind
+            assert refused.value.kind == "invalid" and why in str(refused.value)
         assert await _tokens(engine, prompts * 2) == old  # still the old weights
         assert await engine.admin.weight_version() == 0
 
