@@ -67,6 +67,9 @@ MIN_WORDS, MAX_WORDS = 8, 60
 # a warm-up request's sentences at most: enough to run every code path once, not to time
 WARMUP_BATCH = 32
 DTYPES = ("float32", "bfloat16")
+# the pause before each turn: OpenMP threads (libgomp's, vLLM's and triode's alike) spin-wait
+# for work a while after a parallel region before they sleep
+SETTLE_SECONDS = 2.0
 
 
 def default_model() -> Path:
@@ -262,6 +265,8 @@ async def measure_servers(
                 await drive(client, model, warmup_requests(b, args), args.concurrency)
             for turn in range(args.rounds):
                 for contestant, client, model in clients[turn:] + clients[:turn]:
+                    # the last one's OpenMP threads spin a while after its work: let them rest
+                    await trio.sleep(SETTLE_SECONDS)
                     print(f"{contestant.name}: b={b}, round {turn + 1}", file=sys.stderr)
                     requests = timed_requests(b, args, turn)
                     rounds[contestant.name].append(
