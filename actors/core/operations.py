@@ -263,10 +263,10 @@ class EngineOperations:
             raise OperationError(
                 "invalid", f"model_path must be a path of 1 to {MAX_MODEL_PATH} characters"
             )
-        self._check_weight_path(model_path)
         with self._operation("update_weights_from_disk"):
             if self.updating:
                 raise OperationError("conflict", "a weight update from a trainer is in progress")
+            self._check_weight_path(model_path)
             started = time.perf_counter()
             results = await self._on_workers("update_weights_from_disk", model_path=model_path)
             self._new_version(from_source=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from triode.actors import SamplingParams, open_engine
-from triode.gpu import loader, model_runner
+from triode.gpu import dtypes, loader
 from triode.gpu.cache_paths import DEFAULT_GGUF, TINY_RANDOM, converted_dir
 from triode.gpu.dtypes import cpu_has_native_bf16, resolve_dtype
 from triode.gpu.loader import resolve_model
@@ -143,9 +143,9 @@ def test_dtype_auto_follows_the_cpus_bf16_support(monkeypatch: pytest.MonkeyPatc
     assert cpu_has_native_bf16() == native
     expected = torch.bfloat16 if native else torch.float32
     assert resolve_dtype("auto", torch.device("cpu")) == expected
-    monkeypatch.setattr(model_runner, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda: True)
     assert resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
-    monkeypatch.setattr(model_runner, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda: False)
     assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
 
