@@ -73,16 +73,7 @@ class Pooling:
         spec = await self._spec(req.model, "embeddings", tasks=("embed",))
         inputs = self._inputs(req)
         call = self._embed_call(req, spec, inputs)
-        request_id = f"embd-{uuid.uuid4().hex}"
-        outputs = await self._run(request, call, request_id)
-        response = embedding_response(
-            outputs,
-            request_id=request_id,
-            model=req.model or self.model_name,
-            encoding_format=req.encoding_format,
-            endianness=req.endianness,
-        )
-        await respond_json(request.send, response)
+        await self._answer_vectors(request, req, call, "embd", embedding_response)
 
     async def pooling(self, request: Request) -> None:
         """An embedding model's embeddings, a classifier's probabilities per label."""
@@ -107,9 +98,21 @@ class Pooling:
             call = functools.partial(
                 self.engine.classify, inputs, truncate_prompt_tokens=req.truncate_prompt_tokens
             )
-        request_id = f"pool-{uuid.uuid4().hex}"
+        await self._answer_vectors(request, req, call, "pool", pooling_response)
+
+    async def _answer_vectors(
+        self,
+        request: Request,
+        req: EmbeddingRequest,
+        call: PoolingCall,
+        prefix: str,
+        shape: Callable[..., Any],
+    ) -> None:
+        """Run `call` and answer its vectors in the body `shape` builds (embeddings, pooling),
+        encoded as the request asks."""
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
         outputs = await self._run(request, call, request_id)
-        response = pooling_response(
+        response = shape(
             outputs,
             request_id=request_id,
             model=req.model or self.model_name,
