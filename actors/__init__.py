@@ -25,6 +25,7 @@ from .config import EngineArgs as EngineArgs
 from .config import EngineFlag as EngineFlag
 from .config import parse_size as parse_size
 from .core_client import EngineDeadError as EngineDeadError
+from .core_client import EngineRestarting as EngineRestarting
 from .engine import Engine as Engine
 from .engine import connect_engine as connect_engine
 from .engine import open_engine as open_engine
@@ -40,6 +41,7 @@ from .headless import serve_headless as serve_headless
 from .intake import Intake as Intake
 from .kv_params import transfer_params_error as transfer_params_error
 from .launcher import EngineCoreEndpoint as EngineCoreEndpoint
+from .launcher import EngineCoreFailed as EngineCoreFailed
 from .launcher import EngineCoreStartError as EngineCoreStartError
 from .launcher import open_engine_cores as open_engine_cores
 from .lora_modules import LoRAModule as LoRAModule

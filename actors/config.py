@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -16,19 +15,7 @@ from triode.wire.kv_transfer import parse_kv_transfer_config
 from .core.kv_events import parse_kv_events_config
 from .core.speculation.config import parse_speculative_config
 from .lora_modules import LoRAModule, lora_name_problem, parse_lora_module
-
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string like "512MiB", "2G", "1.5GB" (binary units)."""
-    if isinstance(value, int):
-        return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", value.lower())
-    if match is None:
-        raise ValueError(f"not a size: {value!r} (try 512MiB or 2GiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
-
+from .sizes import parse_size
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "dense-head", "none")
@@ -323,6 +310,18 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             metavar="DIR",
         ),
     ] = []
+    # a crashed engine core (or rank) is started again with the same flags, adapters and
+    # weights; more deaths than this within the window end the server (0: the first does)
+    max_engine_restarts: Annotated[
+        int,
+        EngineFlag(
+            "restarts of a dead engine core within --engine-restart-window; past it the "
+            "server exits non-zero (default 5; 0: a dead engine core ends the server)"
+        ),
+    ] = 5
+    engine_restart_window: Annotated[
+        float, EngineFlag("seconds over which --max-engine-restarts counts (default 300)")
+    ] = 300.0
 
     def __post_init__(self) -> None:
         memory = self.kv_cache_memory
@@ -361,6 +360,8 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("max_new_prompt_tokens must be >= 0")
         if self.max_waiting_requests < 0:
             raise ValueError("max_waiting_requests must be >= 0")
+        if self.max_engine_restarts < 0 or not self.engine_restart_window > 0:
+            raise ValueError("max_engine_restarts must be >= 0, engine_restart_window > 0")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         for name in (

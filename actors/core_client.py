@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import trio
 
 from triode.wire import (
@@ -22,6 +24,7 @@ from triode.wire import (
     EngineCoreRequestType,
     OutputDecoder,
     ProtocolError,
+    Ready,
     SchedulerStats,
     Socket,
     UtilityCall,
@@ -35,10 +38,21 @@ from .process import Child
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT = 1.0
+# what a client is told to wait while an engine core starts again (about its start time)
+RESTART_RETRY_AFTER = 5.0
+# how often a client whose engine core died asks, at its addresses, who is there now
+DESCRIBE_INTERVAL = 2.0
 
 
 class EngineDeadError(RuntimeError):
     """The engine core process is gone; nothing sent to it will be answered."""
+
+
+class EngineRestarting(EngineDeadError):
+    """The engine core died and another is starting in its place: the same call may succeed
+    after `retry_after` seconds."""
+
+    retry_after = RESTART_RETRY_AFTER
 
 
 class RequestStream:
@@ -82,10 +96,17 @@ class EngineCoreClient:
         *,
         client_index: int = 0,
         engine_index: int = 0,
+        ready: Ready | None = None,
+        reopen: Callable[[], tuple[Socket, Socket]] | None = None,
     ) -> None:
         self._input = input_socket
         self._output = output_socket
         self._child = process
+        # what the engine core said READY with; another's once one is started in its place
+        self.ready = ready or Ready()
+        # fresh sockets to the engine core's addresses: given where a dead one is started
+        # again there (`launcher.open_engine_cores`), which this client then waits for
+        self._reopen = reopen
         self.client_index = client_index
         self.engine_index = engine_index
         # requests sent since the engine's last stats: they are not in its queue lengths yet
@@ -99,6 +120,7 @@ class EngineCoreClient:
         self.protocol_errors = 0
         self.sequence_gaps = 0
         self.stats = SchedulerStats()
+        self._expected_seq = 0
 
     @property
     def pid(self) -> int:
@@ -110,14 +132,27 @@ class EngineCoreClient:
         its last stats, and what this client has sent since."""
         return self.stats.num_running_reqs + self.stats.num_waiting_reqs + self._sent_since_stats
 
+    @property
+    def incarnation(self) -> int:
+        """How often this engine core was started again (0: the first one runs)."""
+        return int(self.ready.info.get("incarnation") or 0)
+
     async def run(self) -> None:
-        """Run the intake, fan-out and death watch until cancelled."""
-        async with trio.open_nursery() as nursery:
-            if isinstance(self._child, Peer):
-                nursery.start_soon(self._child.watch)
-            nursery.start_soon(self._intake)
-            nursery.start_soon(self._fan_out)
-            nursery.start_soon(self._watch_engine)
+        """Run the intake and fan-out until the engine core dies, then fail what it had; where
+        another is started in its place, connect to that one and go on. Until cancelled, or
+        a death with none to follow."""
+        while True:
+            async with trio.open_nursery() as nursery:
+                if isinstance(self._child, Peer):
+                    nursery.start_soon(self._child.watch)
+                nursery.start_soon(self._intake)
+                nursery.start_soon(self._fan_out)
+                await self._child.exited.wait()
+                nursery.cancel_scope.cancel()
+            self._died()
+            if self._reopen is None:
+                return
+            await self._reconnect(self._reopen)
 
     async def add_request(
         self, request: EngineCoreRequest, stream: RequestStream | None = None
@@ -175,7 +210,6 @@ class EngineCoreClient:
 
     async def _fan_out(self) -> None:
         decoder = OutputDecoder()
-        expected_seq = 0
         while True:
             frames = await self._output.recv_multipart()
             try:
@@ -184,9 +218,9 @@ class EngineCoreClient:
                 self.protocol_errors += 1
                 log.warning("dropped an undecodable output message: %s", e)
                 continue
-            if outputs.seq != expected_seq:
-                self._lost(outputs.seq - expected_seq)
-            expected_seq = outputs.seq + 1
+            if outputs.seq != self._expected_seq:
+                self._lost(outputs.seq - self._expected_seq)
+            self._expected_seq = outputs.seq + 1
             if outputs.scheduler_stats is not None:
                 self.stats = outputs.scheduler_stats
                 self._sent_since_stats = 0
@@ -222,15 +256,72 @@ class EngineCoreClient:
             box.append(result.result)
         done.set()
 
-    async def _watch_engine(self) -> None:
-        await self._child.exited.wait()
-        self.dead = EngineDeadError(f"the engine core died: {self._child.error}")
+    def _died(self) -> None:
+        """The engine core is gone: its requests and calls fail at once, and so does what
+        comes later (`EngineRestarting` while another is starting in its place)."""
+        error = EngineDeadError(f"the engine core died: {self._child.error}")
+        self.dead = error
+        if self._reopen is not None:
+            error = EngineRestarting(
+                "the engine core died during this request and is starting again; retry shortly"
+            )
+            self.dead = EngineRestarting("the engine is restarting; retry shortly")
         for stream in self._streams.values():
-            stream.fail(self.dead)
+            stream.fail(error)
         self._streams.clear()
         for done, box in self._calls.values():
-            box.append(self.dead)
+            box.append(error)
             done.set()
+        self._calls.clear()
+        while True:  # what was on its way to the dead one goes nowhere
+            try:
+                self._intake_recv.receive_nowait()
+            except trio.WouldBlock:
+                break
+        self.stats = SchedulerStats()
+        self._sent_since_stats = 0
+
+    async def _reconnect(self, reopen: Callable[[], tuple[Socket, Socket]]) -> None:
+        """Fresh sockets to the same addresses, then ask, until one answers, which engine core
+        is there now (`describe`): its pid is watched from then on, its READY replaces the
+        dead one's, and its outputs' sequence starts after the answer."""
+        self._input.close()
+        self._output.close()
+        self._input, self._output = reopen()
+        decoder = OutputDecoder()
+        asked: set[int] = set()
+        while True:
+            call_id = next(self._call_ids)
+            asked.add(call_id)
+            call = UtilityCall(call_id, "describe", [], client_index=self.client_index)
+            await self._input.send_multipart(
+                encode_input(self._encoder, EngineCoreRequestType.UTILITY, call), copy=False
+            )
+            with trio.move_on_after(DESCRIBE_INTERVAL):
+                while True:
+                    frames = await self._output.recv_multipart()
+                    try:
+                        _, outputs = decoder.decode([f.buffer for f in frames])
+                    except ProtocolError:
+                        self.protocol_errors += 1
+                        continue
+                    answer = outputs.utility_output
+                    if answer is None or answer.call_id not in asked:
+                        continue
+                    described = answer.result
+                    if not isinstance(described, dict) or not described.get("ready"):
+                        continue
+                    self.ready = msgspec.convert(described["ready"], Ready)
+                    self._child = Peer(f"engine-core-{self.engine_index}", described["pid"])
+                    self._expected_seq = outputs.seq + 1
+                    self.dead = None
+                    log.warning(
+                        "engine core %d is back (pid %d, restart %d)",
+                        self.engine_index,
+                        self._child.pid,
+                        self.incarnation,
+                    )
+                    return
 
     def _check_alive(self) -> None:
         if self.dead is not None:

@@ -9,6 +9,7 @@ async with open_engine(model=None, max_num_seqs=64) as engine:
 
 from __future__ import annotations
 
+import functools
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -97,10 +98,6 @@ class Engine(PoolingAPI):
         self.kv_event_sources = kv_event_sources(
             ready.info.get("kv_events_config"), self.data_parallel_size
         )
-        # this node's model worker processes (none when the model runs in the engine core)
-        self.worker_pids: list[int] = [
-            pid for e in self._endpoints for pid in e.ready.info.get("worker_pids") or []
-        ] or list(ready.info.get("worker_pids") or [])
         # sleep, wake, pause, profiling, new weights and LoRA adapters, on every engine core
         self.admin = EngineAdmin(self._call_all)
 
@@ -110,6 +107,17 @@ class Engine(PoolingAPI):
         if any(c.dead is None for c in self._clients):
             return None
         return self._clients[0].dead
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """This node's model worker processes (none when the model runs in the engine core),
+        as the engine cores running now said."""
+        return [pid for c in self._clients for pid in c.ready.info.get("worker_pids") or []]
+
+    @property
+    def restarts(self) -> int:
+        """How often engine cores were started again in the place of dead ones."""
+        return sum(c.incarnation for c in self._clients)
 
     @property
     def engines_alive(self) -> int:
@@ -397,22 +405,29 @@ async def connect_engine(
     tokenizer.no_truncation()
     zctx = zmq.Context()
     sockets: list[Socket] = []
+
+    def open_sockets(endpoint: EngineCoreEndpoint) -> tuple[Socket, Socket]:
+        input_socket = Socket.open(zctx, zmq.PUSH, connect=endpoint.input)
+        sockets.append(input_socket)
+        output_socket = Socket.open(
+            zctx, zmq.SUB, connect=endpoint.output, subscribe=topic_for(client_index)
+        )
+        sockets.append(output_socket)
+        return input_socket, output_socket
+
     try:
         clients = []
         for endpoint, process in zip(endpoints, processes, strict=True):
-            input_socket = Socket.open(zctx, zmq.PUSH, connect=endpoint.input)
-            sockets.append(input_socket)
-            output_socket = Socket.open(
-                zctx, zmq.SUB, connect=endpoint.output, subscribe=topic_for(client_index)
-            )
-            sockets.append(output_socket)
+            # an engine core that dies is started again at its addresses (`launcher.py`)
+            restarts = endpoint.ready.info.get("max_engine_restarts")
             clients.append(
                 EngineCoreClient(
-                    input_socket,
-                    output_socket,
+                    *open_sockets(endpoint),
                     process,
                     client_index=client_index,
                     engine_index=endpoint.index,
+                    ready=endpoint.ready,
+                    reopen=functools.partial(open_sockets, endpoint) if restarts else None,
                 )
             )
         async with trio.open_nursery() as nursery:

@@ -373,6 +373,7 @@ async def fork_child(
     Returns None, having logged why, where the server cannot be reached or refuses (a different
     environment): the caller then executes the child itself."""
     conn = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    pidfd: int | None = None
     try:
         await conn.connect(path)
         request = Request(list(argv), dict(env), os.getcwd(), sorted(os.sched_getaffinity(0)))
@@ -402,6 +403,12 @@ async def fork_child(
         log.debug("no child from the fork server at %s: %s", path, e)
         conn.close()
         return None
+    except BaseException:  # cancelled (a server stopping while an actor starts): no child
+        if pidfd is not None:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            os.close(pidfd)
+        conn.close()
+        raise
 
 
 async def _trio_sendall(conn: trio.socket.SocketType, data: bytes) -> None:

@@ -10,9 +10,13 @@ fight over the same cores.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
+import signal
 import tempfile
+import time
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -27,6 +31,8 @@ from .model_env import model_process_env
 from .process import Child, open_child
 
 ENGINE_CORE = "triode.actors.core.main:serve_engine_core"
+
+log = logging.getLogger("triode.serve")
 
 
 def ready_timeout() -> float:
@@ -93,6 +99,54 @@ def engine_args_of(args: EngineArgs, index: int) -> EngineArgs:
     return msgspec.structs.replace(args, master_port=args.master_port + index)
 
 
+class EngineCoreFailed(Exception):
+    """An engine core died more often than `--max-engine-restarts` allows within
+    `--engine-restart-window` (a crash loop, or 0 restarts allowed): the server ends. `line`
+    says so in one line, with the last death's cause."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__(line)
+        self.line = line
+
+
+def death_cause(child: Child) -> str:
+    """How an engine core ended, in one line: the signal that killed it, or its exit status
+    and the last line of the error it reported."""
+    code = child.returncode
+    how = f"exit status {code}"
+    if code is not None and code < 0:
+        try:
+            how = f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"killed by signal {-code}"
+    if isinstance(child.error, RemoteError):
+        lines = child.error.remote_message.strip().splitlines() or [""]
+        how += f": {child.error.type_name}: {lines[-1]}"
+    return how
+
+
+class _Restarts:
+    """One engine core's restart budget: at most `limit` deaths within `window` seconds."""
+
+    def __init__(self, limit: int, window: float) -> None:
+        self.limit = limit
+        self.window = window
+        self._deaths: deque[float] = deque()
+
+    def allow(self) -> bool:
+        """Count a death; whether the engine core may be started again."""
+        now = time.monotonic()
+        self._deaths.append(now)
+        while self._deaths and now - self._deaths[0] > self.window:
+            self._deaths.popleft()
+        return self.count <= self.limit
+
+    @property
+    def count(self) -> int:
+        """The deaths within the window, as of the last one."""
+        return len(self._deaths)
+
+
 @asynccontextmanager
 async def open_engine_cores(
     args: EngineArgs, *, num_clients: int = 1
@@ -101,52 +155,94 @@ async def open_engine_cores(
     model processes' environment (`model_process_env`), and yield each one's endpoint and
     child once all are READY. Raises (in an exception group) `EngineCoreStartError`, chained
     from what `open_child` raised, if any fails to start; the others are then stopped. Leaving
-    the block
-    stops them all. A core that dies later does not raise here: its `Child` says so, and its
-    clients fail its requests."""
+    the block stops them all.
+
+    An engine core that dies later is started again in its place, at the same addresses, with
+    the same arguments, the adapters and weights it served (`core/standing.py`), and its
+    `incarnation` counted in its READY; the yielded list then holds the new one. Its clients
+    fail its requests and reconnect by themselves (`EngineCoreClient`). One log line says why
+    each died. Past `args.max_engine_restarts` deaths within `args.engine_restart_window`
+    seconds this raises `EngineCoreFailed` (in an exception group)."""
     count = args.data_parallel_size
     tmpdir = tempfile.mkdtemp(prefix="triode-engine-")
     started: list[tuple[EngineCoreEndpoint, Child] | None] = [None] * count
+    live: list[tuple[EngineCoreEndpoint, Child]] = []
     all_ready = trio.Event()
     stop = trio.Event()
+    starting: list[trio.CancelScope | None] = [None] * count
 
     async def run_core(index: int, cpus: list[int] | None) -> None:
         addresses = {
             "input": f"ipc://{tmpdir}/input-{index}",
             "output": f"ipc://{tmpdir}/output-{index}",
         }
-        options = {
-            "engine_args": msgspec.to_builtins(engine_args_of(args, index)),
-            "num_clients": num_clients,
-            "engine_index": index,
-            "cpus": cpus,
-        }
-        try:
-            async with open_child(
-                ENGINE_CORE,
-                name="engine-core" if count == 1 else f"engine-core-{index}",
-                addresses=addresses,
-                options=options,
-                raise_on_death=False,
-                env=model_process_env(os.environ),
-                ready_timeout=ready_timeout(),
-            ) as child:
-                assert child.ready is not None
-                endpoint = EngineCoreEndpoint(
-                    index=index,
-                    pid=child.pid,
-                    input=addresses["input"],
-                    output=addresses["output"],
-                    ready=child.ready,
+        name = "engine-core" if count == 1 else f"engine-core-{index}"
+        restarts = _Restarts(args.max_engine_restarts, args.engine_restart_window)
+        incarnation = 0
+        while True:
+            options = {
+                "engine_args": msgspec.to_builtins(engine_args_of(args, index)),
+                "num_clients": num_clients,
+                "engine_index": index,
+                "cpus": cpus,
+                "standing_file": f"{tmpdir}/standing-{index}.json",
+                "incarnation": incarnation,
+            }
+            begun = time.perf_counter()
+            cause = ""
+            # cancelled when the engine cores stop while this one starts again
+            with trio.CancelScope() as starting[index]:
+                try:
+                    async with open_child(
+                        ENGINE_CORE,
+                        name=name,
+                        addresses=addresses,
+                        options=options,
+                        raise_on_death=False,
+                        env=model_process_env(os.environ),
+                        ready_timeout=ready_timeout(),
+                    ) as child:
+                        starting[index] = None
+                        assert child.ready is not None
+                        endpoint = EngineCoreEndpoint(
+                            index=index,
+                            pid=child.pid,
+                            input=addresses["input"],
+                            output=addresses["output"],
+                            ready=child.ready,
+                        )
+                        if started[index] is None:
+                            started[index] = (endpoint, child)
+                            if all(started):
+                                live.extend(s for s in started if s is not None)
+                                all_ready.set()
+                        else:
+                            live[index] = (endpoint, child)
+                            log.warning(
+                                "%s started again in %.1f s (pid %d, restart %d)",
+                                name,
+                                time.perf_counter() - begun,
+                                child.pid,
+                                incarnation,
+                            )
+                        await _either(stop, child.exited)
+                        if stop.is_set():
+                            return
+                        cause = death_cause(child)
+                except* (ActorError, trio.TooSlowError) as group:
+                    if started[index] is None:
+                        raise EngineCoreStartError(start_failure_line(group)) from group
+                    cause = f"did not start again: {start_failure_line(group)}"
+            if stop.is_set():
+                return
+            if not restarts.allow():
+                raise EngineCoreFailed(
+                    f"{name} died {restarts.count} time(s) within "
+                    f"{restarts.window:g} s, more than --max-engine-restarts "
+                    f"{restarts.limit} allows; last: {cause}"
                 )
-                started[index] = (endpoint, child)
-                if all(started):
-                    all_ready.set()
-                await stop.wait()
-        except* (ActorError, trio.TooSlowError) as group:
-            if started[index] is not None:
-                raise
-            raise EngineCoreStartError(start_failure_line(group)) from group
+            incarnation += 1
+            log.error("%s died (%s); starting it again (restart %d)", name, cause, incarnation)
 
     try:
         async with trio.open_nursery() as nursery:
@@ -154,8 +250,23 @@ async def open_engine_cores(
                 nursery.start_soon(run_core, index, cpus)
             await all_ready.wait()
             try:
-                yield [s for s in started if s is not None]
+                yield live
             finally:
                 stop.set()
+                for scope in starting:
+                    if scope is not None:
+                        scope.cancel()
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+async def _either(*events: trio.Event) -> None:
+    """Return once any of `events` is set."""
+    async with trio.open_nursery() as nursery:
+        for event in events:
+            nursery.start_soon(_cancel_when_set, event, nursery.cancel_scope)
+
+
+async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()

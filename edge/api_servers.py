@@ -152,14 +152,14 @@ async def serve_api_servers(
     try:
         async with open_engine_cores(args, num_clients=count) as cores:
             log.info("%d engine core(s) ready; starting %d API servers", len(cores), count)
-            endpoints = [endpoint for endpoint, _ in cores]
             servers = _ApiServers(
                 count,
                 lambda i: ApiServerOptions(
                     client_index=i,
                     host=bound[0],
                     port=bound[1],
-                    endpoints=endpoints,
+                    # as they run now: a dead engine core's place is taken by another
+                    endpoints=[endpoint for endpoint, _ in cores],
                     settings=fields,
                     api_key_digests=digests,
                     root_path=root_path,

@@ -31,7 +31,7 @@ from .auth import UNAUTHORIZED_HEADERS, paths_without_key, requires_auth
 from .completions.request_bodies import DetokenizeRequest, TokenizeRequest, decode_request
 from .completions.response_bodies import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from .completions.serving import Serving
-from .errors import APIError, validation_error
+from .errors import APIError, check_engine_alive, validation_error
 from .health import HealthProbe
 from .http import (
     ClientDisconnected,
@@ -150,8 +150,7 @@ class App:
     # Small endpoints
 
     async def health(self, request: Request) -> None:
-        if self.engine.dead is not None:
-            raise APIError(503, "the engine is not running")  # the reason is in the log
+        check_engine_alive(self.engine)  # why it is not is in the log
         problem = await self._health.problem()
         if problem is not None:
             raise APIError(503, problem)
@@ -186,6 +185,7 @@ class App:
 
     async def metrics_endpoint(self, request: Request) -> None:
         self.metrics.update_scheduler(*await fleet_info.scheduler_gauges(self))
+        self.metrics.engine.restarts = self.engine.restarts
         body, content_type = self.metrics.render()
         await respond(request.send, 200, body, content_type=content_type)
 

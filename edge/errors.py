@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from triode.actors import EngineDeadError, RequestError, RequestRefused
+from triode.actors import EngineDeadError, EngineRestarting, RequestError, RequestRefused
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def engine_error(error: BaseException) -> APIError:
     """The client's answer when the engine refused or could not run a request: 503 for a dead
     engine, 429 with Retry-After for a full queue, 400 for a refused request, else 500."""
     if isinstance(error, EngineDeadError):
-        return _engine_dead()
+        return _engine_dead(error)
     if isinstance(error, RequestRefused):
         return too_busy(str(error), error.retry_after)
     if isinstance(error, RequestError):
@@ -150,9 +150,14 @@ def too_busy(message: str, retry_after: float = 1.0) -> APIError:
 def check_engine_alive(engine: Any) -> None:
     """A 503 unless the engine is running."""
     if engine.dead is not None:
-        raise _engine_dead()
+        raise _engine_dead(engine.dead)
 
 
-def _engine_dead() -> APIError:
-    # why it died (a remote traceback, an exit status) is for the operator's log, which has it
+def _engine_dead(error: EngineDeadError) -> APIError:
+    """503; while another engine core starts in a dead one's place, with Retry-After. Why it
+    died (a remote traceback, an exit status) is for the operator's log, which has it."""
+    if isinstance(error, EngineRestarting):
+        seconds = str(math.ceil(error.retry_after)).encode()
+        # the client's own words (`core_client`), with nothing of the dead process in them
+        return APIError(503, str(error), headers=[(b"retry-after", seconds)])
     return APIError(503, "the engine is not running")

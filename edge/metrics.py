@@ -199,6 +199,8 @@ class _EngineCollector(Collector):
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
         self.stats: dict[str, Any] = {}
+        # how often dead engine cores were started again, as the engine last knew it
+        self.restarts = 0
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         stats, labels = self.stats, ["model_name"]
@@ -230,6 +232,13 @@ class _EngineCollector(Collector):
         )
         refused.add_metric([self.model_name], stats.get("kv_params_refused", 0))
         yield refused
+        restarts = CounterMetricFamily(
+            "triode:engine_restarts",
+            "Engine cores started again after they died (a crash, a kill, a dead rank).",
+            labels=labels,
+        )
+        restarts.add_metric([self.model_name], self.restarts)
+        yield restarts
         yield from self._spec_decode(stats)
 
     def _spec_decode(self, stats: dict[str, Any]) -> Iterator[CounterMetricFamily]:

@@ -10,7 +10,6 @@ aborts are taken in while the model computes.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 from collections import deque
@@ -29,24 +28,24 @@ from triode.wire import (
     InputDecoder,
     ModelRunnerOutput,
     ProtocolError,
+    Ready,
     Recorder,
     SchedulerOutput,
     SchedulerStats,
     Socket,
     UtilityCall,
-    UtilityOutput,
 )
-from triode.wire.operations import OperationError
 
 from ..prompt_embeds import receive_prompt_embeds
 from ..vocabulary import out_of_vocabulary
-from . import loras
 from .executor import Executor
 from .kv_events import KVEventPublisher
 from .loras import LoRARegistry, LoRASettings
 from .operations import EngineOperations
 from .publisher import Publisher
 from .scheduler import Scheduler
+from .standing import StandingFile, standing_of
+from .utilities import call_utility
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +108,15 @@ class EngineCore:
         self._outbox, self._publisher_inbox = trio.open_memory_channel[
             tuple[int, EngineCoreOutputs]
         ](64)
+        # where the adapters and weights the operator gave are kept for a restart (`standing`)
+        self.standing: StandingFile | None = None
+        self.ready: Ready | None = None  # what it said READY with (the `describe` call's)
+
+    def record_standing(self) -> None:
+        """Keep the adapters and weights served now for an engine core started in this one's
+        place (`standing.py`)."""
+        if self.standing is not None:
+            self.standing.write(standing_of(self))
 
     async def run(self, input_socket: Socket, output_socket: Socket) -> None:
         self._progress_at = trio.current_time()
@@ -155,7 +163,7 @@ class EngineCore:
                 )
                 # blocks are registered as they are scheduled: a router hears of them while
                 # the step computes them, not a step later
-                self._publish_kv_events()
+                self.publish_kv_events()
                 self.loras.tend()  # load what waiting requests want, drop what none holds
                 if scheduler_output.requests or scheduler_output.kv_connector_metadata:
                     self.operations.timeline.scheduled(scheduler_output)
@@ -213,16 +221,16 @@ class EngineCore:
         stats = self.scheduler.get_stats()
         for client, outputs in per_client.items():
             outputs.scheduler_stats = stats
-            await self._to_publisher(client, outputs)
-        self._publish_kv_events()
+            await self.publish(client, outputs)
+        self.publish_kv_events()
         await self._broadcast_stats(stats, per_client)
 
-    def _publish_kv_events(self) -> None:
+    def publish_kv_events(self) -> None:
         """The cache's changes since the last step (or operation) to the KV-event publisher."""
         if self.kv_events is not None:
             self.kv_events.flush()
 
-    async def _to_publisher(self, client: int, outputs: EngineCoreOutputs) -> None:
+    async def publish(self, client: int, outputs: EngineCoreOutputs) -> None:
         """A step's outputs to the publisher without a checkpoint while its inbox has room:
         the step loop goes on to hand the next step to the model before the publisher encodes
         and sends these, which then happens while the model computes."""
@@ -310,7 +318,7 @@ class EngineCore:
                 self.loras.tend()
             else:
                 assert isinstance(payload, UtilityCall)
-                await self._call_utility(payload)
+                await call_utility(self, payload)
             self._work.set()
             self.operations.check_drained()
 
@@ -401,47 +409,6 @@ class EngineCore:
             )
             await self._outbox.send((request.client_index, outputs))
 
-    async def _call_utility(self, call: UtilityCall) -> None:
-        """A utility method, answered in order; an operation (`operations.py`) that acts,
-        which may take long (a pause that waits, new weights), in a task of its own, so that
-        inputs (aborts among them) keep coming in meanwhile: its answer may come after those
-        of later calls."""
-        method = _UTILITIES.get(call.method)
-        if method is not None:
-            await self._answer(call, method, self)
-        elif call.method in EngineOperations.METHODS or call.method in loras.METHODS:
-            owner: Any = self.operations
-            if call.method in loras.METHODS:
-                owner = self.loras
-            method = getattr(type(owner), call.method)
-            if inspect.iscoroutinefunction(method):
-                self._nursery.start_soon(self._answer, call, method, owner)
-            else:  # a question about the state: answered in order, like the rest
-                await self._answer(call, method, owner)
-        else:
-            result = UtilityOutput(call.call_id)
-            result.failure_message = f"unknown utility method {call.method!r}"
-            await self._outbox.send((call.client_index, EngineCoreOutputs(utility_output=result)))
-
-    async def _answer(self, call: UtilityCall, method: Any, owner: Any) -> None:
-        result = UtilityOutput(call.call_id)
-        try:
-            inspect.signature(method).bind(owner, *call.args)
-        except TypeError as e:  # arguments the method does not take
-            result.failure_message, result.failure_kind = f"{call.method}: {e}", "invalid"
-            await self._outbox.send((call.client_index, EngineCoreOutputs(utility_output=result)))
-            return
-        try:
-            answer = method(owner, *call.args)
-            result.result = await answer if inspect.isawaitable(answer) else answer
-        except OperationError as e:
-            result.failure_message, result.failure_kind = e.message, e.kind
-        except Exception as e:
-            log.exception("%s failed", call.method)
-            result.failure_message = f"{call.method} failed: {type(e).__name__}: {e}"
-        self._publish_kv_events()  # an operation may have cleared the cache
-        await self._outbox.send((call.client_index, EngineCoreOutputs(utility_output=result)))
-
     def _orphaned(self, client: int) -> None:
         """A client's subscription ended (its process died): its requests are aborted."""
         orphans = [
@@ -495,6 +462,3 @@ class EngineCore:
 
 def _not_loaded(name: str) -> str:
     return f"the LoRA adapter {name!r} is not loaded"
-
-
-_UTILITIES = {name: getattr(EngineCore, name) for name in ("get_stats", "seconds_stalled")}

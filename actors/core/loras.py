@@ -48,7 +48,7 @@ LORA_HOLD = "lora adapters"
 # a name in /v1/models, and a client must not grow the list without bound
 MAX_ADAPTERS = 1024
 MAX_PATH = 4096
-# the UTILITY methods (`EngineCore._call_utility`)
+# the UTILITY methods (`utilities.call_utility`)
 METHODS = frozenset({"add_lora", "remove_lora", "list_loras"})
 
 
@@ -191,6 +191,16 @@ class LoRARegistry:
                 raise RuntimeError(
                     f"--lora-modules {module.name}={module.path}: {e.message}"
                 ) from None
+        self.core.record_standing()
+
+    async def restore(self, name: str, path: str, digest: str, base_model_name: str | None) -> None:
+        """Load again an adapter a dead predecessor served (`standing.restore`), before the
+        step loop runs: refused unless its path is still allowed and its files still have
+        `digest`."""
+        real_path = self._allowed_path(path)
+        async with self._lock:
+            await self._add(name, path, real_path, base_model_name, digest)
+        self.core.record_standing()
 
     # UTILITY methods
 
@@ -232,6 +242,7 @@ class LoRARegistry:
                 if old is not None:
                     self.retired[old.lora_id] = old
                     await self._drop_idle_retired()
+        self.core.record_standing()
         return entry.describe()
 
     async def remove_lora(self, name: str) -> dict[str, Any]:
@@ -247,6 +258,7 @@ class LoRARegistry:
             if self._idle_retired():
                 async with self._held():
                     await self._drop_idle_retired()
+        self.core.record_standing()
         return entry.describe()
 
     def list_loras(self) -> list[dict[str, Any]]:
@@ -256,9 +268,15 @@ class LoRARegistry:
     # on the ranks
 
     async def _add(
-        self, name: str, path: str, real_path: str, base_model_name: str | None
+        self,
+        name: str,
+        path: str,
+        real_path: str,
+        base_model_name: str | None,
+        digest: str = "",
     ) -> LoRAEntry:
         entry = LoRAEntry(name, path, real_path, next(self._ids), base_model_name)
+        entry.digest = digest  # the ranks refuse files that do not have it
         await self._make_room()
         await self._load(entry)
         self.named[name] = entry

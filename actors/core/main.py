@@ -34,6 +34,7 @@ from .scheduler import Scheduler
 from .scheduler_config import SchedulerConfig
 from .speculation.config import parse_speculative_config
 from .speculation.drafter import Drafter
+from .standing import StandingFile, restore
 from .structured_output import StructuredOutputManager
 
 log = logging.getLogger(__name__)
@@ -125,43 +126,50 @@ async def serve_engine_core(ctx: ChildContext) -> None:
             kv_events=kv_events,
         )
         core.operations.allow_weight_paths(args.allowed_weight_paths)
+        standing_file = ctx.options.get("standing_file")
+        standing = None
+        if standing_file:
+            core.standing = StandingFile(standing_file)
+            standing = core.standing.read()
         # before READY: an adapter that does not load fails the start, with the ranks' word
         await core.loras.load_modules()
-        await ctx.ready(
-            Ready(
-                num_kv_blocks=executor.num_kv_blocks,
-                block_size=executor.block_size,
-                # A request can never outgrow the whole cache, whatever the model allows.
-                max_model_len=scheduler.max_len,
-                info={
-                    "model_dir": str(executor.model_dir),
-                    "eos_token_id": executor.eos_token_id,
-                    "extra_eos_token_ids": executor.extra_eos_token_ids,
-                    "vocab_size": executor.vocab_size,
-                    "hidden_size": executor.hidden_size,
-                    "dtype": executor.dtype,
-                    "max_num_seqs": args.max_num_seqs,
-                    # what the model pools, when it is served for embeddings or scores
-                    "pooling": executor.pooling,
-                    "tensor_parallel_size": args.tensor_parallel_size,
-                    "pipeline_parallel_size": args.pipeline_parallel_size,
-                    "worker_pids": executor.worker_pids,
-                    "kv_endpoints": executor.kv_endpoints,
-                    # what a request leaves unset falls back on (`generation_config`)
-                    "generation_defaults": defaults,
-                    # where the edges read the secret that the params they take must be
-                    # sealed with: the path only, never the secret
-                    "kv_secret_file": None if connector is None else connector.config.secret_file,
-                    "kv_unsealed_holds": None
-                    if connector is None
-                    else connector.config.unsealed_holds,
-                    # where rank 0 publishes its KV-cache events (rank r: `endpoint_of_rank`)
-                    "kv_events_config": None
-                    if kv_events is None
-                    else msgspec.to_builtins(kv_events.config),
-                },
-            )
+        if standing is not None:  # started in the place of one that died
+            await restore(core, standing)
+        core.ready = Ready(
+            num_kv_blocks=executor.num_kv_blocks,
+            block_size=executor.block_size,
+            # A request can never outgrow the whole cache, whatever the model allows.
+            max_model_len=scheduler.max_len,
+            info={
+                "model_dir": str(executor.model_dir),
+                "eos_token_id": executor.eos_token_id,
+                "extra_eos_token_ids": executor.extra_eos_token_ids,
+                "vocab_size": executor.vocab_size,
+                "hidden_size": executor.hidden_size,
+                "dtype": executor.dtype,
+                "max_num_seqs": args.max_num_seqs,
+                # what the model pools, when it is served for embeddings or scores
+                "pooling": executor.pooling,
+                "tensor_parallel_size": args.tensor_parallel_size,
+                "pipeline_parallel_size": args.pipeline_parallel_size,
+                "worker_pids": executor.worker_pids,
+                "kv_endpoints": executor.kv_endpoints,
+                # what a request leaves unset falls back on (`generation_config`)
+                "generation_defaults": defaults,
+                # where the edges read the secret that the params they take must be
+                # sealed with: the path only, never the secret
+                "kv_secret_file": None if connector is None else connector.config.secret_file,
+                "kv_unsealed_holds": None if connector is None else connector.config.unsealed_holds,
+                # where rank 0 publishes its KV-cache events (rank r: `endpoint_of_rank`)
+                "kv_events_config": None
+                if kv_events is None
+                else msgspec.to_builtins(kv_events.config),
+                # a dead engine core is started again (`launcher.py`): how often it was
+                "incarnation": ctx.options.get("incarnation", 0),
+                "max_engine_restarts": args.max_engine_restarts,
+            },
         )
+        await ctx.ready(core.ready)
         await core.run(input_socket, output_socket)
 
 

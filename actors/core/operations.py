@@ -72,6 +72,8 @@ class EngineOperations:
         self.paused: str | None = None  # the pause's mode
         self.version = 0
         self.from_source = True  # the weights are their on-disk source's (not a trainer's)
+        # the checkpoint of the last update_weights_from_disk (None: the served model's own)
+        self.weights_path: str | None = None
         self.transfer: str | None = None  # the weight transfer backend, once initialised
         self.updating = False  # between start_weight_update and finish_weight_update
         self._touched = 0.0  # when a call of the open update last came (trio's clock)
@@ -82,7 +84,7 @@ class EngineOperations:
         # model's own directory (`allow_weight_paths`)
         self._weight_paths: tuple[str, ...] = ()
 
-    def _check_weight_path(self, model_path: str) -> None:
+    def check_weight_path(self, model_path: str) -> None:
         """OperationError unless `model_path` is the served model's own directory or lies under
         one of --allowed-weight-paths, symbolic links resolved: an admin key reads weights
         only where the operator said. Not in a worker thread: a few stat calls on the
@@ -266,9 +268,10 @@ class EngineOperations:
         with self._operation("update_weights_from_disk"):
             if self.updating:
                 raise OperationError("conflict", "a weight update from a trainer is in progress")
-            self._check_weight_path(model_path)
+            self.check_weight_path(model_path)
             started = time.perf_counter()
             results = await self._on_workers("update_weights_from_disk", model_path=model_path)
+            self.weights_path = model_path
             self._new_version(from_source=True)
             return self._updated(started, results)
 
@@ -367,6 +370,7 @@ class EngineOperations:
         self.from_source = from_source
         self.core.scheduler.weight_version = self.version
         self.core.scheduler.reset_prefix_cache()
+        self.core.record_standing()
 
     def _updated(self, started: float, results: list[dict[str, Any]]) -> dict[str, Any]:
         return {

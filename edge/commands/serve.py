@@ -14,10 +14,17 @@ from typing import Any
 
 import trio
 
-from triode.actors import EngineArgs, EngineCoreStartError, parse_size, serve_headless
+from triode.actors import (
+    EngineArgs,
+    EngineCoreFailed,
+    EngineCoreStartError,
+    parse_size,
+    serve_headless,
+)
 from triode.wire.cluster_key import ClusterKey, ClusterKeyError
 from triode.wire.kv_transfer import parse_kv_transfer_config
 
+from ..errors import leaf_errors
 from .engine_flags import add_engine_flags, given_engine_args, kv_cache_check_flags
 
 
@@ -326,18 +333,25 @@ def _run_server(serve: Any, *args: Any) -> int:
     graceful shutdown to start (a second one while the engine core stops, as `timeout` and
     process managers send, or one during start-up) stops everything at once: one log line, no
     traceback, exit status 130 (the shell's for SIGINT); the engine cores and workers are ended
-    on the way out."""
+    on the way out. An engine core that dies past its restart budget is one line and exit
+    status 1."""
     failed: BaseExceptionGroup | None = None
     interrupted = False
+    gave_up: list[str] = []
     try:
         trio.run(serve, *args)
     except* EngineCoreStartError as group:
         failed = group
+    except* EngineCoreFailed as group:
+        gave_up = [e.line for e in leaf_errors(group) if isinstance(e, EngineCoreFailed)]
     except* KeyboardInterrupt:
         interrupted = True
     if interrupted:
         logging.getLogger("triode.serve").info("interrupted: stopped at once")
         return 130
+    if gave_up:
+        print(f"triode serve: {gave_up[0]}", file=sys.stderr)
+        return 1
     if failed is None:
         return 0
     logging.getLogger("triode.serve").debug("the engine core's start", exc_info=failed)

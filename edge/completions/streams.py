@@ -79,7 +79,7 @@ async def stream(
     except APIError as e:
         if not started:
             raise
-        await write([event(error_body(e))])
+        await write([*formatter.aborted(), event(error_body(e))])
     else:
         await write(formatter.closing())
     await send({"type": "http.response.body", "body": DONE, "more_body": False})
@@ -137,6 +137,20 @@ class StreamFormatter:
     def closing(self) -> list[bytes]:
         return [self._chunk([], usage_of(self.prompts))] if self.include_usage else []
 
+    def aborted(self) -> list[bytes]:
+        """After a failure mid-stream (the engine core died under it): a last chunk with
+        finish_reason "abort" for each choice that had not finished."""
+        return [
+            self._chunk([self._ended(i * self.n + c, "abort")])
+            for i, prompt in enumerate(self.prompts)
+            for c, choice in enumerate(prompt.choices)
+            if choice.finish_reason is None
+        ]
+
+    def _ended(self, index: int, finish_reason: str) -> Any:
+        """An empty choice that says it ended, and why."""
+        raise NotImplementedError
+
 
 class ChatStream(StreamFormatter):
     envelope = ChatCompletionStreamResponse
@@ -156,6 +170,11 @@ class ChatStream(StreamFormatter):
         calls = tools is not None and tools.calls
         self.parsers = [ToolCallStream(tools.tools) for _ in range(self.n)] if calls else []
         self.called = [False] * self.n
+
+    def _ended(self, index: int, finish_reason: str) -> Any:
+        return ChatCompletionResponseStreamChoice(
+            index=index, delta=DeltaMessage(content=""), finish_reason=finish_reason
+        )
 
     def ended(self, index: int, out: RequestOutput) -> bool:
         """Whether every choice has ended on a repeated call (the generation can stop)."""
@@ -241,6 +260,9 @@ class CompletionStream(StreamFormatter):
         self.req = req
         # per (prompt, choice): the text offset so far, for logprobs' text_offset
         self.offsets: dict[tuple[int, int], int] = {}
+
+    def _ended(self, index: int, finish_reason: str) -> Any:
+        return CompletionResponseStreamChoice(index=index, text="", finish_reason=finish_reason)
 
     def chunks(self, index: int, out: RequestOutput) -> list[bytes]:
         self.weight_version = out.weight_version

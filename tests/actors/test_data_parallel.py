@@ -92,6 +92,9 @@ async def test_data_parallel_combines_with_tensor_parallel(
 
 
 async def test_a_dead_engine_fails_its_requests_and_the_other_serves_on(tiny_model: Path) -> None:
+    """SIGKILL one of two engine cores: its requests fail at once, the other's finish, new
+    requests go to the live one while another starts in the dead one's place, and then both
+    serve."""
     params = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
     async with open_engine(str(tiny_model), **_engine_args(data_parallel_size=2)) as engine:
         outcomes: list[object] = [None] * 4
@@ -109,23 +112,35 @@ async def test_a_dead_engine_fails_its_requests_and_the_other_serves_on(tiny_mod
             else:
                 outcomes[i] = tokens
 
+        dead = engine.pids[1]
         with trio.fail_after(60):
             async with trio.open_nursery() as nursery:
                 for i in range(4):
                     nursery.start_soon(one, i)
                 for _ in range(4):
                     await first_tokens.acquire()
-                os.kill(engine.pids[1], signal.SIGKILL)
+                os.kill(dead, signal.SIGKILL)
+                while engine.engines_alive == 2:  # noqa: ASYNC110 - the client sees it
+                    await trio.sleep(0.01)
+                assert engine.dead is None  # the other one serves on
         failed = [o for o in outcomes if isinstance(o, EngineDeadError)]
         finished = [o for o in outcomes if o == 900]
         assert len(failed) == 2 and len(finished) == 2, outcomes
-        assert engine.engines_alive == 1 and engine.dead is None
         short = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        for prompt in PROMPTS[:3]:  # every new request goes to the live engine
+        for prompt in PROMPTS[:3]:  # every new request goes to a live engine
             outputs = [out async for out in engine.generate(prompt, short)]
             assert len(outputs[-1].outputs[0].token_ids) == 4
+        with trio.fail_after(60):
+            while engine.engines_alive < 2:  # noqa: ASYNC110 - another process starts
+                await trio.sleep(0.05)
+        assert engine.pids[1] != dead and engine.restarts == 1
+        for rank in (0, 1):  # both serve again
+            outputs = [
+                out async for out in engine.generate(PROMPTS[0], short, data_parallel_rank=rank)
+            ]
+            assert len(outputs[-1].outputs[0].token_ids) == 4
         stats = await engine.get_stats()
-        assert stats["num_running_reqs"] == 0 and len(stats["engines"]) == 1
+        assert stats["num_running_reqs"] == 0 and len(stats["engines"]) == 2
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 

@@ -2,18 +2,22 @@
 random model with random PEFT adapters: served from the start and loaded at run time, greedy
 outputs that the adapter changes and the registry's name does not, the prefix cache keyed by
 the adapter's content, unloading, refusals, a start that fails on a bad adapter, and a recording
-that replays."""
+that replays, and a restarted engine core that serves the same adapters and weights."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from triode.actors import (
+    EngineRestarting,
     OperationError,
     RequestError,
     SamplingParams,
@@ -209,3 +213,54 @@ def test_lora_through_the_asyncio_bridge(root: Path, adapters: dict[str, Path]) 
     assert seen["loaded"]["name"] == "b" and seen["unloaded"]["name"] == "a"
     assert len(seen["tokens"]) == GREEDY.max_tokens
     assert [e["name"] for e in seen["listed"]] == ["b"]
+
+
+def _perturbed(model: Path, out: Path) -> Path:
+    """A copy of `model` whose weights all differ (same architecture and shapes)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, out)
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(path)
+        save_file({n: (t * 1.5).contiguous() for n, t in tensors.items()}, path)
+    return out
+
+
+async def test_a_restarted_engine_core_serves_what_the_operator_left(
+    root: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """SIGKILL the engine core: the one started in its place serves the adapter loaded at run
+    time (its digest checked again) and the weights of the last update from disk under the
+    same weight_version, awake, with an empty prefix cache. An adapter whose files changed
+    meanwhile is left out; the rest serve."""
+    changed = _perturbed(root / "tiny", tmp_path / "weights" / "changed")
+    copied = root / "adapters" / "restart-c"
+    shutil.copytree(adapters["b"], copied)
+    args = _args(root, adapters, allowed_weight_paths=[str(tmp_path / "weights")])
+    async with open_engine(str(root / "tiny"), **args) as engine:
+        await engine.admin.load_lora_adapter("b", str(adapters["b"]))
+        await engine.admin.load_lora_adapter("c", str(copied))
+        assert (await engine.admin.update_weights_from_disk(str(changed)))["weight_version"] == 1
+        before = {name: await _run(engine, name) for name in (None, "a", "b", "c")}
+        digests = {e["name"]: e["digest"] for e in await engine.list_loras()}
+        await engine.admin.sleep(level=1)
+        shutil.copy(adapters["a"] / "adapter_model.safetensors", copied)
+        dead = engine.pid
+        os.kill(dead, signal.SIGKILL)
+        with trio.fail_after(60):
+            while True:
+                try:
+                    after = {name: await _run(engine, name) for name in (None, "a", "b")}
+                    break
+                except EngineRestarting:
+                    await trio.sleep(0.1)
+        assert engine.pid != dead and engine.restarts == 1
+        assert {e["name"]: e["digest"] for e in await engine.list_loras()} == {
+            name: digests[name] for name in ("a", "b")
+        }
+        assert await engine.admin.weight_version() == 1
+        assert not await engine.admin.is_sleeping()
+        # the same tokens, none of them from a cache that outlived its process
+        assert after == {name: (before[name][0], 0) for name in (None, "a", "b")}
+        with pytest.raises(RequestError, match="'c' is not loaded"):
+            await _run(engine, "c")

@@ -36,6 +36,16 @@ class Server:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def restarted_engine_pid(self, restart: int, timeout: float = 120.0) -> int:
+        """The engine core started in a dead one's place for `restart` (1 for the first), as
+        the server's log names it once it is READY."""
+        pattern = rf"started again in .* \(pid (\d+), restart {restart}\)"
+        deadline = time.monotonic() + timeout
+        while not (found := re.findall(pattern, self.output())):
+            assert time.monotonic() < deadline, self.output()
+            time.sleep(0.1)
+        return int(found[0])
+
 
 def idle(server: Server, timeout: float = 10.0) -> bool:
     """Whether the server's engine comes to run nothing with an empty KV cache within

@@ -25,7 +25,7 @@ import pytest
 import trio
 from processes import actor_processes, alive, descendants, on_every_interface
 from reference import Reference
-from server import free_port, running_server, stream_and_kill
+from server import free_port, running_server, stream_and_kill, wait_for_health
 
 from triode.actors import SamplingParams, open_engine
 from triode.actors.forkserver import ENV as FORKSERVER_ENV
@@ -130,8 +130,8 @@ def test_serve_with_tp2_x_pp2_matches_and_leaves_no_process(
     assert not wait_gone(processes, 2.0)
 
 
-def test_a_killed_worker_ends_the_stream_with_an_error_fast(
-    tmp_path: Path, forkserver: Forkserver
+def test_a_killed_worker_ends_the_stream_and_the_engine_core_starts_again(
+    tmp_path: Path, forkserver: Forkserver, reference: Reference, expected: list[list[int]]
 ) -> None:
     args = ["--tensor-parallel-size", "2", "--max-model-len", "2048"]
     with running_server(args, tmp_path / "serve.log") as server:
@@ -146,10 +146,17 @@ def test_a_killed_worker_ends_the_stream_with_an_error_fast(
         assert error["code"] == 503
         # the engine core took the other rank down with it, and is gone itself
         assert not wait_gone([engine, *workers.values()], 2.0)
-        assert httpx.get(f"{server.url}/health", timeout=2).status_code == 503
         # the log names the dead rank: as the engine core saw it die, or as rank 0 saw it gone
         # from the collective first (a fork server reports its child's death a little later)
         assert re.search(r"worker rank 1 died|rank 1 \(pid \d+\) is gone", server.output())
+        # another engine core starts in its place, with ranks of its own, and serves
+        wait_for_health(server.process, server.url, server.log, 120)
+        again = actor_processes(server.restarted_engine_pid(1), forkserver.pid)
+        assert sorted(again) == ["engine-core", "worker-0", "worker-1"]
+        assert not set(again.values()) & {engine, *workers.values()}
+        assert _completions(server.url, reference) == [
+            reference.tokenizer.decode(e) for e in expected
+        ]
 
 
 @pytest.fixture(scope="module")

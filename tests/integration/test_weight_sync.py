@@ -5,7 +5,9 @@ segment is left behind."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from server import Server, running_server
+from server import Server, running_server, wait_for_health
 from shm_segments import no_segment_outlives_a_test  # noqa: F401 - autouse
 
 from triode.gpu.weight_transfer.client import WeightSyncClient, WeightSyncError
@@ -96,3 +98,25 @@ def test_a_refused_bucket_changes_nothing(server: Server, models: tuple[Any, Any
         assert name + ".extra" in caught.value.message
         client.finish()
     assert _greedy(server) == before
+
+
+def test_a_restart_after_a_push_serves_the_weights_on_disk_as_a_new_version(
+    server: Server, models: tuple[Any, Any]
+) -> None:
+    """A trainer's weights live only in the engine core's ranks: when it dies, the one started
+    in its place serves the weights on disk, under a new weight_version, and says so."""
+    _, other = models
+    on_disk = _greedy(server)
+    with WeightSyncClient(server.url, api_key=KEY, backend="shm") as client:
+        pushed = client.update(other.named_parameters())
+    assert _greedy(server) != on_disk
+    os.kill(server.engine_pid(), signal.SIGKILL)
+    server.restarted_engine_pid(1)
+    wait_for_health(server.process, server.url, server.log, 120)
+    assert _greedy(server) == on_disk
+    headers = {"Authorization": f"Bearer {KEY}"}
+    [model] = httpx.get(f"{server.url}/v1/models", headers=headers).json()["data"]
+    assert model["weight_version"] == pushed + 1
+    assert f"the weights a trainer pushed (weight_version {pushed}) cannot be recovered" in (
+        server.output()
+    )

@@ -20,6 +20,7 @@ from triode.actors.core.engine_core import EngineCore
 from triode.actors.core.loras import LoRASettings
 from triode.actors.core.scheduler import Scheduler
 from triode.actors.core.scheduler_config import SchedulerConfig
+from triode.actors.core.utilities import call_utility
 from triode.wire import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -220,9 +221,9 @@ async def test_lora_utilities_register_list_and_refuse(
         assert (await loras.remove_lora("a"))["lora_id"] == 4
         assert loras.list_loras() == [] and not ranks.resident
         # through the UTILITY door, as a client calls it
-        await h.core._call_utility(UtilityCall(5, "add_lora", ["a", a]))
+        await call_utility(h.core, UtilityCall(5, "add_lora", ["a", a]))
         await trio.sleep(1)  # a task of its own: its answer may come after later calls'
-        await h.core._call_utility(UtilityCall(6, "list_loras", []))
+        await call_utility(h.core, UtilityCall(6, "list_loras", []))
         await trio.sleep(0.01)
         assert h.answers[5].failure_message is None and h.answers[5].result["lora_id"] == 5
         assert [e["name"] for e in h.answers[6].result] == ["a"]
