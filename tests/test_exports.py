@@ -24,7 +24,7 @@ ACTORS = {
     "SamplingParams", "ZmqReceiveChannel", "ZmqSendChannel", "open_child", "CompletionOutput",
     "Engine", "EngineArgs", "EngineDeadError", "RequestError", "RequestOutput", "TokenLogprob",
     "RequestRefused", "EngineFlag", "LoRAModule", "lora_name_problem", "parse_lora_module",
-    "open_engine", "EngineAdmin", "OperationError", "EngineCoreStartError",
+    "open_engine", "EngineAdmin", "OperationError", "EngineCoreStartError", "EngineCoreFailed", "EngineRestarting",
     "Bridge", "EngineCoreEndpoint", "Intake", "UntrustedRecordingError", "check_grammar",
     "check_prompt_embeds", "connect_engine", "describe_prompt_embeds", "grammar_of",
     "open_bridge", "open_engine_cores", "out_of_vocabulary", "parse_size", "replay",
