@@ -236,7 +236,7 @@ _ATTRIBUTES = frozenset(
         "tokenizer", "model_dir", "eos_token_id", "extra_eos_token_ids", "vocab_size", "dtype",
         "max_model_len", "num_kv_blocks", "block_size", "tensor_parallel_size",
         "pipeline_parallel_size", "data_parallel_size", "worker_pids", "dead", "engines_alive",
-        "pid", "pids", "endpoints", "input_address", "output_address", "stats",
+        "pid", "pids", "endpoints", "input_address", "output_address", "stats", "restarts",
     }
 )  # fmt: skip
 
