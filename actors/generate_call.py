@@ -76,6 +76,7 @@ class GenerateCall:
         # (text pieces, token ids, logprobs) already handed out
         self._marks = [(0, 0, 0)] * params.n
         self._prompt_mark = 0
+        self._told_ended: set[int] = set()  # the choices whose end a delta told
 
     async def start(self, client: EngineCoreClient) -> None:
         now = time.time()
@@ -145,17 +146,21 @@ class GenerateCall:
         out = self.output
         out.finished = self.finished
         marks = self._marks if delta else [(0, 0, 0)] * len(out.outputs)
+        # a delta tells a choice's end once: a choice that ended before (of n > 1) says nothing
+        told = self._told_ended if delta else set()
         completions = [
             CompletionOutput(
                 c.index,
                 "".join(self._texts[c.index][text:]),
                 c.token_ids[tokens:],
-                c.finish_reason,
-                c.stop_reason,
+                None if c.index in told else c.finish_reason,
+                None if c.index in told else c.stop_reason,
                 None if c.logprobs is None else c.logprobs[logprobs:],
             )
             for c, (text, tokens, logprobs) in zip(out.outputs, marks, strict=True)
         ]
+        if delta:
+            told.update(c.index for c in out.outputs if c.finish_reason is not None)
         prompt_logprobs = out.prompt_logprobs
         if prompt_logprobs is not None:
             prompt_logprobs = prompt_logprobs[self._prompt_mark if delta else 0 :]

@@ -100,11 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     fuzz = commands.add_parser(
         "fuzz",
-        help="fuzz a live server (HTTP) or engine core (ZMQ)",
+        help="fuzz a live server (HTTP) or engine core (ZMQ), or kill its processes under load",
         description="Send hostile traffic for a while, checking invariants between rounds; "
         "exit status 1 on a violation. `triode fuzz MODE --help` lists the options.",
     )
-    fuzz.add_argument("mode", choices=["http", "zmq", "all", "replay"])
+    fuzz.add_argument("mode", choices=["http", "zmq", "all", "replay", "chaos"])
     fuzz.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the fuzzer")
     return parser
 

@@ -76,6 +76,7 @@ class StubEngine:
     generated: list[str | None] = field(default_factory=list)  # each generation's lora_name
     sampled: list[SamplingParams | None] = field(default_factory=list)  # and its params
     ranks: list[int | None] = field(default_factory=list)  # and the engine core it asked for
+    finish_reason: str = "stop"  # why each generation ends ("abort": the engine let it go)
     _lora_ids: Any = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
@@ -154,7 +155,7 @@ class StubEngine:
         else:
             text = lora_name or "base"
             outputs = [
-                CompletionOutput(i, text, list(text.encode()), finish_reason="stop")
+                CompletionOutput(i, text, list(text.encode()), finish_reason=self.finish_reason)
                 for i in range(n)
             ]
         yield RequestOutput(request_id or "", None, list(prompt or ()), outputs, finished=True)

@@ -82,7 +82,8 @@ class Prompt:
             new_tokens += len(delta.token_ids)
             if delta.logprobs is not None and mine.logprobs is not None:
                 mine.logprobs += delta.logprobs
-            mine.finish_reason, mine.stop_reason = delta.finish_reason, delta.stop_reason
+            if delta.finish_reason is not None:  # told once, in the delta that ends it
+                mine.finish_reason, mine.stop_reason = delta.finish_reason, delta.stop_reason
         if new_tokens:
             now = time.perf_counter()
             if self.first_token is None:

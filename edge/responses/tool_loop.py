@@ -92,6 +92,9 @@ class ToolLoop:
             if reason == "length":
                 keep_text(plan, out.finish("incomplete", reason="max_output_tokens"))
                 return None
+            if reason == "abort":  # the engine let it go (a pause that aborts): not a failure
+                keep_text(plan, out.finish("incomplete", reason="abort"))
+                return None
             if reason != "stop":
                 return self._fail(out, APIError(500, f"generation ended with {reason}"))
             turn = out.end_turn()

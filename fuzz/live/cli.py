@@ -4,13 +4,15 @@
 python -m triode.fuzz.live http|zmq|all --seconds N --seed S \\
     [--url URL --api-key K | --launch [MODEL]]
 python -m triode.fuzz.live replay PATH [--url URL --api-key K | --launch [MODEL]]
+python -m triode.fuzz.live chaos --minutes M [--seed S] [--launch MODEL]
 ```
 
 (`triode fuzz ...` is the same command.) Each mode sends mutated traffic in rounds and checks
 its invariants between rounds; the first violation stops the run, writes what was sent under
 `fuzz/crashes/` and prints how to replay it. The exit status is 1 after a violation.
 
-This module is the command line; `http_fuzzer` and `zmq_fuzzer` run the two modes.
+This module is the command line; `http_fuzzer` and `zmq_fuzzer` run the two modes, and `chaos`
+the mixed load with kills (`triode fuzz chaos --help`).
 """
 
 from __future__ import annotations
@@ -99,8 +101,10 @@ def engine_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     # imported when run: the modes take the command line's helpers from this module
-    from . import http_fuzzer, zmq_fuzzer
+    from . import chaos, http_fuzzer, zmq_fuzzer
 
+    if argv and argv[0] == "chaos":  # a run of its own, with options of its own
+        return chaos.main(argv[1:])
     args = parse_args(argv)
     model = launch_model(args, "tiny-random")
     zmq_engine_args = engine_flags(args)

@@ -157,3 +157,25 @@ def test_without_a_stop_every_token_is_kept() -> None:
 
     lps = [(t, logprob_of(p)) for p, t in enumerate(ids)]
     assert result == ("".join(PIECES[t] for t in ids), ids, lps, "length", None)
+
+
+def test_a_delta_tells_each_choice_s_end_once() -> None:
+    """With n = 2, a choice that ended is not said to end again in the deltas that carry the
+    other's tokens (a stream would repeat its finish_reason in every later chunk)."""
+    engine = SimpleNamespace(tokenizer=piece_tokenizer(), extra_eos_token_ids=[])
+    params = SamplingParams(n=2, max_tokens=4)
+    call = GenerateCall(engine, "r", None, ids_of("x"), params)  # type: ignore[arg-type]
+    first, second = call.child_ids
+    ended = {"finish_reason": FinishReason.LENGTH}
+    told: list[list[str | None]] = []
+    for out in (
+        EngineCoreOutput(first, ids_of("a", "b")),
+        EngineCoreOutput(second, ids_of("a")),
+        EngineCoreOutput(first, ids_of("c", "a"), **ended),
+        EngineCoreOutput(second, ids_of("b")),
+        EngineCoreOutput(second, ids_of("c", "a"), **ended),
+    ):
+        call.take(out)
+        told.append([c.finish_reason for c in call.snapshot(delta=True).outputs])
+    assert told == [[None, None], [None, None], ["length", None], [None, None], [None, "length"]]
+    assert [c.finish_reason for c in call.snapshot(delta=False).outputs] == ["length", "length"]

@@ -239,3 +239,15 @@ async def test_the_app_learns_the_adapters_at_start() -> None:
         assert [a["name"] for a in app.loras.adapters] == ["sql"]
         assert await _call_model(app, "sql") == 200
         assert engine.list_loras_calls == 1
+
+
+async def test_a_response_the_engine_aborts_is_incomplete_not_a_server_error() -> None:
+    """A pause that aborts what runs ends a response as incomplete (reason "abort"), as it
+    ends a chat completion with finish_reason "abort": the server did not fail."""
+    app = _app("sql")
+    _engine(app).finish_reason = "abort"
+    answer = await call(app, "POST", "/v1/responses", {"input": "hi", "store": False})
+    assert answer.status == 200, answer.body
+    response = answer.json()
+    assert response["status"] == "incomplete"
+    assert response["incomplete_details"] == {"reason": "abort"}
