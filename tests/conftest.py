@@ -34,6 +34,7 @@ from triode.actors.model_env import model_process_env
 SHARED_TENSORS = frozenset({
     "tests/fuzz/test_harnesses.py",
     "tests/fuzz/live/test_live.py",
+    "tests/fuzz/live/test_chaos.py",
     "tests/wire/test_tensor_ipc.py",
     "tests/wire/test_weight_update.py",
     "tests/gpu/test_weight_transfer.py",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     # imported when run: the modes take the command line's helpers from this module
     from . import chaos, http_fuzzer, zmq_fuzzer
 
+    argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "chaos":  # a run of its own, with options of its own
         return chaos.main(argv[1:])
     args = parse_args(argv)
