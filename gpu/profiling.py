@@ -12,6 +12,7 @@ trace).
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -81,10 +82,12 @@ class Profiler:
             raise OperationError("conflict", "no profile is running: start_profile first")
         self._profile = self._path = None
         recording.stop()
-        partial = path.with_name(f".{path.name}.partial")
+        # a file of its own (O_EXCL): a link someone left at a fixed name is not written through
+        fd, partial = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+        os.close(fd)
         try:
-            recording.export_chrome_trace(str(partial))
-            partial.replace(path)
+            recording.export_chrome_trace(partial)
+            os.replace(partial, path)
         finally:
-            partial.unlink(missing_ok=True)
+            Path(partial).unlink(missing_ok=True)
         return path

@@ -12,7 +12,6 @@ prefix stale: both forget the prefix cache, so nothing computed before is ever s
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -23,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from triode.wire.operations import OperationError
-from triode.wire.step import SchedulerOutput
 from triode.wire.weight_update import unlink_buckets
+
+from .step_timeline import StepTimeline
 
 if TYPE_CHECKING:
     from .engine_core import EngineCore
@@ -38,9 +38,9 @@ MAX_MODEL_PATH = 4096
 # a trainer's update that no call touched for this long is finished by the engine itself: a
 # trainer that died between start and finish must not leave the engine held for good
 UPDATE_IDLE_TIMEOUT = 300.0
-# the most steps one profile's timeline keeps (a profile left running must not grow without
-# bound): about 30 MB of trace
-MAX_TIMELINE_STEPS = 200_000
+# a profile nobody stops is stopped, and written, after this long: torch's profiler keeps every
+# event in memory until it stops, so one left running would grow without bound
+MAX_PROFILE_SECONDS = 600.0
 
 
 class Hold:
@@ -240,7 +240,24 @@ class EngineOperations:
                 "start_profile", directory=self.profiler_dir, prefix=self._prefix()
             )
             self.timeline.start()
+            self.core.spawn(self._expire_profile)
             return {"profiling": True, "directory": self.profiler_dir}
+
+    async def _expire_profile(self) -> None:
+        """Stop the profile started just before, unless it was stopped first, after
+        `MAX_PROFILE_SECONDS`."""
+        profile = self.timeline.started
+        await trio.sleep(MAX_PROFILE_SECONDS)
+        while self._busy is not None:  # noqa: ASYNC110 - the call running now goes first
+            await trio.sleep(1.0)
+        if self.timeline.running and self.timeline.started == profile:
+            log.warning(
+                "a profile ran for %.0f s with no stop_profile: stopping it", MAX_PROFILE_SECONDS
+            )
+            try:
+                await self.stop_profile()
+            except Exception:
+                log.exception("stopping the abandoned profile failed")
 
     async def stop_profile(self) -> dict[str, Any]:
         with self._operation("stop_profile"):
@@ -398,59 +415,6 @@ class EngineOperations:
             return await self.core.executor.call_workers(method, **kwargs)
         finally:
             self.core.release(Hold.CALL)
-
-
-class StepTimeline:
-    """While profiling, the engine core's steps as Chrome trace events: when each was
-    scheduled and published, its requests and tokens."""
-
-    def __init__(self) -> None:
-        self.events: list[dict[str, Any]] | None = None
-        self.dropped = 0
-        self._scheduled: dict[int, float] = {}
-
-    @property
-    def running(self) -> bool:
-        return self.events is not None
-
-    def start(self) -> None:
-        self.events, self.dropped = [], 0
-
-    def scheduled(self, out: SchedulerOutput) -> None:
-        if self.events is not None:
-            self._scheduled[out.step] = time.time()
-
-    def done(self, out: SchedulerOutput) -> None:
-        started = self._scheduled.pop(out.step, None)
-        if self.events is None or started is None:
-            return
-        if len(self.events) >= MAX_TIMELINE_STEPS:
-            self.dropped += 1
-            return
-        self.events.append(
-            {
-                "name": "step",
-                "ph": "X",
-                "ts": started * 1e6,
-                "dur": (time.time() - started) * 1e6,
-                "pid": os.getpid(),
-                "tid": 0,
-                "args": {
-                    "step": out.step,
-                    "requests": len(out.requests),
-                    "tokens": out.num_scheduled_tokens,
-                },
-            }
-        )
-
-    def stop(self, path: Path) -> None:
-        """Write the trace to `path` and stop recording."""
-        events, self.events = self.events or [], None
-        self._scheduled.clear()
-        trace = {"traceEvents": events, "otherData": {"dropped_steps": self.dropped}}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(trace))
-        tmp.replace(path)
 
 
 def memory(results: list[dict[str, Any]]) -> dict[str, Any]:
