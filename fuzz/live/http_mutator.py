@@ -206,13 +206,36 @@ class HttpMutator:
             body["stream"] = True
         return self._sampling(body, chat=chat, stream=stream)
 
+    def _response(self) -> dict[str, Any]:
+        """A `/v1/responses` body: a string or message input, stored or not, streamed or not,
+        with a `user` near its 256-character cap now and then."""
+        rng = self.rng
+        body: dict[str, Any] = {"max_output_tokens": rng.randint(1, 24)}
+        if rng.random() < 0.5:
+            body["input"] = rng.choice(PROMPTS)
+        else:
+            body["input"] = [{"role": "user", "content": rng.choice(PROMPTS)}]
+        if rng.random() < 0.7:
+            body["model"] = self.model
+        if rng.random() < 0.5:
+            body["store"] = rng.random() < 0.5
+        if rng.random() < 0.3:
+            body["stream"] = True
+        if rng.random() < 0.2:
+            body["user"] = "u" * rng.choice([1, 255, 256, 257, 5000])
+        if rng.random() < 0.2:
+            body["instructions"] = "Be brief."
+        return body
+
     def _endpoint_body(self) -> tuple[bytes, dict[str, Any]]:
         rng = self.rng
         roll = rng.random()
         if roll < 0.45:
             return b"/v1/completions", self._generation(chat=False)
-        if roll < 0.9:
+        if roll < 0.8:
             return b"/v1/chat/completions", self._generation(chat=True)
+        if roll < 0.9:
+            return b"/v1/responses", self._response()
         if roll < 0.95:
             if rng.random() < 0.5:
                 return b"/tokenize", {"prompt": rng.choice(PROMPTS), "return_token_strs": True}

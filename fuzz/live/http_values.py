@@ -10,12 +10,20 @@ from typing import Any
 
 GET_ROUTES = [
     b"/v1/models", b"/health", b"/version", b"/metrics", b"/get_load", b"/get_server_info",
-    b"/kv_event_sources",
+    b"/kv_event_sources", b"/v1/responses/resp_0123456789abcdef", b"/is_sleeping",
+    b"/is_paused", b"/get_world_size",
 ]  # fmt: skip
 POST_ROUTES = [
     b"/v1/completions", b"/v1/chat/completions", b"/tokenize", b"/detokenize",
     b"/v1/completions/render", b"/v1/chat/completions/render", b"/v1/embeddings", b"/pooling",
-    b"/score", b"/v1/score", b"/rerank", b"/v1/rerank", b"/v2/rerank",
+    b"/score", b"/v1/score", b"/rerank", b"/v1/rerank", b"/v2/rerank", b"/v1/responses",
+    b"/v1/responses/resp_0123456789abcdef/cancel",
+    # the administrative routes: a server without --enable-admin-api has none (404 with the
+    # key, 401 without), and one with it takes none without the key
+    b"/sleep", b"/wake_up", b"/pause", b"/resume", b"/reset_prefix_cache", b"/start_profile",
+    b"/stop_profile", b"/update_weights_from_disk", b"/init_weight_transfer_engine",
+    b"/start_weight_update", b"/update_weights", b"/finish_weight_update",
+    b"/v1/load_lora_adapter", b"/v1/unload_lora_adapter",
 ]  # fmt: skip
 METHODS = [
     b"GET", b"POST", b"PUT", b"DELETE", b"OPTIONS", b"PATCH", b"HEAD", b"TRACE", b"CONNECT",
@@ -42,7 +50,8 @@ FIELDS = [
     "priority", "kv_transfer_params", "response_format", "tools", "tool_choice",
     "chat_template_kwargs", "add_generation_prompt", "continue_final_message",
     "add_special_tokens", "best_of", "suffix", "documents", "unknown_field", "tokens",
-    "return_token_strs", "cache_salt",
+    "return_token_strs", "cache_salt", "input", "instructions", "store", "background",
+    "previous_response_id", "max_output_tokens", "include", "truncation", "metadata",
 ]  # fmt: skip
 MALFORMED_HEADERS = [
     b"no-colon", b": empty-name", b"bad name: x", b" folded", b"x-nul: a\x00b",
