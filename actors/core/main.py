@@ -188,12 +188,15 @@ def describe_defaults(defaults: dict[str, Any], args: EngineArgs) -> str:
 
 def _recording(ctx: ChildContext, args: EngineArgs) -> AbstractAsyncContextManager[Recorder | None]:
     """The recording of this engine core's traffic that `--record-wire` asks for, else None.
-    One of several data-parallel engines records into a directory of its own under it."""
+    One of several data-parallel engines records into a directory of its own under it, and so
+    does one started in a dead one's place (`restart-N`)."""
     if args.record_wire is None:
         return nullcontext()
     directory = Path(args.record_wire)
     if args.data_parallel_size > 1:
         directory /= f"engine-{ctx.options.get('engine_index', 0)}"
+    if ctx.options.get("incarnation"):  # started in a dead one's place: a recording of its own
+        directory /= f"restart-{ctx.options['incarnation']}"
     meta = {
         "engine_args": ctx.options["engine_args"],
         "num_clients": ctx.options.get("num_clients", 1),

@@ -236,7 +236,12 @@ async def test_a_restarted_engine_core_serves_what_the_operator_left(
     changed = _perturbed(root / "tiny", tmp_path / "weights" / "changed")
     copied = root / "adapters" / "restart-c"
     shutil.copytree(adapters["b"], copied)
-    args = _args(root, adapters, allowed_weight_paths=[str(tmp_path / "weights")])
+    args = _args(
+        root,
+        adapters,
+        allowed_weight_paths=[str(tmp_path / "weights")],
+        record_wire=str(tmp_path / "wire"),
+    )
     async with open_engine(str(root / "tiny"), **args) as engine:
         await engine.admin.load_lora_adapter("b", str(adapters["b"]))
         await engine.admin.load_lora_adapter("c", str(copied))
@@ -264,3 +269,5 @@ async def test_a_restarted_engine_core_serves_what_the_operator_left(
         assert after == {name: (before[name][0], 0) for name in (None, "a", "b")}
         with pytest.raises(RequestError, match="'c' is not loaded"):
             await _run(engine, "c")
+    # the one started in its place records into a directory of its own
+    assert (tmp_path / "wire" / "restart-1" / "meta.json").is_file()
