@@ -13,6 +13,10 @@ from triode.wire.json_config import parse_config
 METHODS = ("ngram", "suffix")
 # the most tokens one step may propose for a request: every one is a row of the verify forward
 MAX_SPECULATIVE_TOKENS = 32
+# at this factor a one-token match may already propose every token a step verifies, so a larger
+# one changes no proposal; the bound keeps `match * factor` finite, as the proposer's `int()` of
+# it needs (an infinite factor, or one past ~1e305, raises there, on the engine core's thread)
+MAX_SPEC_FACTOR = float(MAX_SPECULATIVE_TOKENS)
 
 
 class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -26,8 +30,8 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     output and over the outputs of the last `suffix_decoding_max_cached_requests` requests,
     matched on up to `suffix_decoding_max_tree_depth` tokens, propose the most frequent
     continuation while its estimated probability stays at least
-    `suffix_decoding_min_token_prob`, and at most `suffix_decoding_max_spec_factor` tokens per
-    matched token (and `num_speculative_tokens`).
+    `suffix_decoding_min_token_prob`, and at most `suffix_decoding_max_spec_factor` (itself at
+    most `MAX_SPEC_FACTOR`) tokens per matched token (and `num_speculative_tokens`).
 
     `disable_by_batch_size`: no proposals in a step with more running requests than this (None:
     the cost model alone decides, `drafter`). `max_verify_rows`: the most rows (decodes, prompt
@@ -63,8 +67,8 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
             raise ValueError("suffix_decoding_max_tree_depth must be in [1, 256]")
         if not 0 <= self.suffix_decoding_max_cached_requests <= 1_000_000:
             raise ValueError("suffix_decoding_max_cached_requests must be in [0, 1000000]")
-        if not self.suffix_decoding_max_spec_factor > 0:
-            raise ValueError("suffix_decoding_max_spec_factor must be > 0")
+        if not 0 < self.suffix_decoding_max_spec_factor <= MAX_SPEC_FACTOR:
+            raise ValueError(f"suffix_decoding_max_spec_factor must be in (0, {MAX_SPEC_FACTOR:g}]")
         if not 0 <= self.suffix_decoding_min_token_prob <= 1:
             raise ValueError("suffix_decoding_min_token_prob must be in [0, 1]")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:

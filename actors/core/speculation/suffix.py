@@ -164,11 +164,18 @@ class GlobalSource:
         self.ends[number] = -1
         return number
 
+    def close(self, number: int) -> None:
+        """Output `number` is complete: its tokens stay until evicted, but what appending to it
+        needs goes now, so that this bookkeeping is kept for running outputs only and not for
+        every one of the last `max_outputs`. Idempotent."""
+        self.tails.pop(number, None)
+        self.ends.pop(number, None)
+
     def append(self, number: int, token_ids: Sequence[int]) -> None:
-        """Add tokens to output `number`; ignored once it has been evicted."""
-        if number < self.first_alive:
+        """Add tokens to output `number`; ignored once it has been evicted or closed."""
+        tail = self.tails.get(number)
+        if tail is None:
             return
-        tail = self.tails[number]
         previous = self.ends[number]
         for t in token_ids:
             token = int(t)
@@ -212,12 +219,16 @@ class GlobalSource:
         self.swept = self.count
 
     def seed(self, key: int | tuple[int, ...]) -> np.ndarray:
-        """The most recent live positions where `key` (a token, or SEED_N of them) ends."""
+        """The most recent live positions where `key` (a token, or SEED_N of them) ends. The
+        index is read, never trimmed here: dropping a list's overwritten head moves the whole
+        list, `capacity` positions for a token that fills the ring, at every proposal; the
+        sweep drops them once every `capacity` tokens."""
         index = self.grams if isinstance(key, tuple) else self.last
-        positions = _trim(index, key, self.count - len(self.token_at))
+        positions = index.get(key)
         if not positions:
             return _EMPTY
         ends = np.array(positions[-MAX_OCCURRENCES:], dtype=np.int64)
+        ends = ends[ends >= self.count - len(self.token_at)]
         return ends[self.output[ends % len(self.token_at)] >= self.first_alive]
 
     def match_lengths(
@@ -332,7 +343,9 @@ class SuffixProposer:
     def stop(self, request_id: str) -> None:
         """The request ended: its own tokens go, its output stays cached. Unknown ids ignored."""
         self._local.pop(request_id, None)
-        self._outputs.pop(request_id, None)
+        number = self._outputs.pop(request_id, None)
+        if number is not None and self._global is not None:
+            self._global.close(number)
 
     def propose(self, request_id: str, max_tokens: int) -> list[int]:
         """The best-scoring path of up to `max_tokens` tokens, or []."""
