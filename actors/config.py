@@ -416,7 +416,7 @@ class EngineArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if isinstance(override, str):
             try:
                 override = json.loads(override)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # nesting past the parser's depth too
                 raise ValueError(f"override_generation_config is not valid JSON: {e}") from None
         if override is not None and not isinstance(override, dict):
             raise ValueError("override_generation_config must be a JSON object")

@@ -216,6 +216,12 @@ class Attention(nn.Module):
         tables, mask = group.sees(self.window, self.k_cache.shape[1])
         keys = self._gather(self.k_cache, tables)
         values = self._gather(self.v_cache, tables)
+        if mask is not None:
+            # the slots past a row's context (padding, the rest of its last block) hold what
+            # another request left: a weight of 0 times its NaN is NaN, so they are zeroed
+            unseen = ~mask.view(batch, 1, -1, 1)
+            keys.masked_fill_(unseen, 0)
+            values.masked_fill_(unseen, 0)
         # [B, kv_heads, group, head_dim]: the group's query heads act as query positions
         q = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)

@@ -26,6 +26,17 @@ FILE = "generation_config.json"
 DEFAULT_MODEL_CARD: dict[str, Any] = {"temperature": 0.2, "top_p": 0.9}
 # a generation config is a few hundred bytes; anything near this is no model's
 MAX_FILE_BYTES = 1 << 20
+# top_k and max_new_tokens stay below this: token ids and counts do, on the wire and in every
+# vocabulary and context (a larger integer would not even cross to the edges)
+MAX_INTEGER = 2**31 - 1
+# the largest temperature and repetition penalty, and the reciprocal of the smallest penalty:
+# the sampler holds them as float32 and scales by them what is under 2**27 in size (logits, an
+# Exp(1) draw's log), which stays finite then. Past float32's range a temperature is infinite,
+# and the -inf that disallows a token (allowed_token_ids, a grammar's mask) turns NaN in its
+# product, which the sampler's argmax takes.
+MAX_SCALE = 2.0**100
+# the longest value or key an error line quotes
+_QUOTED = 40
 # generation_config.json's keys that vLLM takes -> the request field each is the default of
 REQUEST_FIELDS = {
     "temperature": "temperature",
@@ -84,7 +95,7 @@ def parse_override(override: Mapping[str, Any] | str | None) -> dict[str, Any]:
     if isinstance(override, str):
         try:
             override = json.loads(override)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # nesting past the parser's depth
             raise GenerationConfigError(
                 f"--override-generation-config is not valid JSON: {e}"
             ) from None
@@ -92,10 +103,10 @@ def parse_override(override: Mapping[str, Any] | str | None) -> dict[str, Any]:
         raise GenerationConfigError(
             "--override-generation-config must be a JSON object, e.g. '{\"temperature\": 0.7}'"
         )
-    unknown = sorted(str(k) for k in override if k not in REQUEST_FIELDS)
+    unknown = sorted(_quoted(str(k)) for k in override if k not in REQUEST_FIELDS)
     if unknown:
         raise GenerationConfigError(
-            f"--override-generation-config: unknown key {', '.join(map(repr, unknown))}; "
+            f"--override-generation-config: unknown key {', '.join(unknown)}; "
             f"known: {', '.join(REQUEST_FIELDS)}"
         )
     return {key: _checked(key, value) for key, value in override.items()}
@@ -105,7 +116,7 @@ def _read(path: Path) -> dict[str, Any]:
     try:
         too_large = path.stat().st_size > MAX_FILE_BYTES
         config = None if too_large else json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # nesting past the parser's depth
         raise GenerationConfigError(f"{path}: cannot be read as JSON: {e}") from None
     if too_large:
         raise GenerationConfigError(f"{path}: over {MAX_FILE_BYTES} bytes, not a generation config")
@@ -115,19 +126,38 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def _checked(key: str, value: Any) -> Any:
-    """`value` if it is one a request may give for `key`'s field, else the error naming it."""
+    """`value` if it is one a request may give for `key`'s field and the sampler holds as it is
+    (`MAX_INTEGER`, `MAX_SCALE`), else the error naming it."""
     if value is None:
         return None
-    is_number = isinstance(value, int | float) and not isinstance(value, bool)
-    integral = is_number and float(value).is_integer()
+    number = math.nan  # what no bound takes: a value that is no number, or none a float holds
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:  # an integer past any float
+            pass
+    integral = number.is_integer() and abs(number) <= MAX_INTEGER
     ok = {
-        "temperature": is_number and 0 <= value,
-        "top_p": is_number and 0 < value <= 1,
-        "top_k": integral and value >= -1,
-        "min_p": is_number and 0 <= value <= 1,
-        "repetition_penalty": is_number and 0 < value,
-        "max_new_tokens": integral and value >= 1,
+        "temperature": 0 <= number <= MAX_SCALE,
+        "top_p": 0 < number <= 1,
+        "top_k": integral and number >= -1,
+        "min_p": 0 <= number <= 1,
+        "repetition_penalty": 1 / MAX_SCALE <= number <= MAX_SCALE,
+        "max_new_tokens": integral and number >= 1,
     }[key]
-    if not ok or (is_number and not math.isfinite(value)):
-        raise GenerationConfigError(f"generation config: {key} {value!r} is out of range")
-    return int(value) if key in ("top_k", "max_new_tokens") else float(value)
+    if not ok:
+        raise GenerationConfigError(f"generation config: {key} {_shown(value)} is out of range")
+    return int(number) if key in ("top_k", "max_new_tokens") else number
+
+
+def _shown(value: Any) -> str:
+    """`value` as an error line quotes it: its repr, cut short."""
+    try:
+        return _quoted(value)
+    except ValueError:  # holding an integer of more digits than Python prints
+        return f"<{type(value).__name__} too long to print>"
+
+
+def _quoted(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _QUOTED else f"{text[: _QUOTED - 3]}..."
