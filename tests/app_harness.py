@@ -60,6 +60,7 @@ class StubEngine:
     (`loras`) refuses as the engine core's does; `list_loras` counts its calls."""
 
     dead: BaseException | None = None
+    restarts: int = 0  # engine cores started again in dead ones' places
     intake: Any = field(default_factory=StubIntake)
     max_model_len: int = 2048
     block_size: int = 16
