@@ -15,8 +15,8 @@ import pytest
 from triode.fuzz.live.chaos_checks import MIN_TREND_SAMPLES, Ledger
 from triode.fuzz.live.chaos_load import Outcome, _streamed, _whole
 
-# the suite's run: both servers, a quarter of a minute each, a kill every few seconds
-SHORT_RUN = ["--minutes", "0.6", "--seed", "3", "--kill-every", "5", "--operate-every", "2"]
+# the suite's run: both servers, 12 s of load each, a kill every few seconds
+SHORT_RUN = ["--minutes", "0.4", "--seed", "3", "--kill-every", "4", "--operate-every", "2"]
 
 
 def _chunk(index: int, finish_reason: str | None = None) -> bytes:
