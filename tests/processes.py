@@ -46,6 +46,24 @@ class RankPool:
         assert not any(alive(process.pid) for process in processes)
 
 
+def join_cpu_world(layout: Any, port: int) -> None:
+    """This process's rank of `layout` in a gloo world on loopback at `port`, on one thread
+    (the ranks of a world share the machine's cores)."""
+    # torch and triode's model side, only in the rank processes that join a world
+    import torch
+
+    from triode.gpu import parallel_state
+
+    torch.set_num_threads(1)
+    parallel_state.init_distributed(
+        layout,
+        master_addr="127.0.0.1",
+        master_port=port,
+        device=torch.device("cpu"),
+        collective_timeout=60,
+    )
+
+
 def _in_world(target: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     try:
         return target(*args)

@@ -21,9 +21,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from processes import RankPool
+from processes import RankPool, join_cpu_world
 
-from triode.gpu import parallel_state
 from triode.gpu.local_group import free_port
 from triode.gpu.model_runner import ModelRunner
 from triode.gpu.models import moe
@@ -229,14 +228,7 @@ def _all_to_all_rank(layout: ParallelLayout, port: int) -> list[tuple[torch.Tens
     """One rank of a world of two, expert parallel with the all_to_all dispatch: (the output,
     the rows this rank's experts computed) of herded tokens, then of the same with hostile
     rows among them."""
-    torch.set_num_threads(1)
-    parallel_state.init_distributed(
-        layout,
-        master_addr="127.0.0.1",
-        master_port=port,
-        device=torch.device("cpu"),
-        collective_timeout=60,
-    )
+    join_cpu_world(layout, port)
     gate = _herding(8, [0, 1])
     block = _block(8, 2, True, gate, expert_parallel=True, dispatch="all_to_all")
     rows: list[int] = []

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from processes import RankPool
+from processes import RankPool, join_cpu_world
 from safetensors.torch import load_file, save_file
 
 from triode.gpu.local_group import free_port
@@ -81,14 +81,7 @@ def _rank_main(layout: ParallelLayout, port: int, dirs: dict[str, str], out: str
     from triode.gpu import object_collectives, parallel_state
     from triode.gpu.operations import Operations
 
-    torch.set_num_threads(1)
-    parallel_state.init_distributed(
-        layout,
-        master_addr="127.0.0.1",
-        master_port=port,
-        device=torch.device("cpu"),
-        collective_timeout=60,
-    )
+    join_cpu_world(layout, port)
 
     def share(tokens: list[int]) -> list[int]:
         return object_collectives.broadcast(tokens, list[int], src=layout.driver_rank)

@@ -12,7 +12,7 @@ import pickle
 from pathlib import Path
 
 import pytest
-from processes import RankPool
+from processes import RankPool, join_cpu_world
 
 from triode.gpu.local_group import free_port
 from triode.gpu.parallel_state import ParallelLayout, partition
@@ -37,20 +37,12 @@ def _first_step() -> tuple[SchedulerOutput, dict[str, list[int]]]:
 
 
 def _rank_main(layout: ParallelLayout, port: int, model_dir: str, out: str) -> None:
-    import torch
     import torch.distributed as dist
 
     from triode.gpu import object_collectives, parallel_state
     from triode.gpu.model_runner import ModelRunner
 
-    torch.set_num_threads(1)
-    parallel_state.init_distributed(
-        layout,
-        master_addr="127.0.0.1",
-        master_port=port,
-        device=torch.device("cpu"),
-        collective_timeout=60,
-    )
+    join_cpu_world(layout, port)
 
     runner = ModelRunner(
         Path(model_dir),

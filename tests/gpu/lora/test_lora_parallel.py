@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from lora_builders import build_adapter
-from processes import RankPool
+from processes import RankPool, join_cpu_world
 from runner_driver import GREEDY
 
 from triode.gpu.local_group import free_port
@@ -63,19 +63,11 @@ def _steps(
 
 
 def _rank_main(layout: ParallelLayout, port: int, model_dir: str, adapter: str, out: str) -> None:
-    import torch
     import torch.distributed as dist
 
     from triode.gpu import object_collectives, parallel_state
 
-    torch.set_num_threads(1)
-    parallel_state.init_distributed(
-        layout,
-        master_addr="127.0.0.1",
-        master_port=port,
-        device=torch.device("cpu"),
-        collective_timeout=60,
-    )
+    join_cpu_world(layout, port)
 
     def broadcast(tokens: list[int]) -> list[int]:
         return object_collectives.broadcast(tokens, list[int], src=layout.driver_rank)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from processes import RankPool
+from processes import RankPool, join_cpu_world
 
 from triode.gpu.local_group import free_port
 from triode.gpu.parallel_state import ParallelLayout
@@ -69,13 +69,7 @@ def _rank_main(
     torch.set_num_threads(1)
     parallel = layout.world_size > 1
     if parallel:
-        parallel_state.init_distributed(
-            layout,
-            master_addr="127.0.0.1",
-            master_port=port,
-            device=torch.device("cpu"),
-            collective_timeout=60,
-        )
+        join_cpu_world(layout, port)
     results = [_decode(layout, Path(model_dir), ep, dispatch) for ep, dispatch in runs]
     if layout.is_driver:
         Path(out).write_bytes(pickle.dumps(results))
