@@ -7,7 +7,6 @@ appending with defaults; never reorder or remove one.
 from __future__ import annotations
 
 import enum
-import math
 from typing import Annotated, Any
 
 import msgspec
@@ -19,7 +18,10 @@ _HOT = {"array_like": True, "omit_defaults": True, "gc": False}
 
 # Largest seed accepted; matches the int64 range torch generators take.
 _MAX_SEED = 2**63 - 1
-_INF = math.inf
+# the largest temperature and repetition penalty, and the reciprocal of the smallest penalty:
+# the sampler holds them as float32, where a larger one is infinite and turns the -inf that
+# disallows a token (allowed_token_ids, a grammar's mask) into NaN, which its argmax takes
+_MAX_SCALE = 2.0**100
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
@@ -121,14 +123,14 @@ class SamplingParams(msgspec.Struct, **_HOT):
         # checks only run to name what is wrong.
         if not (
             1 <= self.n <= 128
-            and 0.0 <= self.temperature < _INF
+            and 0.0 <= self.temperature <= _MAX_SCALE
             and 0.0 < self.top_p <= 1.0
             and self.top_k >= 0
             and 0.0 <= self.min_p <= 1.0
             and (self.seed is None or -_MAX_SEED <= self.seed <= _MAX_SEED)
             and -2.0 <= self.presence_penalty <= 2.0
             and -2.0 <= self.frequency_penalty <= 2.0
-            and 0.0 < self.repetition_penalty < _INF
+            and 1 / _MAX_SCALE <= self.repetition_penalty <= _MAX_SCALE
             and (self.max_tokens is None or self.max_tokens >= 1)
             and 0 <= self.min_tokens
             and (self.max_tokens is None or self.min_tokens <= self.max_tokens)
@@ -152,14 +154,18 @@ class SamplingParams(msgspec.Struct, **_HOT):
 
     def _explain(self) -> None:
         _check(1 <= self.n <= 128, "n", "must be between 1 and 128")
-        _check(0 <= self.temperature < _INF, "temperature", "must be >= 0")
+        _check(0 <= self.temperature <= _MAX_SCALE, "temperature", "must be in [0, 2**100]")
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         _check(self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)")
         _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         _check(self.seed is None or -_MAX_SEED <= self.seed <= _MAX_SEED, "seed", "out of range")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
-        _check(0 < self.repetition_penalty < _INF, "repetition_penalty", "must be > 0")
+        _check(
+            1 / _MAX_SCALE <= self.repetition_penalty <= _MAX_SCALE,
+            "repetition_penalty",
+            "must be in [2**-100, 2**100]",
+        )
         _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1")
         _check(self.min_tokens >= 0, "min_tokens", "must be >= 0")
         _check(

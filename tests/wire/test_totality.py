@@ -462,6 +462,7 @@ INVALID_SAMPLING = [
     {"temperature": -1.0},
     {"temperature": float("nan")},
     {"temperature": float("inf")},
+    {"temperature": 1e39},  # finite, but past float32: the sampler's -inf masks turn NaN
     {"top_p": 0.0},
     {"top_p": 2.0},
     {"top_p": float("nan")},
@@ -474,6 +475,8 @@ INVALID_SAMPLING = [
     {"frequency_penalty": -3.0},
     {"repetition_penalty": 0.0},
     {"repetition_penalty": float("inf")},
+    {"repetition_penalty": 1e-300},
+    {"repetition_penalty": 1e300},
     {"max_tokens": 0},
     {"max_tokens": -5},
     {"min_tokens": -1},

@@ -58,16 +58,14 @@ def sampling_params(draw: st.DrawFn) -> SamplingParams:
     min_tokens = draw(st.integers(0, 2**31 if max_tokens is None else max_tokens))
     return SamplingParams(
         n=draw(st.integers(1, 128)),
-        temperature=draw(st.floats(min_value=0, allow_infinity=False, allow_nan=False)),
+        temperature=draw(st.floats(min_value=0, max_value=2.0**100)),
         top_p=draw(st.floats(min_value=0, max_value=1, exclude_min=True)),
         top_k=draw(st.integers(0, INT64_MAX)),
         min_p=draw(st.floats(min_value=0, max_value=1)),
         seed=draw(st.none() | st.integers(-MAX_SEED, MAX_SEED)),
         presence_penalty=draw(st.floats(min_value=-2, max_value=2)),
         frequency_penalty=draw(st.floats(min_value=-2, max_value=2)),
-        repetition_penalty=draw(
-            st.floats(min_value=0, exclude_min=True, allow_infinity=False, allow_nan=False)
-        ),
+        repetition_penalty=draw(st.floats(min_value=2.0**-100, max_value=2.0**100)),
         max_tokens=max_tokens,
         min_tokens=min_tokens,
         stop=draw(st.lists(st.text(min_size=1, max_size=8), max_size=4)),

@@ -298,6 +298,8 @@ CHAT_ERRORS = [
     (_body(messages=[USER], top_p=2), "top_p"),
     (_body(messages=[USER], top_p=0), "top_p"),
     (_body(messages=[USER], temperature=-1), "temperature"),
+    (_body(messages=[USER], temperature=1e39), "temperature"),  # infinite in float32
+    (_body(messages=[USER], repetition_penalty=1e-300), "repetition_penalty"),
     (_body(messages=[USER], n=1e9), "n"),
     (_body(messages=[USER], n=1_000_000_000), "n"),
     (_body(messages=[USER], n=0), "n"),
