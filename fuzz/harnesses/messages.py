@@ -82,14 +82,14 @@ def sampling_params(src: ByteSource) -> SamplingParams:
     max_tokens = None if src.chance(4) else src.int(1, 2**31)
     return SamplingParams(
         n=src.int(1, 128),
-        temperature=abs(_finite(src)),
+        temperature=min(abs(_finite(src)), 2.0**100),  # the sampler's float32 bound
         top_p=src.choice([1.0, 0.5, 1e-9, 0.999]),
         top_k=src.int(0, 2**63 - 1) if src.chance(8) else src.int(0, 50),
         min_p=src.choice([0.0, 0.05, 1.0]),
         seed=None if src.bool() else src.int(-(2**63) + 1, 2**63 - 1),
         presence_penalty=src.choice([0.0, -2.0, 2.0, 0.5]),
         frequency_penalty=src.choice([0.0, -2.0, 2.0, -0.5]),
-        repetition_penalty=src.choice([1.0, 1e-9, 1e300, 1.2]),
+        repetition_penalty=src.choice([1.0, 1e-9, 2.0**100, 2.0**-100, 1.2]),
         max_tokens=max_tokens,
         min_tokens=src.int(0, max_tokens if max_tokens is not None else 2**31),
         stop=[_str(src, 8) or "x" for _ in range(src.int(0, 3))],
