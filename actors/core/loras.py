@@ -191,7 +191,6 @@ class LoRARegistry:
                 raise RuntimeError(
                     f"--lora-modules {module.name}={module.path}: {e.message}"
                 ) from None
-        self.core.record_standing()
 
     async def restore(self, name: str, path: str, digest: str, base_model_name: str | None) -> None:
         """Load again an adapter a dead predecessor served (`standing.restore`), before the
@@ -200,7 +199,6 @@ class LoRARegistry:
         real_path = self._allowed_path(path)
         async with self._lock:
             await self._add(name, path, real_path, base_model_name, digest)
-        self.core.record_standing()
 
     # UTILITY methods
 

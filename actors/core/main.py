@@ -135,6 +135,9 @@ async def serve_engine_core(ctx: ChildContext) -> None:
         await core.loras.load_modules()
         if standing is not None:  # started in the place of one that died
             await restore(core, standing)
+        # what it serves from now on, weights and adapters restored included: what the next
+        # one in its place restores, should this one die too
+        core.record_standing()
         core.ready = Ready(
             num_kv_blocks=executor.num_kv_blocks,
             block_size=executor.block_size,
