@@ -33,7 +33,9 @@ MAX_INTEGER = 2**31 - 1
 # the sampler holds them as float32 and scales by them what is under 2**27 in size (logits, an
 # Exp(1) draw's log), which stays finite then. Past float32's range a temperature is infinite,
 # and the -inf that disallows a token (allowed_token_ids, a grammar's mask) turns NaN in its
-# product, which the sampler's argmax takes.
+# product, which the sampler's argmax takes. The same bound as a request's
+# (`triode.wire.messages.MAX_SAMPLING_SCALE`), kept here: importing the wire package would
+# cost the model check before `triode serve` starts a third of a second.
 MAX_SCALE = 2.0**100
 # the longest value or key an error line quotes
 _QUOTED = 40

@@ -19,9 +19,11 @@ _HOT = {"array_like": True, "omit_defaults": True, "gc": False}
 # Largest seed accepted; matches the int64 range torch generators take.
 _MAX_SEED = 2**63 - 1
 # the largest temperature and repetition penalty, and the reciprocal of the smallest penalty:
-# the sampler holds them as float32, where a larger one is infinite and turns the -inf that
-# disallows a token (allowed_token_ids, a grammar's mask) into NaN, which its argmax takes
-_MAX_SCALE = 2.0**100
+# the sampler holds them as float32 and scales by them what is under 2**27 in size (logits, an
+# Exp(1) draw's log), which stays finite then; past float32's range one is infinite, and the
+# -inf that disallows a token (allowed_token_ids, a grammar's mask) turns NaN in its product,
+# which the sampler's argmax takes
+MAX_SAMPLING_SCALE = 2.0**100
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
@@ -123,14 +125,14 @@ class SamplingParams(msgspec.Struct, **_HOT):
         # checks only run to name what is wrong.
         if not (
             1 <= self.n <= 128
-            and 0.0 <= self.temperature <= _MAX_SCALE
+            and 0.0 <= self.temperature <= MAX_SAMPLING_SCALE
             and 0.0 < self.top_p <= 1.0
             and self.top_k >= 0
             and 0.0 <= self.min_p <= 1.0
             and (self.seed is None or -_MAX_SEED <= self.seed <= _MAX_SEED)
             and -2.0 <= self.presence_penalty <= 2.0
             and -2.0 <= self.frequency_penalty <= 2.0
-            and 1 / _MAX_SCALE <= self.repetition_penalty <= _MAX_SCALE
+            and 1 / MAX_SAMPLING_SCALE <= self.repetition_penalty <= MAX_SAMPLING_SCALE
             and (self.max_tokens is None or self.max_tokens >= 1)
             and 0 <= self.min_tokens
             and (self.max_tokens is None or self.min_tokens <= self.max_tokens)
@@ -154,7 +156,7 @@ class SamplingParams(msgspec.Struct, **_HOT):
 
     def _explain(self) -> None:
         _check(1 <= self.n <= 128, "n", "must be between 1 and 128")
-        _check(0 <= self.temperature <= _MAX_SCALE, "temperature", "must be in [0, 2**100]")
+        _check(0 <= self.temperature <= MAX_SAMPLING_SCALE, "temperature", "must be in [0, 2**100]")
         _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         _check(self.top_k >= 0, "top_k", "must be >= 0 (0 disables it)")
         _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
@@ -162,7 +164,7 @@ class SamplingParams(msgspec.Struct, **_HOT):
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
         _check(
-            1 / _MAX_SCALE <= self.repetition_penalty <= _MAX_SCALE,
+            1 / MAX_SAMPLING_SCALE <= self.repetition_penalty <= MAX_SAMPLING_SCALE,
             "repetition_penalty",
             "must be in [2**-100, 2**100]",
         )

@@ -16,6 +16,8 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
+from triode.wire.messages import MAX_SAMPLING_SCALE
+
 from ..errors import APIError
 from ..http import Request
 from ..ignored_fields import decode_request_body
@@ -23,9 +25,6 @@ from ..ignored_fields import decode_request_body
 _TokenId = Annotated[int, Meta(ge=0)]
 _Count = Annotated[int, Meta(ge=1)]
 _N = Annotated[int, Meta(ge=1, le=128)]
-# the largest temperature and repetition penalty, the reciprocal of the smallest penalty: the
-# sampler holds them in float32, where a larger one is infinite (as the engine's own check)
-_MAX_SCALE = 2.0**100
 _NumLogprobs = Annotated[int, Meta(ge=0, le=20)]
 _Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 # No vocabulary has more ids (Gemma 3's is 2**18): a longer list of them is refused as it is
@@ -101,14 +100,16 @@ class _GenerationRequest(_Body, kw_only=True):
     max_tokens: _Count | None = None
     stop: str | list[str] | None = None
     stop_token_ids: _TokenIds | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=_MAX_SCALE)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=MAX_SAMPLING_SCALE)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=-1)] | None = None  # -1 or 0: off
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     seed: int | None = None
     presence_penalty: _Penalty | None = None
     frequency_penalty: _Penalty | None = None
-    repetition_penalty: Annotated[float, Meta(ge=1 / _MAX_SCALE, le=_MAX_SCALE)] | None = None
+    repetition_penalty: (
+        Annotated[float, Meta(ge=1 / MAX_SAMPLING_SCALE, le=MAX_SAMPLING_SCALE)] | None
+    ) = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: _TokenIds | None = None
     min_tokens: Annotated[int, Meta(ge=0)] = 0

@@ -25,6 +25,7 @@ from triode.gpu.generation_config import (
 from triode.gpu.sampler import Sampler
 from triode.gpu.sampling_state import SamplingState
 from triode.wire import SamplingParams
+from triode.wire.messages import MAX_SAMPLING_SCALE
 
 HUGE = 10**400  # an integer JSON carries and no float holds
 
@@ -159,3 +160,7 @@ def test_the_extreme_defaults_that_pass_keep_disallowed_tokens_out_of_the_draws(
 def test_engine_args_refuse_a_deeply_nested_override_as_json_they_cannot_read() -> None:
     with pytest.raises(ValueError, match="not valid JSON"):
         EngineArgs(override_generation_config="[" * 100_000)
+
+
+def test_a_config_s_bound_is_a_request_s() -> None:
+    assert MAX_SCALE == MAX_SAMPLING_SCALE
