@@ -53,6 +53,7 @@ from .outputs import TokenLogprob as TokenLogprob
 from .pooling import MAX_POOLING_INPUTS as MAX_POOLING_INPUTS
 from .pooling import PooledOutput as PooledOutput
 from .process import Child as Child
+from .process import RestartBudget as RestartBudget
 from .process import open_child as open_child
 from .prompt_embeds import check_prompt_embeds as check_prompt_embeds
 from .prompt_embeds import describe_prompt_embeds as describe_prompt_embeds

@@ -16,7 +16,6 @@ import shutil
 import signal
 import tempfile
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -28,7 +27,7 @@ from triode.wire import Ready
 from .config import EngineArgs
 from .errors import ActorError, RemoteError, exception_leaves
 from .model_env import model_process_env
-from .process import Child, open_child
+from .process import Child, RestartBudget, open_child
 
 ENGINE_CORE = "triode.actors.core.main:serve_engine_core"
 
@@ -125,28 +124,6 @@ def death_cause(child: Child) -> str:
     return how
 
 
-class _Restarts:
-    """One engine core's restart budget: at most `limit` deaths within `window` seconds."""
-
-    def __init__(self, limit: int, window: float) -> None:
-        self.limit = limit
-        self.window = window
-        self._deaths: deque[float] = deque()
-
-    def allow(self) -> bool:
-        """Count a death; whether the engine core may be started again."""
-        now = time.monotonic()
-        self._deaths.append(now)
-        while self._deaths and now - self._deaths[0] > self.window:
-            self._deaths.popleft()
-        return self.count <= self.limit
-
-    @property
-    def count(self) -> int:
-        """The deaths within the window, as of the last one."""
-        return len(self._deaths)
-
-
 @asynccontextmanager
 async def open_engine_cores(
     args: EngineArgs, *, num_clients: int = 1
@@ -177,7 +154,7 @@ async def open_engine_cores(
             "output": f"ipc://{tmpdir}/output-{index}",
         }
         name = "engine-core" if count == 1 else f"engine-core-{index}"
-        restarts = _Restarts(args.max_engine_restarts, args.engine_restart_window)
+        restarts = RestartBudget(args.max_engine_restarts, args.engine_restart_window)
         incarnation = 0
         while True:
             options = {

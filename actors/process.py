@@ -15,7 +15,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -86,6 +88,29 @@ class Child:
         if self._remote_error is not None:
             return RemoteError(self.name, self.returncode, self._remote_error)
         return ActorDied(self.name, self.returncode)
+
+
+class RestartBudget:
+    """How often a supervised child may die and be started again: at most `limit` deaths
+    within `window` seconds (the engine cores' `--max-engine-restarts`, the API servers')."""
+
+    def __init__(self, limit: int, window: float) -> None:
+        self.limit = limit
+        self.window = window
+        self._deaths: deque[float] = deque()
+
+    def allow(self) -> bool:
+        """Count a death; whether the child may be started again."""
+        now = time.monotonic()
+        self._deaths.append(now)
+        while self._deaths and now - self._deaths[0] > self.window:
+            self._deaths.popleft()
+        return self.count <= self.limit
+
+    @property
+    def count(self) -> int:
+        """The deaths within the window, as of the last one."""
+        return len(self._deaths)
 
 
 @asynccontextmanager

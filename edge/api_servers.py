@@ -27,8 +27,6 @@ import shutil
 import signal
 import socket
 import tempfile
-import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +39,7 @@ from triode.actors import (
     ChildContext,
     EngineArgs,
     EngineCoreEndpoint,
+    RestartBudget,
     connect_engine,
     open_child,
     open_engine_cores,
@@ -207,7 +206,7 @@ class _ApiServers:
         return [None if child is None else child.pid for child in self._children]
 
     async def supervise(self, index: int) -> None:
-        deaths: deque[float] = deque(maxlen=MAX_RESTARTS)
+        deaths = RestartBudget(MAX_RESTARTS - 1, RESTART_WINDOW)
         env = {MULTIPROC_DIR_ENV: self._metrics_dir}
         while True:
             async with open_child(
@@ -234,9 +233,7 @@ class _ApiServers:
             multiprocess.mark_process_dead(child.pid, self._metrics_dir)
             if self.draining:
                 return
-            now = time.monotonic()
-            deaths.append(now)
-            if len(deaths) == MAX_RESTARTS and now - deaths[0] < RESTART_WINDOW:
+            if not deaths.allow():
                 raise RuntimeError(
                     f"API server {index} died {MAX_RESTARTS} times within "
                     f"{RESTART_WINDOW:.0f}s ({child.error}); stopping the server"

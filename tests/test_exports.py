@@ -21,7 +21,8 @@ WIRE = {
 }  # fmt: skip
 ACTORS = {
     "ActorDied", "ActorError", "Child", "ChildContext", "HandshakeError", "RemoteError",
-    "SamplingParams", "ZmqReceiveChannel", "ZmqSendChannel", "open_child", "CompletionOutput",
+    "RestartBudget", "SamplingParams", "ZmqReceiveChannel", "ZmqSendChannel", "open_child",
+    "CompletionOutput",
     "Engine", "EngineArgs", "EngineDeadError", "RequestError", "RequestOutput", "TokenLogprob",
     "RequestRefused", "EngineFlag", "LoRAModule", "lora_name_problem", "parse_lora_module",
     "open_engine", "EngineAdmin", "OperationError", "EngineCoreStartError", "EngineCoreFailed",
