@@ -142,9 +142,13 @@ def engine_error(error: BaseException) -> APIError:
 
 
 def too_busy(message: str, retry_after: float = 1.0) -> APIError:
-    """A 429 telling the client when to try again (RFC 9110's Retry-After, whole seconds)."""
-    seconds = str(max(1, math.ceil(retry_after))).encode()
-    return APIError(429, message, headers=[(b"retry-after", seconds)])
+    """A 429 telling the client when to try again."""
+    return APIError(429, message, headers=[_retry_after(retry_after)])
+
+
+def _retry_after(seconds: float) -> tuple[bytes, bytes]:
+    """RFC 9110's Retry-After: whole seconds, at least one."""
+    return b"retry-after", str(max(1, math.ceil(seconds))).encode()
 
 
 def check_engine_alive(engine: Any) -> None:
@@ -157,7 +161,6 @@ def _engine_dead(error: EngineDeadError) -> APIError:
     """503; while another engine core starts in a dead one's place, with Retry-After. Why it
     died (a remote traceback, an exit status) is for the operator's log, which has it."""
     if isinstance(error, EngineRestarting):
-        seconds = str(math.ceil(error.retry_after)).encode()
         # the client's own words (`core_client`), with nothing of the dead process in them
-        return APIError(503, str(error), headers=[(b"retry-after", seconds)])
+        return APIError(503, str(error), headers=[_retry_after(error.retry_after)])
     return APIError(503, "the engine is not running")
