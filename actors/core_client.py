@@ -259,9 +259,10 @@ class EngineCoreClient:
     def _died(self) -> None:
         """The engine core is gone: its requests and calls fail at once, and so does what
         comes later (`EngineRestarting` while another is starting in its place)."""
-        error = EngineDeadError(f"the engine core died: {self._child.error}")
-        self.dead = error
-        if self._reopen is not None:
+        error: EngineDeadError
+        if self._reopen is None:
+            error = self.dead = EngineDeadError(f"the engine core died: {self._child.error}")
+        else:
             error = EngineRestarting(
                 "the engine core died during this request and is starting again; retry shortly"
             )
@@ -298,30 +299,36 @@ class EngineCoreClient:
                 encode_input(self._encoder, EngineCoreRequestType.UTILITY, call), copy=False
             )
             with trio.move_on_after(DESCRIBE_INTERVAL):
-                while True:
-                    frames = await self._output.recv_multipart()
-                    try:
-                        _, outputs = decoder.decode([f.buffer for f in frames])
-                    except ProtocolError:
-                        self.protocol_errors += 1
-                        continue
-                    answer = outputs.utility_output
-                    if answer is None or answer.call_id not in asked:
-                        continue
-                    described = answer.result
-                    if not isinstance(described, dict) or not described.get("ready"):
-                        continue
-                    self.ready = msgspec.convert(described["ready"], Ready)
-                    self._child = Peer(f"engine-core-{self.engine_index}", described["pid"])
-                    self._expected_seq = outputs.seq + 1
-                    self.dead = None
-                    log.warning(
-                        "engine core %d is back (pid %d, restart %d)",
-                        self.engine_index,
-                        self._child.pid,
-                        self.incarnation,
-                    )
-                    return
+                described, seq = await self._description(decoder, asked)
+                break
+        self.ready = msgspec.convert(described["ready"], Ready)
+        self._child = Peer(f"engine-core-{self.engine_index}", described["pid"])
+        self._expected_seq = seq + 1
+        self.dead = None
+        log.warning(
+            "engine core %d is back (pid %d, restart %d)",
+            self.engine_index,
+            self._child.pid,
+            self.incarnation,
+        )
+
+    async def _description(
+        self, decoder: OutputDecoder, asked: set[int]
+    ) -> tuple[dict[str, Any], int]:
+        """The first answer to one of the `describe` calls `asked`, and its sequence number;
+        what comes before it is dropped (no request of this client's is in that engine core)."""
+        while True:
+            frames = await self._output.recv_multipart()
+            try:
+                _, outputs = decoder.decode([f.buffer for f in frames])
+            except ProtocolError:
+                self.protocol_errors += 1
+                continue
+            answer = outputs.utility_output
+            if answer is None or answer.call_id not in asked:
+                continue
+            if isinstance(answer.result, dict) and answer.result.get("ready"):
+                return answer.result, outputs.seq
 
     def _check_alive(self) -> None:
         if self.dead is not None:
