@@ -100,18 +100,24 @@ class ProcessTree:
         """The CPU time its live members have used, in clock ticks, after a new `scan`."""
         return sum(cpu_ticks(pid) for pid in self.scan())
 
+    def still_running(self) -> list[int]:
+        """Every process ever seen in the tree that still runs: the same process (the same pid
+        and start time), not exited."""
+        return [
+            pid
+            for pid, start in self.seen.items()
+            if (stat := _stat(pid)) is not None and stat[1] == start and not stat[2]
+        ]
+
     def end(self) -> list[int]:
-        """SIGKILL every process ever seen in the tree that still runs (the same process: the
-        same pid and start time, and not exited); the pids signalled."""
+        """SIGKILL every process ever seen in the tree that still runs; the pids signalled."""
         ended = []
-        for pid, start in self.seen.items():
-            stat = _stat(pid)
-            if stat is not None and stat[1] == start and not stat[2]:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    continue  # it ended between the two looks
-                ended.append(pid)
+        for pid in self.still_running():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue  # it ended between the two looks
+            ended.append(pid)
         return ended
 
 

@@ -41,7 +41,9 @@ from triode.wire.ports import free_port
 from .chaos_checks import Ledger
 from .chaos_load import REQUEST_TIMEOUT, Load
 from .cli import DEFAULT_API_KEY, LAUNCH_ENV
+from .http_fuzzer import Checker, Target
 from .processes import alive
+from .report import Violation
 
 ADAPTER = "chaos-adapter"
 CANARY = {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -131,9 +133,22 @@ def main(argv: list[str] | None = None) -> int:
 async def run_profile(
     profile: Profile, args: argparse.Namespace, seconds: float, seed: int, ledger: Ledger
 ) -> None:
+    """One server of `profile` under load and kills for `seconds`, judged into `ledger`; the
+    adapter it loads lives in a directory that goes with the run."""
+    with tempfile.TemporaryDirectory(prefix="triode-chaos-") as adapters:
+        await _run_server(profile, args, seconds, seed, ledger, Path(adapters))
+
+
+async def _run_server(
+    profile: Profile,
+    args: argparse.Namespace,
+    seconds: float,
+    seed: int,
+    ledger: Ledger,
+    adapters: Path,
+) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    adapters = Path(tempfile.mkdtemp(prefix="triode-chaos-"))
     command = [*serve_command(None if args.launch == "default" else args.launch, port)]
     command += ["--api-key", DEFAULT_API_KEY, "--enable-admin-api", "--max-model-len", "1024"]
     command += ["--max-engine-restarts", "1000", "--engine-restart-window", "60"]
@@ -170,7 +185,7 @@ async def run_profile(
             await operator.check_idle()
         tree.scan()
     ledger.judge_memory()
-    left = [pid for pid, start in tree.seen.items() if _same_process_runs(pid, start)]
+    left = tree.still_running()
     leaked = _shared_segments() - shared_before
     ledger.left.check(not left and not leaked, f"processes {left}, shared memory {leaked}")
 
@@ -352,33 +367,16 @@ class Operator:
     # at the end
 
     async def check_idle(self) -> None:
-        """With the load stopped: nothing running and the KV cache empty, within 30 s."""
-        deadline = time.monotonic() + 30
-        values: dict[str, float] = {}
-        while time.monotonic() < deadline:
-            text = (await self.client.get("/metrics")).text
-            values = {
-                line.split("{", 1)[0]: float(line.rsplit(" ", 1)[1])
-                for line in text.splitlines()
-                if line.startswith("triode:") and "{" in line
-            }
-            if (
-                values["triode:num_requests_running"] == 0
-                and not values["triode:kv_cache_usage_perc"]
-            ):
-                break
-            await trio.sleep(0.2)
-        running, usage = values["triode:num_requests_running"], values["triode:kv_cache_usage_perc"]
-        self.ledger.idle.check(running == 0 and usage == 0, f"{running} running, KV {usage}")
+        """With the load stopped: nothing running or waiting and the KV cache empty, as the
+        live fuzzer waits for it (`Checker.drained`)."""
+        checker = Checker(Target(str(self.client.base_url), DEFAULT_API_KEY), self.client)
+        try:
+            await checker.drained(kv_empty=True)
+        except Violation as e:
+            self.ledger.idle.check(False, e.message)
+        else:
+            self.ledger.idle.check(True, "")
 
 
 def _shared_segments() -> set[str]:
     return {p.name for p in SHM.glob("triode*")}
-
-
-def _same_process_runs(pid: int, start: int) -> bool:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return int(fields[19]) == start and fields[0] not in ("Z", "X")
